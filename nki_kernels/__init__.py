@@ -1,0 +1,1 @@
+"""nki_kernels package."""
