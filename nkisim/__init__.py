@@ -1,1 +1,14 @@
-"""nkisim package."""
+"""nkisim: CPU interpreter of the NKI 0.6 API for Trainium2 (see nkisim/README.md).
+
+    import nkisim; nkisim.install()          # `import nki` now resolves to nkisim (unless the real SDK exists)
+    out = my_kernel[2](x_np, w_np)           # LNC=2 launch, numpy in / numpy out
+    with nkisim.trace.capture() as tr: ...   # instruction trace
+    my_kernel(nkisim.ShapeDtype((4096, 2048), "bfloat16"))   # shape-only run (trace without data)
+"""
+from . import hw, trace
+from .errors import (AllocationError, NkiValidationError, OutOfBoundsError, UninitializedReadError)
+from .jit import Kernel, ShapeDtype, jit, shape_only, simulate
+from .shim import install, real_nki_available
+
+__all__ = ["install", "real_nki_available", "jit", "simulate", "Kernel", "ShapeDtype", "shape_only", "trace", "hw",
+           "NkiValidationError", "UninitializedReadError", "AllocationError", "OutOfBoundsError"]

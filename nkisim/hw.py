@@ -1,0 +1,62 @@
+"""Trainium2 (NeuronCore-v3) hardware limits: the ONE home of every constant nkisim checks.
+
+Sources are tags of ../shared/docs/nki-reference.md §0 (SDK-ISA = aws-neuron-sdk nki/api/nki/isa,
+SDK-TILE = nki.language.tile_size.rst, SDK-ARCH / SDK-TRN2 = architecture guides, KLR = KLR Trace.lean).
+"""
+
+# --- partitions -----------------------------------------------------------------------------
+PMAX = 128                      # partitions of SBUF and PSUM (SDK-TILE pmax, SDK-TILING)
+
+# --- SBUF -----------------------------------------------------------------------------------
+SBUF_PARTITION_BYTES_PHYSICAL = 224 * 1024   # 28 MiB / 128 partitions (SDK-TRN2)
+SBUF_PARTITION_BYTES = 212_984               # usable per partition on gen3 (KLR Trace.lean; ref §4)
+SBUF_MIN_ALIGN = 1                           # bytes (KLR sbuf_min_align)
+
+# --- PSUM -----------------------------------------------------------------------------------
+PSUM_NUM_BANKS = 8                           # SDK-TILE psum_num_banks, SDK-ARCH
+PSUM_BANK_BYTES = 2048                       # per partition per bank (SDK-TILE psum_bank_fmax_bytes)
+PSUM_BANK_FMAX = 512                         # fp32 elements per bank (SDK-TILE psum_bank_fmax)
+PSUM_PARTITION_BYTES = PSUM_NUM_BANKS * PSUM_BANK_BYTES   # 16 KiB (SDK-ARCH: 2 MiB / 128)
+PSUM_MIN_ALIGN = 4                           # bytes (KLR psum_min_align)
+
+# --- HBM ------------------------------------------------------------------------------------
+# trn2: 96 GiB in 4 stacks; each stack shared by the 2 physical cores of one LNC=2 rank (SDK-TRN2).
+HBM_BYTES_PER_RANK = 24 * 1024 ** 3
+
+# --- TensorE (nc_matmul / nc_transpose) ------------------------------------------------------
+GEMM_STATIONARY_FMAX = 128                   # M <= 128 (SDK-TILE gemm_stationary_fmax, SDK-ISA nc_matmul)
+GEMM_MOVING_FMAX = 512                       # N <= 512 on v2/v3 (SDK-TILE gemm_moving_fmax)
+GEMM_CONTRACT_MAX = 128                      # K <= 128 = partition dim (SDK-ISA nc_matmul)
+PE_TRANSPOSE_MAX = 128                       # nc_transpose engine=tensor: <= [128, 128] (SDK-ISA)
+DVE_TRANSPOSE_MAX = 32                       # nc_transpose engine=vector: <= [32, 32] (SDK-ISA)
+
+# --- Vector / GpSimd ------------------------------------------------------------------------
+BN_STATS_FMAX = 512                          # SDK-TILE bn_stats_fmax
+MAX8_MIN_ELEMS = 8                           # max8 / nc_find_index8: 8 .. 16384 per partition (SDK-ISA)
+MAX8_MAX_ELEMS = 16384
+AP_MAX_FREE_DIMS = 4                         # engine access patterns: <= 4 free dims (SDK-ARCH, SDK-AP)
+AP_MAX_DIM_SIZE = 65535                      # per-dim size is uint16 (SDK-ARCH)
+AP_MAX_STRIDE = 32767                        # per-dim stride is int16, in elements (SDK-ARCH)
+
+# --- start-partition rule (SDK-ARCH "Accessing SBUF/PSUM tensors using compute engines") ------
+# n partitions in (64, 128] must start at 0; (32, 64] at 0 or 64; (0, 32] at 0/32/64/96.
+# Documented for NeuronCore-v2 and repeated for nc_stream_shuffle in the current SDK-ISA; whether
+# v3 relaxes it is an open question (ref §12), so it is enforced but can be switched off here.
+ENFORCE_START_PARTITION = True
+
+
+def legal_start_partitions(n):
+    if n > 64:
+        return (0,)
+    if n > 32:
+        return (0, 64)
+    return (0, 32, 64, 96)
+
+
+# --- registers / LNC ------------------------------------------------------------------------
+NUM_REGISTERS = 64                           # 32-bit registers per engine sequencer (SDK-ISA register_alloc)
+LNC_DEGREES = (1, 2)                         # kernel[lnc] on trn2 (SDK-LNC)
+NC_VERSION = "gen3"                          # trn2 (SDK-ISA nc_version)
+
+# --- uninitialized memory sentinel (SDK-SIM: the official simulator fills NaN / 4) ---------
+INT_SENTINEL = 4

@@ -1,0 +1,245 @@
+"""Shared machinery of the ISA instructions: operand validation, fp32 reads, round-on-write,
+written-tracking and trace records."""
+import numbers
+
+import numpy as np
+
+from .. import dtypes, hw
+from ..errors import NkiValidationError
+from ..memory import HBM, ON_CHIP, PSUM, SBUF
+from ..registers import VirtualRegister
+from ..runtime import call_site, current
+from ..tensor import NkiTensor, _extent, check_written, mask, raw
+from .enums import engine as E, reduce_cmd
+
+ENGINE_NAME = {E.tensor: "PE", E.scalar: "ACT", E.vector: "DVE", E.gpsimd: "POOL", E.dma: "DMA", E.sync: "SP"}
+# which memories each engine reaches (ref §5.0 "Memory reachability", SDK-ARCH)
+REACH = {"PE": (SBUF, PSUM), "ACT": (SBUF, PSUM), "DVE": (SBUF, PSUM), "POOL": (SBUF,), "DMA": (SBUF,) + HBM}
+
+
+def _mems(ms):
+    return "/".join(m.value for m in ms)
+
+
+def check_enum(op, name, value, enum_cls):
+    if not isinstance(value, enum_cls):
+        raise NkiValidationError(f"{op}: {name} must be a nki.isa.{enum_cls.__name__} member (raw values are "
+                                 f"rejected since NKI 0.3.0), got {value!r}")
+    return value
+
+
+def tensor(op, name, t, mems=ON_CHIP, eng=None, allow_indirect=False):
+    if not isinstance(t, NkiTensor):
+        raise TypeError(f"{op}: {name} must be a tensor (NkiTensor), got {type(t).__name__}")
+    if t.buffer not in mems:
+        who = f" ({eng} cannot access {t.buffer.value})" if eng else ""
+        raise NkiValidationError(f"{op}: {name} is in {t.buffer.value} ({t.describe()}), expected "
+                                 f"{_mems(mems)}{who}")
+    if t.indirect is not None and not allow_indirect:
+        raise NkiValidationError(f"{op}: {name} has a dynamic access pattern (scalar_offset/vector_offset); "
+                                 f"only nisa.dma_copy accepts indirect operands in nkisim")
+    return t
+
+
+def geom(op, name, t, start_rule=True):
+    """(absolute start partition, partition count, free elements per partition) of an on-chip view."""
+    st = t.storage
+    n = t.shape[0]
+    if n > hw.PMAX:
+        raise NkiValidationError(f"{op}: {name} has {n} partitions, the partition dim is at most {hw.PMAX}")
+    R = st.row_bytes
+    if n > 1 and t.bstrides[0] != R:
+        raise NkiValidationError(f"{op}: {name} view {t.describe()} does not step one partition per index of its "
+                                 f"first dim (byte stride {t.bstrides[0]}, partition row is {R} B)")
+    p0 = t.boffset // R if R else 0
+    lo, hi = _extent(t.boffset - p0 * R, t.shape[1:], t.bstrides[1:], t.itemsize)
+    if t.size and (lo < 0 or hi > R):
+        raise NkiValidationError(f"{op}: {name} view {t.describe()} crosses a partition boundary in its free dims")
+    start = st.address[0] + p0
+    if start_rule and hw.ENFORCE_START_PARTITION and n and start not in hw.legal_start_partitions(n):
+        raise NkiValidationError(
+            f"{op}: {name} starts at partition {start} with {n} partitions; compute engines require start "
+            f"partition in {hw.legal_start_partitions(n)} for {n} partitions (SDK-ARCH start-partition rule; "
+            f"switch: nkisim.hw.ENFORCE_START_PARTITION)")
+    free = t.size // n if n else 0
+    return start, n, free
+
+
+def match(op, a_name, a, b_name, b):
+    """Same partition count and same elements per partition (ref §3.5)."""
+    if a.shape[0] != b.shape[0]:
+        raise NkiValidationError(f"{op}: {a_name} has {a.shape[0]} partitions but {b_name} has {b.shape[0]}; "
+                                 f"they must occupy the same number of partitions")
+    fa, fb = a.size // a.shape[0], b.size // b.shape[0]
+    if fa != fb:
+        raise NkiValidationError(f"{op}: {a_name} {list(a.shape)} has {fa} elements per partition but {b_name} "
+                                 f"{list(b.shape)} has {fb}; they must match")
+
+
+def not_both_psum(op, a_name, a, b_name, b):
+    if isinstance(a, NkiTensor) and isinstance(b, NkiTensor) and a.buffer == PSUM and b.buffer == PSUM:
+        raise NkiValidationError(f"{op}: {a_name} and {b_name} are both in psum; at most one tensor input may "
+                                 f"be in PSUM (ref §5.0)")
+
+
+def is_scalar(x):
+    return isinstance(x, numbers.Number) and not isinstance(x, bool) or isinstance(x, (bool, np.bool_))
+
+
+# ---- data access ------------------------------------------------------------------------------
+def read_raw(op, name, t, flat=True):
+    if t.storage.data is None:
+        return None
+    check_written(t, op, name)
+    a = raw(t)
+    return a.reshape(t.shape[0], -1) if flat and t.on_chip else a
+
+
+def read(op, name, t, flat=True):
+    """Engine input: storage values converted to fp32 (ref §8)."""
+    a = read_raw(op, name, t, flat)
+    return None if a is None else a.astype(np.float32)
+
+
+def write(t, values, exact=False, mm=False):
+    """Round values to t.dtype (RNE, saturating ints) and store; mark written."""
+    st = t.storage
+    if st.data is None:
+        return
+    out = raw(t)
+    if exact:
+        out[...] = np.asarray(values).reshape(t.shape)
+    else:
+        out[...] = dtypes.cast(values, t.dtype).reshape(t.shape)
+    mark(t, mm)
+
+
+def write_where(t, cond, values):
+    """Masked write: only where cond (shape (P,F) or t.shape) is true; those elements become written."""
+    st = t.storage
+    if st.data is None:
+        return
+    out = raw(t)
+    cond = np.asarray(cond).reshape(t.shape)
+    vals = dtypes.cast(values, t.dtype).reshape(t.shape) if values.dtype != out.dtype else values.reshape(t.shape)
+    np.copyto(out, vals, where=cond)
+    m = mask(t)
+    m[cond] = True
+    st.dirty = True
+    if st.mm is not None:
+        mask(t, st.mm)[cond] = False
+
+
+def mark(t, mm=False):
+    st = t.storage
+    mask(t)[...] = True
+    st.dirty = True
+    if st.mm is not None:
+        mask(t, st.mm)[...] = mm
+
+
+def scalar_or_column(op, name, x, P, need_f32=True, eng=None):
+    """An operand that is a compile-time scalar or a (P, 1) tile; returns (kind, value_or_tensor)."""
+    if isinstance(x, NkiTensor):
+        tensor(op, name, x, REACH.get(eng, ON_CHIP), eng)
+        if x.shape[0] != P or x.size != x.shape[0]:
+            raise NkiValidationError(f"{op}: {name} tile has shape {list(x.shape)}, expected ({P}, 1): one value per "
+                                     f"partition, broadcast along the free dims")
+        geom(op, name, x)
+        if need_f32 and x.dtype != "float32":
+            raise NkiValidationError(f"{op}: {name} tile must be float32 for arithmetic operators, got {x.dtype}")
+        return "tile", x
+    if is_scalar(x):
+        return "scalar", x
+    raise TypeError(f"{op}: {name} must be a Python scalar or a ({P}, 1) tile, got {type(x).__name__}")
+
+
+def column_values(op, name, kind, x):
+    if kind == "scalar":
+        return np.float32(x)
+    v = read(op, name, x)
+    return None if v is None else v.reshape(-1, 1)
+
+
+# ---- trace -------------------------------------------------------------------------------------
+def region(t, name):
+    st = t.storage
+    r = {"arg": name, "buf": st.id, "mem": st.kind.value, "name": st.name,
+         "inst": st.owner if st.kind.value != "shared_hbm" else None}
+    if t.indirect is not None:
+        r["indirect"] = t.indirect.kind
+        if st.kind in ON_CHIP:
+            r["part"] = [st.address[0], st.partitions]
+            r["bytes"] = [st.address[1], st.address[1] + st.row_bytes]
+        else:
+            r["bytes"] = [0, st.nbytes]
+        return r
+    lo, hi = _extent(t.boffset, t.shape, t.bstrides, t.itemsize)
+    if st.kind in ON_CHIP:
+        R = st.row_bytes
+        p0 = t.boffset // R if R else 0
+        lo2, hi2 = _extent(t.boffset - p0 * R, t.shape[1:], t.bstrides[1:], t.itemsize)
+        r["part"] = [st.address[0] + p0, t.shape[0]]
+        r["bytes"] = [st.address[1] + lo2, st.address[1] + hi2]
+    else:
+        r["bytes"] = [lo, hi]
+    return r
+
+
+def record(op, eng, reads=(), writes=(), **extra):
+    inst = current(op)
+    launch = inst.launch
+    if not launch.traces:
+        return inst
+    shapes, dts, moved = {}, {}, {}
+    regs_r, regs_w = [], []
+    for lst, out, key in ((reads, regs_r, "read"), (writes, regs_w, "write")):
+        for name, t in lst:
+            if not isinstance(t, NkiTensor):
+                continue
+            shapes[name] = list(t.shape)
+            dts[name] = t.dtype
+            m = moved.setdefault(t.buffer.value, {"read": 0, "write": 0})
+            m[key] += t.size * t.itemsize
+            out.append(region(t, name))
+    rec = {"inst": inst.pid, "engine": eng, "op": op, "loc": call_site(), "shapes": shapes, "dtypes": dts,
+           "bytes": moved, "reads": regs_r, "writes": regs_w}
+    rec.update(extra)
+    launch.record(rec)
+    return inst
+
+
+class Instruction:
+    """Handle returned by every ISA call (SDK-ISA NkiInstruction); depends_on is scheduling-only."""
+    __slots__ = ("op",)
+
+    def __init__(self, op):
+        self.op = op
+
+    def depends_on(self, *producers):
+        return self
+
+
+def reg_value(x, op, name):
+    if isinstance(x, VirtualRegister):
+        return x.value
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    raise TypeError(f"{op}: {name} must be an int or a VirtualRegister, got {type(x).__name__}")
+
+
+def accumulate(regs, lanes, cmd, sums, op_fn, identity, op, load=None):
+    """Engine accumulator registers (ref §5.0): idle / reset / reduce / reset_reduce / load_reduce."""
+    if cmd == reduce_cmd.idle:
+        return
+    if cmd == reduce_cmd.reset:
+        regs[lanes] = identity
+        return
+    if cmd == reduce_cmd.reset_reduce:
+        regs[lanes] = sums
+    elif cmd == reduce_cmd.reduce:
+        regs[lanes] = op_fn(regs[lanes], sums)
+    elif cmd == reduce_cmd.load_reduce:
+        if load is None:
+            raise NkiValidationError(f"{op}: reduce_cmd=load_reduce needs an initial value")
+        regs[lanes] = op_fn(np.float32(load), sums)

@@ -1,0 +1,162 @@
+"""TensorE instructions: nc_matmul, nc_transpose (ref §5.2, SDK-ISA, SDK-ARCH, SDK-TRN2)."""
+import warnings
+
+import numpy as np
+
+from .. import hw
+from ..errors import NkiValidationError, UninitializedReadError
+from ..memory import PSUM, SBUF
+from ..tensor import _extent, mask, raw
+from .common import Instruction, check_enum, geom, match, read, read_raw, record, tensor, write
+from .enums import engine as E, matmul_perf_mode
+
+MATMUL_IN = ("float8_e4m3", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32")   # trn2 (SDK-ISA)
+_FP32ISH = ("float32", "tfloat32")
+
+
+def _tf32(a):
+    """Round fp32 to tf32 (10 explicit mantissa bits, RNE) -- used when an operand is tfloat32."""
+    b = a.astype(np.float32).view(np.uint32)
+    b = (b + np.uint32(0xFFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return b.view(np.float32)
+
+
+def _bank_check(op, dst):
+    st = dst.storage
+    R = st.row_bytes
+    p0 = dst.boffset // R
+    lo, hi = _extent(dst.boffset - p0 * R, dst.shape[1:], dst.bstrides[1:], dst.itemsize)
+    lo, hi = st.address[1] + lo, st.address[1] + hi
+    if lo // hw.PSUM_BANK_BYTES != (hi - 1) // hw.PSUM_BANK_BYTES:
+        raise NkiValidationError(f"{op}: dst region bytes [{lo}, {hi}) of each partition crosses a {hw.PSUM_BANK_BYTES} B "
+                                 f"PSUM bank boundary; a matmul output must stay inside one PSUM bank (SDK-ARCH)")
+
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
+              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
+    op = "nc_matmul"
+    tensor(op, "stationary", stationary, (SBUF,), "PE")
+    tensor(op, "moving", moving, (SBUF,), "PE")
+    tensor(op, "dst", dst, (PSUM,), "PE")
+    check_enum(op, "perf_mode", perf_mode, matmul_perf_mode)
+    if perf_mode != matmul_perf_mode.none:
+        raise NotImplementedError(f"{op}: perf_mode=double_row is not implemented by nkisim yet")
+    if is_transpose:
+        raise NotImplementedError(f"{op}: is_transpose=True is not implemented by nkisim; use nisa.nc_transpose")
+    if accumulate not in (None, True, False):
+        raise TypeError(f"{op}: accumulate must be None, True or False, got {accumulate!r}")
+    ks, _, M = geom(op, "stationary", stationary)
+    km, _, N = geom(op, "moving", moving)
+    geom(op, "dst", dst)
+    K = stationary.shape[0]
+    if K != moving.shape[0]:
+        raise NkiValidationError(f"{op}: stationary has {K} partitions (contraction K) but moving has "
+                                 f"{moving.shape[0]}; both must share the partition (contraction) dim")
+    kmax, mmax = hw.GEMM_CONTRACT_MAX, hw.GEMM_STATIONARY_FMAX
+    if tile_size or tile_position:
+        if len(tile_size) != 2 or len(tile_position) != 2:
+            raise NkiValidationError(f"{op}: tile_position and tile_size must both be (row, col) pairs, got "
+                                     f"{tile_position!r}, {tile_size!r}")
+        for s, p in zip(tile_size, tile_position):
+            if s not in (32, 64, 128) or p % s or p + s > 128:
+                raise NkiValidationError(f"{op}: tile_size {tile_size} / tile_position {tile_position} invalid: sizes "
+                                         f"in (32, 64, 128), positions multiples of the size within 128")
+        kmax, mmax = tile_size
+    if K > kmax:
+        raise NkiValidationError(f"{op}: stationary has {K} partitions, the contraction (partition) dim is at most {kmax}")
+    if M > mmax:
+        raise NkiValidationError(f"{op}: stationary has {M} free elements (M), at most {mmax} (gemm_stationary_fmax)")
+    if N > hw.GEMM_MOVING_FMAX:
+        raise NkiValidationError(f"{op}: moving has {N} free elements (N), at most {hw.GEMM_MOVING_FMAX} on trn2 "
+                                 f"(gemm_moving_fmax, one PSUM bank)")
+    for nm, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype not in MATMUL_IN:
+            extra = " (float8_e4m3fn is NeuronCore-v4 only; use float8_e4m3 on trn2)" if t.dtype == "float8_e4m3fn" else ""
+            raise NkiValidationError(f"{op}: {nm} dtype {t.dtype} is not a matmul input type on trn2; expected one of "
+                                     f"{', '.join(MATMUL_IN)}{extra}")
+    if (stationary.dtype in _FP32ISH) != (moving.dtype in _FP32ISH):
+        raise NkiValidationError(f"{op}: fp32/tf32 operands must pair with fp32/tf32, got stationary "
+                                 f"{stationary.dtype} and moving {moving.dtype}")
+    if dst.dtype != "float32":
+        raise NkiValidationError(f"{op}: dst dtype must be float32 on trn2 (PSUM accumulates fp32), got {dst.dtype}")
+    if dst.shape[0] != M or dst.size // dst.shape[0] != N:
+        raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [M={M} partitions, N={N} elements per "
+                                 f"partition] for stationary {list(stationary.shape)} and moving {list(moving.shape)}")
+    _bank_check(op, dst)
+    inst = record(op, "PE", reads=[("stationary", stationary), ("moving", moving)], writes=[("dst", dst)],
+                  K=K, M=M, N=N, accumulate=accumulate)
+    if inst.shape_only:
+        return Instruction(op)
+    S, Mv = read(op, "stationary", stationary), read(op, "moving", moving)
+    if stationary.dtype == "tfloat32":
+        S = _tf32(S)
+    if moving.dtype == "tfloat32":
+        Mv = _tf32(Mv)
+    res = np.matmul(S.T, Mv, dtype=np.float32)
+    st = dst.storage
+    written = mask(dst).all(-1).reshape(M, N)
+    mm = mask(dst, st.mm).all(-1).reshape(M, N)
+    if accumulate is None:
+        acc = mm
+        if (written & ~mm).any():
+            old = raw(dst).astype(np.float32).reshape(M, N)
+            if np.any(old[written & ~mm] != 0):
+                warnings.warn(f"{op}: dst holds non-zero values written by a non-matmul instruction; auto "
+                              f"accumulation overwrites them here, on trn2 accumulating onto them is undefined",
+                              stacklevel=2)
+    elif accumulate:
+        if not written.all():
+            bad = np.argwhere(~written)[0]
+            raise UninitializedReadError(f"{op}: accumulate=True into never-written PSUM of {st.describe()} at dst "
+                                         f"element {list(bad)} (the first matmul of a group must overwrite)")
+        if not mm.all():
+            warnings.warn(f"{op}: accumulate=True onto PSUM last written by a non-matmul instruction is undefined "
+                          f"on trn2 (ref §5.2)", stacklevel=2)
+        acc = np.ones_like(mm)
+    else:
+        acc = np.zeros_like(mm)
+    if acc.any():
+        old = raw(dst).astype(np.float32).reshape(M, N)
+        res = np.where(acc, old + res, res)
+    write(dst, res, mm=True)
+    return Instruction(op)
+
+
+def nc_transpose(dst, data, engine=E.unknown, name=None):
+    op = "nc_transpose"
+    check_enum(op, "engine", engine, E)
+    if not hasattr(data, "shape") or not hasattr(dst, "shape"):
+        tensor(op, "data", data)
+        tensor(op, "dst", dst)
+    P = data.shape[0]
+    F = data.size // P if P else 0
+    if engine == E.unknown:
+        engine = E.vector if (P <= hw.DVE_TRANSPOSE_MAX and F <= hw.DVE_TRANSPOSE_MAX) else E.tensor
+    if engine == E.tensor:
+        eng, lim = "PE", hw.PE_TRANSPOSE_MAX
+        tensor(op, "data", data, (SBUF,), "PE")
+        tensor(op, "dst", dst, (PSUM,), "PE")
+    elif engine == E.vector:
+        eng, lim = "DVE", hw.DVE_TRANSPOSE_MAX
+        tensor(op, "data", data, (SBUF, PSUM), "DVE")
+        tensor(op, "dst", dst, (SBUF, PSUM), "DVE")
+    else:
+        raise NkiValidationError(f"{op}: engine must be engine.tensor or engine.vector, got {engine}")
+    geom(op, "data", data)
+    geom(op, "dst", dst)
+    if P > lim or F > lim:
+        raise NkiValidationError(f"{op}: data is [{P}, {F}] (free dims flattened); the {eng} transpose handles at most "
+                                 f"[{lim}, {lim}]")
+    if dst.dtype != data.dtype:
+        raise NkiValidationError(f"{op}: dst dtype {dst.dtype} must equal data dtype {data.dtype}")
+    if dst.shape[0] != F or dst.size != P * F:
+        raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [{F}, {P}] for data {list(data.shape)} "
+                                 f"(free dims flattened, then transposed)")
+    if eng == "PE":
+        _bank_check(op, dst)
+    inst = record(op, eng, reads=[("data", data)], writes=[("dst", dst)])
+    if inst.shape_only:
+        return Instruction(op)
+    a = read_raw(op, "data", data)
+    write(dst, np.ascontiguousarray(a.T), exact=True)      # bit-accurate (v3+ PE, DVE data move)
+    return Instruction(op)

@@ -1,0 +1,229 @@
+"""nkisim implementation of ``nki.language`` (NKI 0.6.0; SDK-NL)."""
+import builtins
+import contextlib
+
+import numpy as np
+
+from . import dtypes as _dt, hw
+from .errors import NkiValidationError
+from .memory import MemoryRegion, PSUM, SBUF, PRIVATE_HBM, SHARED_HBM
+from .ops import OPS as _OPS, Op
+from .registers import VirtualRegister
+from .runtime import current as _current
+from .tensor import NkiTensor, ds
+
+# ---- dtypes (strings, ref §3.1) --------------------------------------------------------------
+DType = str
+for _n in _dt.ALL:
+    globals()[_n] = _n
+del _n
+
+# ---- buffers ---------------------------------------------------------------------------------
+sbuf, psum, private_hbm, shared_hbm = SBUF, PSUM, PRIVATE_HBM, SHARED_HBM
+hbm = PRIVATE_HBM          # nl.hbm is an alias of private_hbm (SDK-NL)
+
+
+def is_hbm(buffer):
+    return buffer in (PRIVATE_HBM, SHARED_HBM)
+
+
+def is_on_chip(buffer):
+    return buffer in (SBUF, PSUM)
+
+
+def is_psum(buffer):
+    return buffer == PSUM
+
+
+def is_sbuf(buffer):
+    return buffer == SBUF
+
+
+# ---- operators (ref §6) ----------------------------------------------------------------------
+for _n, _o in _OPS.items():
+    globals()[_n] = _o
+del _n, _o
+
+
+class NKIObject:
+    """Base for user classes passed to kernels (SDK-LG "Class Support")."""
+
+    def __init__(self, **kwargs):
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+
+
+# ---- tile sizes (SDK-TILE) -------------------------------------------------------------------
+class _TileSize:
+    pmax = hw.PMAX
+    psum_fmax = hw.PSUM_BANK_FMAX             # deprecated alias
+    psum_bank_fmax = hw.PSUM_BANK_FMAX
+    psum_bank_fmax_bytes = hw.PSUM_BANK_BYTES
+    gemm_stationary_fmax = hw.GEMM_STATIONARY_FMAX
+    gemm_moving_fmax = hw.GEMM_MOVING_FMAX
+    bn_stats_fmax = hw.BN_STATS_FMAX
+    psum_min_align = hw.PSUM_MIN_ALIGN
+    sbuf_min_align = hw.SBUF_MIN_ALIGN
+    psum_num_banks = hw.PSUM_NUM_BANKS
+    sbuf_fmax_bytes = hw.SBUF_PARTITION_BYTES
+    sbuf_fmax = hw.SBUF_PARTITION_BYTES // 4
+    total_available_sbuf_size = hw.SBUF_PARTITION_BYTES    # per partition despite the name (ref §4)
+    sbuf_size_bytes = hw.SBUF_PARTITION_BYTES
+
+
+tile_size = _TileSize()
+
+
+# ---- tensor creation -------------------------------------------------------------------------
+def _buffer(buffer, op):
+    if not isinstance(buffer, MemoryRegion):
+        raise NkiValidationError(f"{op}: buffer must be nl.sbuf, nl.psum, nl.shared_hbm or nl.private_hbm/nl.hbm "
+                                 f"(string buffer names are rejected since NKI 0.3.0), got {buffer!r}")
+    return buffer
+
+
+def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    return _current("nl.ndarray").allocate(shape, _dt.normalize(dtype, "nl.ndarray"), _buffer(buffer, "nl.ndarray"),
+                                           name or "", address)
+
+
+def zeros(shape, dtype, buffer=sbuf, name=""):
+    return full(shape, 0, dtype, buffer, name)
+
+
+def ones(shape, dtype, buffer=sbuf, name=""):
+    return full(shape, 1, dtype, buffer, name)
+
+
+def full(shape, fill_value, dtype, buffer=sbuf, name=""):
+    from . import isa
+    t = ndarray(shape, dtype, buffer, name)
+    if not is_on_chip(t.buffer):
+        raise NotImplementedError("nl.zeros/ones/full in HBM are not implemented by nkisim; fill an SBUF tile and "
+                                  "dma_copy it")
+    v = int(fill_value) if _dt.is_int(t.dtype) else float(fill_value)
+    isa.memset(dst=t, value=v)
+    return t
+
+
+def zeros_like(x, dtype=None, buffer=None, name=""):
+    return zeros(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def empty_like(x, dtype=None, buffer=None, name=""):
+    return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def shared_constant(constant):
+    inst = _current("nl.shared_constant")
+    arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
+    t = ndarray(arr.shape, _dt.normalize(arr.dtype), shared_hbm, "shared_constant")
+    st = t.storage
+    if st.data is not None:
+        st.data[...] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        st.written[...] = True
+    return t
+
+
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    from .isa.common import record, write
+    t = dst if dst is not None else ndarray((n, n), dtype, sbuf, "identity")
+    record("shared_identity_matrix", "POOL", writes=[("dst", t)])
+    if t.storage.data is not None:
+        write(t, np.eye(n, dtype=np.float32))
+    return t
+
+
+def load(src, dtype=None):
+    from . import isa
+    t = ndarray(src.shape, dtype or src.dtype, sbuf)
+    isa.dma_copy(dst=t, src=src)
+    return t
+
+
+def store(dst, value):
+    from . import isa
+    isa.dma_copy(dst=dst, src=value)
+
+
+def device_print(print_prefix, tensor):
+    if isinstance(tensor, NkiTensor) and tensor.storage.data is not None:
+        from .tensor import raw
+        print(print_prefix, np.array(raw(tensor)))
+
+
+# ---- SPMD ------------------------------------------------------------------------------------
+def program_id(axis=0):
+    inst = _current("nl.program_id")
+    if axis != 0:
+        raise NkiValidationError(f"nl.program_id: only axis 0 exists (grid is [lnc]), got {axis}")
+    return inst.pid if inst.launch.ndim else 0
+
+
+def num_programs(axes=0):
+    inst = _current("nl.num_programs")
+    if axes not in (0, None):
+        raise NkiValidationError(f"nl.num_programs: only axis 0 exists, got {axes}")
+    return inst.launch.lnc
+
+
+def program_ndim():
+    return _current("nl.program_ndim").launch.ndim
+
+
+# ---- loops (ref §2.4) ------------------------------------------------------------------------
+def affine_range(start, stop=None, step=1):
+    """Deprecated alias of range() in NKI 0.6.0."""
+    return builtins.range(start, stop, step) if stop is not None else builtins.range(start)
+
+
+sequential_range = static_range = affine_range
+
+
+def _bound(x, op):
+    if isinstance(x, VirtualRegister):
+        return int(x.value)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    raise TypeError(f"{op}: bounds must be ints or VirtualRegisters, got {type(x).__name__}")
+
+
+def dynamic_range(start, stop=None, step=1):
+    """Deprecated (0.6.0) runtime loop; yields read-only registers."""
+    if stop is None:
+        start, stop = 0, start
+    if not isinstance(step, int) or step <= 0:
+        raise NkiValidationError(f"nl.dynamic_range: step must be a positive compile-time int, got {step!r}")
+    for i in builtins.range(_bound(start, "nl.dynamic_range"), _bound(stop, "nl.dynamic_range"), step):
+        yield VirtualRegister(i, frozen=True)
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """Runtime counted loop: body_fun(i) for i in range(lower, upper, step); i is a read-only register."""
+    if not isinstance(step, int) or step == 0:
+        raise NkiValidationError(f"nl.fori_loop: step must be a non-zero compile-time int, got {step!r}")
+    for i in builtins.range(_bound(lower, "nl.fori_loop"), _bound(upper, "nl.fori_loop"), step):
+        body_fun(VirtualRegister(i, frozen=True))
+
+
+def while_loop(init, body_fun):
+    """r = init; while r != 0: r = body_fun(r)."""
+    if not isinstance(init, VirtualRegister):
+        raise TypeError("nl.while_loop: init must be a VirtualRegister")
+    r = init
+    while r.value != 0:
+        r = body_fun(r)
+        if not isinstance(r, VirtualRegister):
+            raise TypeError("nl.while_loop: body_fun must return a VirtualRegister")
+
+
+@contextlib.contextmanager
+def no_reorder():
+    """Scheduling constraint only; no effect in an in-order interpreter."""
+    yield
+
+
+def __getattr__(name):
+    raise AttributeError(f"nki.language.{name} is not provided by nkisim (not in the NKI 0.6.0 API, or not "
+                         f"implemented: see nkisim/README.md)")

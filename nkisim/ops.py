@@ -1,0 +1,169 @@
+"""Operator constants: ``nl.add``, ``nl.exp``, ... are both the ``op=`` arguments of ISA
+instructions and (experimental) tile-level functions. Semantics from SDK-SHARED tbl-aluop and
+tbl-act-func (ref §6). All float math is done in fp32."""
+import math
+
+import numpy as np
+
+F32 = np.float32
+
+
+class Op:
+    """kinds: 'arith' (binary), 'bitvec', 'cmp', 'logical', 'unary' (ALU unary), 'other' (power,
+    v4-only abs_max/min), 'act_only' (activation-table functions that are not ALU ops)."""
+
+    def __init__(self, name, kind, fn=None, act=None, reducible=False, identity=None, v4=False):
+        self.name, self.kind, self.fn, self.act = name, kind, fn, act
+        self.reducible, self.identity, self.v4 = reducible, identity, v4
+        self.__name__ = name
+        self.__qualname__ = name
+
+    def __repr__(self):
+        return f"nl.{self.name}"
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"nl.{self.name}(...) as a tile-level function is an experimental nki.language wrapper that nkisim "
+            f"does not implement; use the ISA instruction (e.g. nisa.tensor_tensor(dst, a, b, op=nl.{self.name}), "
+            f"nisa.activation(dst, op=nl.{self.name}, data=x))")
+
+    @property
+    def is_alu(self):
+        return self.kind in ("arith", "bitvec", "cmp", "logical", "unary", "other")
+
+
+def _b(x):
+    return x != 0
+
+
+def _f(x):
+    return x.astype(F32)
+
+
+def _lshift(a, b):
+    return np.left_shift(a, b)
+
+
+def _rshift(a, b):
+    return np.right_shift(a, b)
+
+
+def _sigmoid(x):
+    with np.errstate(over="ignore"):
+        return F32(1) / (F32(1) + np.exp(-x))
+
+
+def _erf(x):
+    import torch
+    return torch.special.erf(torch.from_numpy(np.ascontiguousarray(x, dtype=F32))).numpy()
+
+
+def _gelu(x):
+    return F32(0.5) * x * (F32(1) + _erf(x / F32(math.sqrt(2.0))))
+
+
+def _gelu_dx(x):
+    cdf = F32(0.5) * (F32(1) + _erf(x / F32(math.sqrt(2.0))))
+    pdf = np.exp(F32(-0.5) * x * x) / F32(math.sqrt(2 * math.pi))
+    return cdf + x * pdf
+
+
+def _gelu_tanh(x):
+    return F32(0.5) * x * (F32(1) + np.tanh(F32(math.sqrt(2 / math.pi)) * (x + F32(0.044715) * x * x * x)))
+
+
+def _gelu_sig(x):
+    return x * _sigmoid(F32(1.702) * x)
+
+
+def _gelu_sig_dx(x):
+    s = _sigmoid(F32(1.702) * x)
+    return s + x * F32(1.702) * s * (F32(1) - s)
+
+
+def _softplus(x):
+    return np.logaddexp(F32(0), x).astype(F32)
+
+
+def _silu_dx(x):
+    s = _sigmoid(x)
+    return s * (F32(1) + x * (F32(1) - s))
+
+
+def _rsqrt(x):
+    return F32(1) / np.sqrt(x)
+
+
+_ACT_RANGE = {}   # documented valid input ranges (SDK-SHARED tbl-act-func); informational
+
+
+def _mk():
+    o = {}
+
+    def add(name, kind, fn=None, act=None, **kw):
+        o[name] = Op(name, kind, fn, act, **kw)
+
+    inf = float("inf")
+    # arithmetic
+    add("add", "arith", np.add, reducible=True, identity=0.0)
+    add("subtract", "arith", np.subtract, reducible=True, identity=0.0)
+    add("multiply", "arith", np.multiply, reducible=True, identity=1.0)
+    add("maximum", "arith", np.maximum, reducible=True, identity=-inf)
+    add("minimum", "arith", np.minimum, reducible=True, identity=inf)
+    add("divide", "arith", np.divide)            # KLR has it; NKI documents divide as not working on HW
+    # comparisons -> 1.0 / 0.0
+    for n, f in (("equal", np.equal), ("not_equal", np.not_equal), ("greater", np.greater),
+                 ("greater_equal", np.greater_equal), ("less", np.less), ("less_equal", np.less_equal)):
+        add(n, "cmp", (lambda f: lambda a, b: f(a, b).astype(F32))(f))
+    # logical (nonzero = true)
+    add("logical_and", "logical", lambda a, b: (_b(a) & _b(b)).astype(F32), reducible=True, identity=1.0)
+    add("logical_or", "logical", lambda a, b: (_b(a) | _b(b)).astype(F32), reducible=True, identity=0.0)
+    add("logical_xor", "logical", lambda a, b: (_b(a) ^ _b(b)).astype(F32), reducible=True, identity=0.0)
+    add("logical_not", "unary", lambda a: (~_b(a)).astype(F32))
+    # bit-vector (integer bit patterns)
+    add("bitwise_and", "bitvec", np.bitwise_and, reducible=True)
+    add("bitwise_or", "bitvec", np.bitwise_or, reducible=True)
+    add("bitwise_xor", "bitvec", np.bitwise_xor, reducible=True)
+    add("left_shift", "bitvec", _lshift)
+    add("right_shift", "bitvec", _rshift)        # logical shift (arith right shift unsupported)
+    add("invert", "bitvec", np.invert)
+    # other binary
+    add("power", "other", lambda a, b: np.power(a, b).astype(F32))
+    add("abs_max", "other", lambda a, b: np.maximum(np.abs(a), np.abs(b)), v4=True)
+    add("abs_min", "other", lambda a, b: np.minimum(np.abs(a), np.abs(b)), v4=True)
+    add("mod", "other", np.mod)
+    add("fmod", "other", np.fmod)
+    # unary ALU ops that are also activation functions
+    add("abs", "unary", np.abs, act=np.abs)
+    add("rsqrt", "unary", _rsqrt, act=_rsqrt)
+    add("reciprocal", "unary", lambda a: F32(1) / a, act=lambda a: F32(1) / a)
+    add("square", "unary", np.square, act=np.square, v4=True)      # v4-only as tensor_scalar op0
+    add("relu", "unary", lambda a: np.maximum(a, F32(0)), act=lambda a: np.maximum(a, F32(0)), v4=True)
+    # activation-table-only functions (ScalarE)
+    acts = {
+        "copy": lambda x: x, "sigmoid": _sigmoid, "gelu": _gelu, "gelu_dx": _gelu_dx,
+        "gelu_apprx_tanh": _gelu_tanh, "gelu_apprx_sigmoid": _gelu_sig, "gelu_apprx_sigmoid_dx": _gelu_sig_dx,
+        "silu": lambda x: x * _sigmoid(x), "silu_dx": _silu_dx, "tanh": np.tanh, "softplus": _softplus,
+        "mish": lambda x: x * np.tanh(_softplus(x)), "erf": _erf,
+        "erf_dx": lambda x: F32(2 / math.sqrt(math.pi)) * np.exp(-x * x),
+        "exp": np.exp, "log": np.log, "sin": np.sin, "arctan": np.arctan, "sqrt": np.sqrt, "sign": np.sign,
+    }
+    for n, f in acts.items():
+        add(n, "act_only", act=f)
+    for n, f in (("cos", np.cos), ("tan", np.tan), ("ceil", np.ceil), ("floor", np.floor), ("trunc", np.trunc),
+                 ("negative", np.negative)):
+        add(n, "lang_only", act=None)
+    # special markers
+    add("bypass", "marker")
+    add("average", "marker", reducible=True)
+    add("prelu", "act_only", act=None, v4=True)
+    return o
+
+
+OPS = _mk()
+
+
+def get(op, where, arg="op"):
+    if isinstance(op, Op):
+        return op
+    raise TypeError(f"{where}: {arg} must be an nki.language operator such as nl.add or nl.exp, got {op!r}")

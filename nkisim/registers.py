@@ -1,0 +1,53 @@
+"""Engine-sequencer registers (``nisa.register_*``) and runtime loops (ref §2.4, §5.11)."""
+from .errors import NkiValidationError
+
+
+class VirtualRegister:
+    """A 32-bit runtime register. ``bool(reg)`` supports the deprecated ``while reg:`` loop.
+    In shape-only mode a register loaded from memory holds the placeholder 0 (``placeholder`` True)."""
+    __slots__ = ("value", "frozen", "placeholder")
+
+    def __init__(self, state=None, frozen=False):
+        self.value = 0 if state is None else _scalar(state, "register_alloc")
+        self.frozen = frozen
+        self.placeholder = False
+
+    def __bool__(self):
+        return self.value != 0
+
+    def __repr__(self):
+        return f"VirtualRegister({self.value}{', frozen' if self.frozen else ''})"
+
+    def _arith(self, *a):
+        raise TypeError("VirtualRegister values are runtime values: Python arithmetic on them is not possible "
+                        "in NKI; pass the register as .ap(scalar_offset=reg) or use nisa.register_* ops")
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __index__ = __int__ = _arith
+    __floordiv__ = __mod__ = __lt__ = __le__ = __gt__ = __ge__ = _arith
+
+
+def _scalar(x, op):
+    if isinstance(x, bool):
+        return int(x)
+    if isinstance(x, int):
+        if not -2 ** 31 <= x < 2 ** 32:
+            raise NkiValidationError(f"{op}: {x} does not fit a 32-bit register")
+        return x
+    if isinstance(x, float):
+        return x
+    try:
+        import numpy as np
+        if isinstance(x, np.integer):
+            return int(x)
+        if isinstance(x, np.floating):
+            return float(x)
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"{op}: expected an int/float or a VirtualRegister, got {type(x).__name__}")
+
+
+def value_of(x, op):
+    """Runtime value of an int or register argument."""
+    if isinstance(x, VirtualRegister):
+        return x.value
+    return _scalar(x, op)

@@ -1,0 +1,449 @@
+"""NkiTensor: a strided view (shape, byte strides, byte offset, dtype) of one Storage.
+
+Rules implemented (ref §3.2, §3.3): partition dim is dim 0 of SBUF/PSUM tensors; indexing with
+ints / slices / ``nl.ds`` / ``...`` returns views sharing storage; on-chip an int on dim 0 keeps a
+size-1 partition dim and an int on a free dim drops it unless the result would be < 2-D; on HBM
+ints drop dims. ``.ap()`` addresses the underlying storage and ignores the view's own shape/strides.
+"""
+import numpy as np
+
+from . import dtypes, hw
+from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
+from .memory import ON_CHIP, HBM, PSUM
+
+
+def ds(start, size):
+    """``nl.ds(start, size)``: the slice ``start : start + size``."""
+    if not isinstance(start, (int, np.integer)) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"nl.ds: start and size must be Python ints (got {type(start).__name__}, "
+                        f"{type(size).__name__}); for a runtime offset use t.ap(..., scalar_offset=reg)")
+    return slice(int(start), int(start) + int(size))
+
+
+def _extent(offset, shape, strides, itemsize):
+    lo = hi = offset
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return offset, offset
+        if s > 0:
+            hi += s * (n - 1)
+        else:
+            lo += s * (n - 1)
+    return lo, hi + itemsize
+
+
+class Indirect:
+    """Dynamic addressing attached by ``.ap(scalar_offset=...)`` / ``.ap(vector_offset=...)``."""
+    __slots__ = ("kind", "index", "dim", "unit")
+
+    def __init__(self, kind, index, dim, unit):
+        self.kind, self.index, self.dim, self.unit = kind, index, dim, unit   # unit: bytes per index step
+
+
+class NkiTensor:
+    """A tensor view. Public attributes follow SDK-NL: shape, strides, offset, dtype, buffer, ndim,
+    size, name (strides/offset in elements of ``dtype``)."""
+    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "indirect")
+
+    def __init__(self, storage, dtype, shape, bstrides, boffset, indirect=None):
+        self.storage = storage
+        self.dtype = dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.bstrides = tuple(int(s) for s in bstrides)
+        self.boffset = int(boffset)
+        self.indirect = indirect
+
+    @classmethod
+    def whole(cls, storage):
+        isz = dtypes.itemsize(storage.dtype)
+        strides, acc = [], isz
+        for s in reversed(storage.shape):
+            strides.append(acc)
+            acc *= s
+        return cls(storage, storage.dtype, storage.shape, tuple(reversed(strides)), 0)
+
+    # ---- attributes ------------------------------------------------------------------------
+    @property
+    def buffer(self):
+        return self.storage.kind
+
+    @property
+    def name(self):
+        return self.storage.name
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self):
+        return dtypes.itemsize(self.dtype)
+
+    @property
+    def strides(self):
+        return tuple(s // self.itemsize for s in self.bstrides)
+
+    @property
+    def offset(self):
+        return self.boffset // self.itemsize
+
+    @property
+    def on_chip(self):
+        return self.storage.kind in ON_CHIP
+
+    def __repr__(self):
+        return (f"NkiTensor({self.storage.name}, {self.storage.kind.value}, {self.dtype}{list(self.shape)}"
+                f"{', indirect' if self.indirect else ''})")
+
+    def describe(self):
+        s = self.storage
+        return f"'{s.name}' ({s.kind.value} {self.dtype}{list(self.shape)})"
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __bool__(self):
+        raise TypeError("NkiTensor has no truth value at trace time; kernels must not branch on tensor "
+                        "values (use a register and nl.fori_loop / nl.while_loop for runtime control flow)")
+
+    def __iter__(self):
+        raise TypeError("NkiTensor is not iterable; index it explicitly")
+
+    def __setitem__(self, key, value):
+        raise NotImplementedError("NkiTensor.__setitem__ (tensor assignment) is not implemented by nkisim; "
+                                  "write with an nisa.* instruction (dst=t[...])")
+
+    def _new(self, shape, bstrides, boffset, dtype=None):
+        v = NkiTensor(self.storage, dtype or self.dtype, shape, bstrides, boffset)
+        v._check_bounds("indexing")
+        return v
+
+    def _check_bounds(self, what):
+        lo, hi = _extent(self.boffset, self.shape, self.bstrides, self.itemsize)
+        if self.size and (lo < 0 or hi > self.storage.nbytes):
+            raise OutOfBoundsError(f"{what}: view {self.dtype}{list(self.shape)} at byte offset {self.boffset} "
+                                   f"spans bytes [{lo}, {hi}) outside tensor {self.storage.describe()} "
+                                   f"({self.storage.nbytes} B)")
+
+    def _no_indirect(self, what):
+        if self.indirect is not None:
+            raise NkiValidationError(f"{what}: a tensor with a dynamic (indirect) access pattern cannot be "
+                                     f"indexed, sliced or reshaped further (ref §3.2)")
+
+    # ---- indexing --------------------------------------------------------------------------
+    def __getitem__(self, key):
+        self._no_indirect("NkiTensor.__getitem__")
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = next(j for j, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:i] + (slice(None),) * fill + key[i + 1:]
+        if len(key) > self.ndim:
+            raise IndexError(f"too many indices ({len(key)}) for tensor {self.describe()}")
+        key = key + (slice(None),) * (self.ndim - len(key))
+        shape, strides, off, dropped = [], [], self.boffset, []
+        for d, (k, n, s) in enumerate(zip(key, self.shape, self.bstrides)):
+            if isinstance(k, slice):
+                for v in (k.start, k.stop, k.step):
+                    if v is not None and not isinstance(v, (int, np.integer)):
+                        raise TypeError(f"index of dim {d} of {self.describe()}: slice bounds must be Python "
+                                        f"ints, got {type(v).__name__} (runtime offsets need .ap(scalar_offset=))")
+                step = 1 if k.step is None else int(k.step)
+                if step == 0:
+                    raise IndexError("slice step cannot be zero")
+                start, stop, _ = k.indices(n)
+                for v in (k.start, k.stop):
+                    if v is not None and not (-n <= int(v) <= n):
+                        raise IndexError(f"slice {k.start}:{k.stop} out of range for dim {d} (size {n}) "
+                                         f"of {self.describe()}")
+                cnt = len(range(start, stop, step))
+                shape.append(cnt)
+                strides.append(s * step)
+                off += s * start if cnt else 0
+            elif isinstance(k, (int, np.integer)):
+                k = int(k)
+                if not -n <= k < n:
+                    raise IndexError(f"index {k} out of range for dim {d} (size {n}) of {self.describe()}")
+                k %= n
+                off += s * k
+                if self.on_chip and d == 0:
+                    shape.append(1)
+                    strides.append(s)
+                else:
+                    dropped.append(len(shape))
+                    shape.append(1)
+                    strides.append(s)
+            elif isinstance(k, NkiTensor):
+                raise NotImplementedError("indexing with a tensor (dynamic select) is not implemented by nkisim; "
+                                          "use .ap(pattern, scalar_offset=...) or .ap(vector_offset=...)")
+            else:
+                raise TypeError(f"unsupported index {k!r} for dim {d} of {self.describe()}")
+        keep = [i for i in range(len(shape)) if i not in dropped]
+        if self.on_chip and len(keep) < 2:
+            # keep the last free dim at size 1 so the result stays >= 2-D (ref §3.2)
+            last_free = max([i for i in range(1, len(shape))], default=None)
+            if last_free is not None and last_free not in keep:
+                keep = sorted(keep + [last_free])
+        shape = [shape[i] for i in keep]
+        strides = [strides[i] for i in keep]
+        return self._new(shape, strides, off)
+
+    # ---- 0.5.0 view methods (ref §3.2) ------------------------------------------------------
+    def slice(self, dim, start, end, step=1):
+        key = [slice(None)] * self.ndim
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim, index):
+        if isinstance(index, NkiTensor):
+            raise NotImplementedError("select with a tensor index is not implemented by nkisim; use .ap()")
+        v = self.slice(dim, index, index + 1)
+        if self.on_chip and dim == 0:
+            return v
+        return v.squeeze_dim(dim) if (not self.on_chip or v.ndim > 2) else v
+
+    def permute(self, dims):
+        self._no_indirect("permute")
+        dims = tuple(dims)
+        if sorted(dims) != list(range(self.ndim)):
+            raise ValueError(f"permute: {dims} is not a permutation of {self.ndim} dims")
+        if self.on_chip and dims[0] != 0:
+            raise NkiValidationError(f"permute: on-chip tensors keep the partition dim first (dims[0] must be 0, "
+                                     f"got {dims[0]})")
+        return self._new([self.shape[d] for d in dims], [self.bstrides[d] for d in dims], self.boffset)
+
+    def broadcast(self, dim, size):
+        self._no_indirect("broadcast")
+        if self.shape[dim] != 1:
+            raise ValueError(f"broadcast: dim {dim} has size {self.shape[dim]}, expected 1")
+        if self.on_chip and dim == 0:
+            raise NkiValidationError("broadcast: cannot broadcast the partition dim of an on-chip tensor")
+        shape, st = list(self.shape), list(self.bstrides)
+        shape[dim], st[dim] = size, 0
+        return self._new(shape, st, self.boffset)
+
+    def expand_dim(self, dim):
+        self._no_indirect("expand_dim")
+        shape, st = list(self.shape), list(self.bstrides)
+        shape.insert(dim, 1)
+        st.insert(dim, st[dim] if dim < len(st) else self.itemsize)
+        return self._new(shape, st, self.boffset)
+
+    def squeeze_dim(self, dim):
+        self._no_indirect("squeeze_dim")
+        if self.shape[dim] != 1:
+            raise ValueError(f"squeeze_dim: dim {dim} has size {self.shape[dim]}, expected 1")
+        if self.on_chip and (dim == 0 or self.ndim <= 2):
+            raise NkiValidationError("squeeze_dim: on-chip tensors keep the partition dim and stay >= 2-D")
+        shape, st = list(self.shape), list(self.bstrides)
+        del shape[dim], st[dim]
+        return self._new(shape, st, self.boffset)
+
+    def reshape_dim(self, dim, shape):
+        new = list(self.shape[:dim]) + list(shape) + list(self.shape[dim + 1:])
+        return self.reshape(new)
+
+    def flatten_dims(self, start_dim, end_dim):
+        n = 1
+        for s in self.shape[start_dim:end_dim + 1]:
+            n *= s
+        return self.reshape(list(self.shape[:start_dim]) + [n] + list(self.shape[end_dim + 1:]))
+
+    def reshape(self, shape):
+        self._no_indirect("reshape")
+        shape = [int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,))]
+        if -1 in shape:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape[shape.index(-1)] = self.size // max(known, 1)
+        if int(np.prod(shape)) != self.size:
+            raise ValueError(f"reshape: {list(self.shape)} has {self.size} elements, {shape} has "
+                             f"{int(np.prod(shape))} (reshape must preserve the element count, NKI 0.5.0)")
+        if self.on_chip and shape[0] != self.shape[0]:
+            raise NkiValidationError(f"reshape: on-chip reshape must keep the partition dim ({self.shape[0]}), "
+                                     f"got {shape[0]}")
+        # derive strides the way numpy would for a no-copy reshape; refuse layouts that need a copy
+        dummy = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), self.shape, self.bstrides)
+        try:
+            r = np.reshape(dummy, shape, copy=False)
+        except ValueError:
+            raise NkiValidationError(f"reshape: view with shape {list(self.shape)} and byte strides "
+                                     f"{list(self.bstrides)} cannot be reshaped to {shape} without a copy") from None
+        return self._new(shape, r.strides, self.boffset)
+
+    def view(self, dtype):
+        self._no_indirect("view")
+        dt = dtypes.normalize(dtype, "view")
+        new = dtypes.itemsize(dt)
+        old = self.itemsize
+        if new == old:
+            return self._new(self.shape, self.bstrides, self.boffset, dt)
+        if self.bstrides[-1] != old and self.shape[-1] != 1:
+            raise NkiValidationError(f"view: reinterpreting as {dt} needs a contiguous last dim "
+                                     f"(byte stride {self.bstrides[-1]}, itemsize {old})")
+        last_bytes = self.shape[-1] * old
+        if last_bytes % new or self.boffset % new or any(s % new for s in self.bstrides[:-1]):
+            raise NkiValidationError(f"view: {self.dtype}{list(self.shape)} cannot be reinterpreted as {dt}: last "
+                                     f"dim is {last_bytes} B, not a multiple of {new}, or misaligned")
+        shape = list(self.shape[:-1]) + [last_bytes // new]
+        return self._new(shape, list(self.bstrides[:-1]) + [new], self.boffset, dt)
+
+    def get_pattern(self):
+        return [[s // self.itemsize, n] for s, n in zip(self.bstrides, self.shape)]
+
+    def is_contiguous(self):
+        acc = self.itemsize
+        for n, s in reversed(list(zip(self.shape, self.bstrides))):
+            if n != 1 and s != acc:
+                return False
+            acc *= n
+        return True
+
+    def is_indirect(self):
+        return self.indirect is not None
+
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):
+        raise NotImplementedError("NkiTensor.rearrange is not implemented by nkisim yet; use permute/reshape")
+
+    def indirect_(self, *a, **k):   # pragma: no cover
+        raise NkiValidationError("NkiTensor.indirect: tensor indirection is NeuronCore-v4 only (not trn2)")
+
+    # ---- access patterns (ref §3.3, SDK-AP) ------------------------------------------------
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        op = "ap"
+        st = self.storage
+        dt = self.dtype if dtype is None else dtypes.normalize(dtype, "ap dtype")
+        isz = dtypes.itemsize(dt)
+        try:
+            pattern = [[int(p[0]), int(p[1])] for p in pattern]
+        except (TypeError, IndexError, ValueError):
+            raise TypeError(f"{op}: pattern must be a list of [step, num] pairs, got {pattern!r}") from None
+        if not pattern:
+            raise ValueError(f"{op}: empty pattern")
+        if offset is None:
+            boff = self.boffset
+            if boff % isz:
+                raise NkiValidationError(f"{op}: inherited byte offset {boff} is not a multiple of {dt} size {isz}")
+        else:
+            if not isinstance(offset, (int, np.integer)):
+                raise TypeError(f"{op}: offset must be a Python int (runtime offsets use scalar_offset=), "
+                                f"got {type(offset).__name__}")
+            boff = int(offset) * isz
+        shape = [n for _, n in pattern]
+        bstrides = [s * isz for s, _ in pattern]
+        for s, n in pattern:
+            if n < 1:
+                raise ValueError(f"{op}: pattern count must be >= 1, got {pattern}")
+        if st.kind in ON_CHIP:
+            row_elems = st.row_bytes // isz if st.row_bytes % isz == 0 else None
+            if row_elems is None:
+                raise NkiValidationError(f"{op}: partition row of {st.describe()} ({st.row_bytes} B) is not a "
+                                         f"whole number of {dt} elements")
+            if len(pattern) < 2:
+                raise NkiValidationError(f"{op}: an on-chip access pattern needs [partition, free...] pairs, "
+                                         f"got {pattern}")
+            if pattern[0][1] > 1 and pattern[0][0] != row_elems:
+                raise NkiValidationError(
+                    f"{op}: partition step of an SBUF/PSUM access pattern must equal the free size of the "
+                    f"storage ({row_elems} {dt} elements per partition of {st.describe()}), got "
+                    f"{pattern[0][0]} (partition striding is illegal, SDK-AP)")
+            if len(pattern) - 1 > hw.AP_MAX_FREE_DIMS:
+                raise NkiValidationError(f"{op}: {len(pattern) - 1} free dims, engines support at most "
+                                         f"{hw.AP_MAX_FREE_DIMS} (SDK-ARCH)")
+            for s, n in pattern[1:]:
+                if n > hw.AP_MAX_DIM_SIZE or abs(s) > hw.AP_MAX_STRIDE:
+                    raise NkiValidationError(f"{op}: free-dim pair [{s}, {n}] exceeds the hardware AP "
+                                             f"limits (size <= {hw.AP_MAX_DIM_SIZE}, |step| <= "
+                                             f"{hw.AP_MAX_STRIDE}) (SDK-ARCH)")
+        if scalar_offset is not None and vector_offset is not None:
+            raise NkiValidationError(f"{op}: vector_offset and scalar_offset are mutually exclusive (SDK-ISA dma_copy)")
+        ind = None
+        base_elems_after = lambda d: int(np.prod(st.shape[d + 1:])) if d + 1 <= len(st.shape) else 1
+        if st.nbytes % isz:
+            raise NkiValidationError(f"{op}: {st.describe()} is not a whole number of {dt} elements")
+        base_shape = list(st.shape)
+        if dt != st.dtype:      # strides of the base measured in the new dtype (last dim rescaled)
+            base_shape[-1] = base_shape[-1] * dtypes.itemsize(st.dtype) // isz
+        unit_elems = int(np.prod(base_shape[indirect_dim + 1:])) if base_shape else 1
+        if vector_offset is not None:
+            if indirect_dim != 0:
+                raise NkiValidationError(f"{op}: vector_offset supports only indirect_dim=0, got {indirect_dim}")
+            if not isinstance(vector_offset, NkiTensor) or vector_offset.storage.kind not in ON_CHIP:
+                raise NkiValidationError(f"{op}: vector_offset must be an SBUF tensor (P, 1), got {vector_offset!r}")
+            if vector_offset.shape[0] != shape[0] or vector_offset.size != vector_offset.shape[0]:
+                raise NkiValidationError(f"{op}: vector_offset has shape {list(vector_offset.shape)}, expected "
+                                         f"({shape[0]}, 1): one index per row of the pattern")
+            if not dtypes.is_int(vector_offset.dtype):
+                raise NkiValidationError(f"{op}: vector_offset dtype must be an integer type, got {vector_offset.dtype}")
+            ind = Indirect("vector", vector_offset, 0, unit_elems * isz)
+            bstrides[0] = 0     # the leading step is replaced by the base row size (SDK-AP)
+        elif scalar_offset is not None:
+            from .registers import VirtualRegister
+            if isinstance(scalar_offset, NkiTensor):
+                if scalar_offset.size != 1 or scalar_offset.storage.kind not in ON_CHIP:
+                    raise NkiValidationError(f"{op}: scalar_offset tensor must be a (1, 1) SBUF tensor, got "
+                                             f"{scalar_offset.describe()}")
+            elif not isinstance(scalar_offset, VirtualRegister):
+                raise TypeError(f"{op}: scalar_offset must be a VirtualRegister or a (1, 1) SBUF tensor, got "
+                                f"{type(scalar_offset).__name__}")
+            if not 0 <= indirect_dim < max(len(st.shape), 1):
+                raise NkiValidationError(f"{op}: indirect_dim {indirect_dim} out of range for base shape {list(st.shape)}")
+            ind = Indirect("scalar", scalar_offset, indirect_dim, unit_elems * isz)
+        v = NkiTensor(st, dt, shape, bstrides, boff, ind)
+        if ind is None:
+            v._check_bounds(op)
+        return v
+
+
+# ---------------------------------------------------------------------------------------------
+# raw access (used by the instruction implementations)
+# ---------------------------------------------------------------------------------------------
+
+def raw(v, boffset=None):
+    """numpy view of the elements of a direct view (storage dtype of the view)."""
+    st = v.storage
+    return np.ndarray(v.shape, dtype=dtypes.storage(v.dtype), buffer=st.data,
+                      offset=v.boffset if boffset is None else boffset, strides=v.bstrides)
+
+
+def mask(v, arr=None, boffset=None):
+    st = v.storage
+    return np.ndarray(tuple(v.shape) + (v.itemsize,), dtype=np.bool_, buffer=arr if arr is not None else st.written,
+                      offset=v.boffset if boffset is None else boffset, strides=tuple(v.bstrides) + (1,))
+
+
+def element_addresses(v, row_offsets):
+    """Byte addresses of every element of an indirect (vector) view given per-row byte offsets."""
+    rest = np.zeros((1,) * (v.ndim - 1), dtype=np.int64) if v.ndim > 1 else np.zeros((), np.int64)
+    for d in range(1, v.ndim):
+        shp = [1] * (v.ndim - 1)
+        shp[d - 1] = v.shape[d]
+        rest = rest + (np.arange(v.shape[d], dtype=np.int64) * v.bstrides[d]).reshape(shp)
+    rows = np.asarray(row_offsets, dtype=np.int64).reshape((-1,) + (1,) * (v.ndim - 1))
+    return v.boffset + rows + rest
+
+
+def first_unwritten(m):
+    bad = np.argwhere(~m.all(axis=-1)) if m.ndim else np.zeros((1, 0), int)
+    return tuple(int(x) for x in bad[0]) if len(bad) else None
+
+
+def check_written(v, op, arg, m=None):
+    st = v.storage
+    if st.written is None or v.size == 0:
+        return
+    if m is None:
+        m = mask(v)
+    if not m.all():
+        idx = first_unwritten(m)
+        n_bad = int((~m.all(axis=-1)).sum())
+        raise UninitializedReadError(
+            f"{op}: {arg} reads never-written memory of tensor {st.describe()}: view {v.dtype}{list(v.shape)} "
+            f"element {list(idx)} (and {n_bad - 1} more of {v.size}) was never written by any instruction")
