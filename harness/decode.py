@@ -1,0 +1,162 @@
+"""Speculative decoding of a Qwen3.5/3.6-MoE checkpoint from the command line.
+
+    python harness/decode.py                              # embedded tiny model, every variant
+    python harness/decode.py --prompt "def main(" --max-new-tokens 48 --variant xla
+    python harness/decode.py --model-path DIR --prompt-ids 1,2,3 --json
+
+Each round drafts one token with the MTP head, verifies [pending, draft] with the
+trunk and keeps 1 or 2 tokens; the output equals plain greedy decoding (--no-spec).
+Bad input prints one line to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from harness.speculative import DecodeResult, generate  # noqa: E402
+from harness.variants import VARIANTS  # noqa: E402
+from model.config import ConfigError  # noqa: E402
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "embedded" / "tiny"
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit status 2."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="decode.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Variants: xla = the plain PyTorch model; layerwise = one NKI kernel per layer; "
+               "megakernel = one NKI launch per round (kernels run under nkisim without Trainium).")
+    ap.add_argument("--model-path", type=Path, default=EMBEDDED_MODEL,
+                    help="Hugging Face checkpoint directory (config.json + safetensors [+ tokenizer]); "
+                         "default: the embedded tiny model")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer files)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    ap.add_argument("--variant", default="all", choices=[*VARIANTS, "all"],
+                    help="which implementation runs the rounds; 'all' runs each and compares (default)")
+    ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
+    ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight/activation dtype")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return ap.parse_args(argv)
+
+
+def load_tokenizer(path: Path, required: bool):
+    """AutoTokenizer from local files only; None if the checkpoint has none and none is required."""
+    has_files = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if not has_files:
+        if required:
+            raise UsageError(f"{path}: no tokenizer files; give --prompt-ids instead of --prompt")
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # a broken tokenizer file
+        if required:
+            raise UsageError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        return None
+
+
+def prompt_ids(args, cfg, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids: expected comma-separated integers, found {args.prompt_ids!r}") from None
+    else:
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+        if tokenizer is None:
+            raise UsageError(f"{args.model_path}: no tokenizer files; give --prompt-ids")
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise UsageError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise UsageError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
+    if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:
+        raise UsageError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
+                         f"context of {cfg.max_position_embeddings} positions")
+    return ids
+
+
+def run_variant(name, cfg, params, ids, args) -> tuple[DecodeResult, float]:
+    variant = VARIANTS[name](cfg, params)
+    bar = tqdm(total=args.max_new_tokens, desc=f"{name:>10}", unit="tok", leave=False,
+               disable=args.json or not sys.stderr.isatty())
+    t0 = time.perf_counter()
+    res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec,
+                   on_tokens=lambda toks: bar.update(len(toks)))
+    bar.close()
+    return res, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        from model.weights import CheckpointError, load_checkpoint
+        if not args.model_path.is_dir():
+            raise UsageError(f"--model-path {args.model_path}: no such directory")
+        try:
+            cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype])
+        except (CheckpointError, ConfigError) as e:
+            raise UsageError(str(e)) from None
+        if not args.no_spec and not cfg.mtp_num_hidden_layers:
+            raise UsageError(f"{args.model_path}: the checkpoint has no MTP head; use --no-spec")
+        tokenizer = load_tokenizer(args.model_path, required=args.prompt is not None)
+        ids = prompt_ids(args, cfg, tokenizer)
+    except UsageError as e:
+        print(f"decode.py: error: {e}", file=sys.stderr)
+        return 2
+
+    names = list(VARIANTS) if args.variant == "all" else [args.variant]
+    results = {name: run_variant(name, cfg, params, ids, args) for name in names}
+    first = results[names[0]][0]
+    identical = all(r.tokens == first.tokens for r, _ in results.values())
+
+    if args.json:
+        out = first.to_dict()
+        out["variant"] = names[0]
+        out["variants"] = {n: {**r.to_dict(), "seconds": round(s, 3)} for n, (r, s) in results.items()}
+        out["identical_tokens"] = identical
+        if tokenizer is not None:
+            out["text"] = tokenizer.decode(first.tokens)
+        print(json.dumps(out))
+        return 0
+
+    mode = "plain greedy" if args.no_spec else "MTP speculation, 1 draft token per round"
+    print(f"model: {args.model_path}  dtype: {args.dtype}  prompt: {len(ids)} tokens  ({mode})")
+    if tokenizer is not None:
+        print(f"\n{tokenizer.decode(ids)}\033[1m{tokenizer.decode(first.tokens)}\033[0m\n"
+              if sys.stdout.isatty() else f"\n{tokenizer.decode(ids)}{tokenizer.decode(first.tokens)}\n")
+    else:
+        print(f"tokens: {first.tokens}")
+    print(f"{'variant':<12}{'tokens':>8}{'rounds':>8}{'accept':>9}{'tok/round':>11}{'seconds':>9}")
+    for n, (r, s) in results.items():
+        acc = "-" if args.no_spec else f"{100 * r.acceptance_rate:.1f}%"
+        tpr = "-" if args.no_spec else f"{r.tokens_per_round:.2f}"
+        print(f"{n:<12}{len(r.tokens):>8}{r.rounds:>8}{acc:>9}{tpr:>11}{s:>9.2f}")
+    if len(results) > 1:
+        print("all variants produced identical tokens" if identical else "WARNING: variants disagree")
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
