@@ -196,7 +196,7 @@ class ModelConfig:
                 layer_types=tuple(layer_types),
                 num_attention_heads=get("num_attention_heads"),
                 num_key_value_heads=get("num_key_value_heads"),
-                head_dim=get("head_dim", text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1))),
+                head_dim=get("head_dim", _default_head_dim(text)),
                 partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
                 rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
                 max_position_embeddings=get("max_position_embeddings", 32768),
@@ -218,7 +218,9 @@ class ModelConfig:
                 bos_token_id=text.get("bos_token_id"),
                 eos_token_id=eos,
             )
-        except TypeError as e:  # a field of the wrong JSON type reaching arithmetic
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as e:  # a field of the wrong JSON type reaching a conversion
             raise ConfigError(f"config.json has a field of the wrong type: {e}") from None
 
     @classmethod
@@ -274,6 +276,13 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _default_head_dim(text: dict):
+    """hidden_size // num_attention_heads when both are usable (validation reports them otherwise)."""
+    hs, nh = text.get("hidden_size"), text.get("num_attention_heads")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hs, nh))
+    return hs // nh if ok else hs
 
 
 def _pattern(n_layers: int, interval: int = 4) -> tuple[str, ...]:

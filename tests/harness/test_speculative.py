@@ -1,0 +1,93 @@
+"""Greedy speculative decoding is lossless, and the decode state stays that of plain decoding.
+
+Draft sources stand in for the MTP head: always right (the plain greedy token),
+always wrong, random; a hypothesis property drives arbitrary accept/reject sequences
+and compares the full decode state (KV rows, committed GDN conv window and recurrent
+state, MTP KV rows) with token-by-token decoding of the committed tokens.
+Tolerance: fp32, 1e-5 absolute — the two paths run the same math but batch
+projections differently (T=2 verify vs T=1 steps).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness.speculative import generate, token_by_token_state
+from harness.variants import XlaVariant
+from model.params import random_params
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup(small_cfg):
+    params = random_params(small_cfg, seed=2, dtype=torch.float32)
+    prompt = [5, 17, 99, 3, 250, 41, 8]
+    plain = generate(XlaVariant(small_cfg, params), prompt, N_NEW, spec=False).tokens
+    return small_cfg, params, prompt, plain
+
+
+def next_greedy(prompt, plain):
+    """Draft source that proposes the plain greedy token for the draft position (t+2)."""
+    def source(seq):
+        i = len(seq) - len(prompt) + 0  # index in `plain` of the token after the pending one
+        return plain[i] if i < len(plain) else 0
+    return source
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong", "random", "mtp"])
+def test_lossless(setup, kind):
+    cfg, params, prompt, plain = setup
+    rng = random.Random(0)
+    right = next_greedy(prompt, plain)
+    source = {
+        "right": right,
+        "wrong": lambda seq: (right(seq) + 1) % cfg.vocab_size,
+        "random": lambda seq: rng.randrange(cfg.vocab_size),
+        "mtp": None,
+    }[kind]
+    res = generate(XlaVariant(cfg, params), prompt, N_NEW, spec=True, draft_source=source)
+    assert res.tokens == plain
+    assert all(a in (1, 2) for a in res.accepted_per_round)
+    if kind == "right":
+        assert res.acceptance_rate == 1.0 and res.tokens_per_round > 1.9
+    if kind == "wrong":
+        assert res.acceptance_rate == 0.0 and res.rounds == N_NEW - 1
+
+
+def test_eos_stops_inside_a_round(setup):
+    cfg, params, prompt, plain = setup
+    eos = plain[5]
+    first = plain.index(eos)
+    res = generate(XlaVariant(cfg, params), prompt, N_NEW, eos_ids=(eos,), spec=True,
+                   draft_source=next_greedy(prompt, plain))
+    assert res.tokens == plain[:first + 1]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(accepts=st.lists(st.booleans(), min_size=1, max_size=8))
+def test_state_after_rounds_equals_plain_decoding(setup, accepts):
+    cfg, params, prompt, plain = setup
+    v = XlaVariant(cfg, params)
+    pending, hidden = v.prefill(prompt, max_len=len(prompt) + N_NEW + 2)
+    seq = prompt + [pending]
+    pos = len(prompt)
+    for accept in accepts:
+        truth = plain[len(seq) - len(prompt)]
+        r = v.round(pending, hidden, pos, truth if accept else (truth + 1) % cfg.vocab_size)
+        n = 2 if r.draft == r.targets[0] else 1
+        assert n == (2 if accept else 1)
+        v.commit(n)
+        seq += list(r.targets[:n])
+        pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
+    assert seq[len(prompt):] == plain[:len(seq) - len(prompt)]
+    got = v.state.committed(pos)
+    want = token_by_token_state(XlaVariant(cfg, params), seq[:-1])
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
