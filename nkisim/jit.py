@@ -94,7 +94,7 @@ def _convert(x, launch, args_out, shape_only):
             shape = arr.shape
         if shape_only:
             arr = None
-        st = Storage(SHARED_HBM, shape, name, "arg", with_data=arr is not None, owner=None, fill=False)
+        st = Storage(SHARED_HBM, shape, name, f"arg{len(args_out)}", with_data=arr is not None, owner=None, fill=False)
         st.is_input = True
         if arr is not None:
             st.data[...] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)

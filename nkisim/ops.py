@@ -12,9 +12,9 @@ class Op:
     """kinds: 'arith' (binary), 'bitvec', 'cmp', 'logical', 'unary' (ALU unary), 'other' (power,
     v4-only abs_max/min), 'act_only' (activation-table functions that are not ALU ops)."""
 
-    def __init__(self, name, kind, fn=None, act=None, reducible=False, identity=None, v4=False):
+    def __init__(self, name, kind, fn=None, act=None, reducible=False, identity=None, v4=False, alu_v4=False):
         self.name, self.kind, self.fn, self.act = name, kind, fn, act
-        self.reducible, self.identity, self.v4 = reducible, identity, v4
+        self.reducible, self.identity, self.v4, self.alu_v4 = reducible, identity, v4, alu_v4
         self.__name__ = name
         self.__qualname__ = name
 
@@ -137,8 +137,8 @@ def _mk():
     add("abs", "unary", np.abs, act=np.abs)
     add("rsqrt", "unary", _rsqrt, act=_rsqrt)
     add("reciprocal", "unary", lambda a: F32(1) / a, act=lambda a: F32(1) / a)
-    add("square", "unary", np.square, act=np.square, v4=True)      # v4-only as tensor_scalar op0
-    add("relu", "unary", lambda a: np.maximum(a, F32(0)), act=lambda a: np.maximum(a, F32(0)), v4=True)
+    add("square", "unary", np.square, act=np.square, alu_v4=True)      # v4-only as tensor_scalar op0
+    add("relu", "unary", lambda a: np.maximum(a, F32(0)), act=lambda a: np.maximum(a, F32(0)), alu_v4=True)
     # activation-table-only functions (ScalarE)
     acts = {
         "copy": lambda x: x, "sigmoid": _sigmoid, "gelu": _gelu, "gelu_dx": _gelu_dx,

@@ -133,10 +133,13 @@ class Instance:
         self.act_regs = np.zeros(hw.PMAX, np.float32)   # ACT accumulator registers (ref §5.0)
         self.dve_regs = np.zeros(hw.PMAX, np.float32)   # DVE accumulator registers
         self.n_registers = 0
+        self.n_alloc = 0
 
     def allocate(self, shape, dtype, buffer, name="", address=None):
         op = "nl.ndarray"
         shape = tuple(int(s) for s in shape)
+        self.n_alloc += 1
+        name = name or f"{buffer.value}{self.n_alloc}"     # deterministic default names (trace equality)
         if any(s <= 0 for s in shape) or not shape:
             raise ValueError(f"{op}: shape must be non-empty with positive dims, got {list(shape)}")
         if buffer == SHARED_HBM:

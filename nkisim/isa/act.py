@@ -39,6 +39,10 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         reads.append(("scale", scale))
     if reduce_op is not None and ops.get(reduce_op, opn, "reduce_op") is not ops.OPS["add"]:
         raise NkiValidationError(f"{opn}: reduce_op must be nl.add on ScalarE (trn2), got {reduce_op!r}")
+    if reduce_op is not None and o.name == "square":
+        # MK common-pitfalls.md: activation_reduce(op=nl.square, reduce_op=nl.add) -> NCC_IXCG864 ISA check failed
+        raise NkiValidationError(f"{opn}: op=nl.square with reduce_op is rejected by the compiler (NCC_IXCG864); "
+                                 f"square with activation, then nisa.tensor_reduce(op=nl.add)")
     if reduce_cmd != RC.idle and reduce_op is None:
         raise NkiValidationError(f"{opn}: reduce_cmd={reduce_cmd.name} needs reduce_op=nl.add")
     writes = [("dst", dst)]

@@ -19,7 +19,7 @@ def _alu(where, op, arg="op", allow=("arith", "cmp", "logical", "bitvec", "other
     if not o.is_alu or o.kind not in allow:
         raise NkiValidationError(f"{where}: {arg}={o!r} is not a valid ALU operator here (allowed kinds: "
                                  f"{', '.join(allow)}; see ref §6.1)")
-    if o.v4:
+    if o.v4 or o.alu_v4:
         raise NkiValidationError(f"{where}: {arg}={o!r} is NeuronCore-v4 only, not available on trn2")
     if o.name in ("mod", "fmod"):
         raise NkiValidationError(f"{where}: {arg}={o!r} is documented as not supported on hardware")
@@ -138,7 +138,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             continue
         if o.kind == "unary":
             if x not in (None, 0, 0.0):
-                raise NkiValidationError(f"{w}: unary {nm[:-len('operand')] or ''}op {o!r} takes {nm}=None or 0, got {x!r}")
+                raise NkiValidationError(f"{w}: unary operator {o!r} takes {nm}=None or 0, got {x!r}")
             kinds.append(("none", None))
             continue
         if x is None:
