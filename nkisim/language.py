@@ -224,6 +224,21 @@ def no_reorder():
     yield
 
 
+def _experimental(name):
+    def f(*args, **kwargs):
+        raise NotImplementedError(f"nl.{name} is an experimental nki.language tile-level wrapper that nkisim does not "
+                                  f"implement; write the nisa.* instructions instead")
+    f.__name__ = name
+    return f
+
+
+for _n in ("sum", "max", "min", "mean", "prod", "var", "all", "softmax", "rms_norm", "where", "dropout",
+           "random_seed", "expand_dims", "broadcast_to", "transpose", "matmul", "load_transpose2d",
+           "gather_flattened", "rand"):
+    globals()[_n] = _experimental(_n)
+del _n
+
+
 def __getattr__(name):
     raise AttributeError(f"nki.language.{name} is not provided by nkisim (not in the NKI 0.6.0 API, or not "
                          f"implemented: see nkisim/README.md)")

@@ -247,3 +247,30 @@ def test_ap_partition_step_rule():
         t.ap(pattern=[[128, 64], [1, 64]])            # every other partition
     with pytest.raises(NkiValidationError, match="partition step .* must equal the free size"):
         _run(k)
+
+
+def test_install_idempotent_and_api_surface():
+    import json
+    import os
+    import sys
+    assert nkisim.install() and nkisim.install()
+    assert sys.modules["nki.isa"] is nisa and sys.modules["nki.language"] is nl
+    import nki.collectives  # noqa: F401
+    import nki.typing  # noqa: F401
+    spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "docs", "nki-api-0.6.json")
+    if not os.path.exists(spec):
+        pytest.skip("API spec not present")
+    api = json.load(open(spec))["modules"]
+    mods = {"nki": nki, "nki.isa": nisa, "nki.language": nl, "nki.collectives": sys.modules["nki.collectives"]}
+    missing = [f"{m}.{f}" for m, v in api.items() for f in v["functions"] if not hasattr(mods[m], f)]
+    missing += [f"{m}.{e}" for m, v in api.items() for e in v["enums"] if m != "nki.language" and not hasattr(mods[m], e)]
+    missing += [f"{m}.{c}" for m, v in api.items() for c in v["constants"] if not hasattr(mods[m], c)]
+    assert missing == []
+    # every isa function accepts the documented parameter names
+    import inspect
+    for f, params in api["nki.isa"]["functions"].items():
+        sig = inspect.signature(getattr(nisa, f))
+        if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+            continue
+        names = [p["name"] for p in params]
+        assert list(sig.parameters)[:len(names)] == names, f

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import nkisim
-from example_kernels import rmsnorm, softmax, tiled_matmul
+from nkisim_example_kernels import rmsnorm, softmax, tiled_matmul
 
 BF16 = ml_dtypes.bfloat16
 

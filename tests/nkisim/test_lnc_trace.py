@@ -9,7 +9,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 import nkisim
-from example_kernels import rmsnorm, softmax, tiled_matmul
+from nkisim_example_kernels import rmsnorm, softmax, tiled_matmul
 
 F32 = np.float32
 
@@ -106,7 +106,7 @@ def test_trace_contents_and_json(rng):
     assert tr.summary()[("PE", "nc_matmul")] if ("PE", "nc_matmul") in tr.summary() else True
     dma = [r for r in ins if r["op"] == "dma_copy"]
     assert dma[0]["bytes"]["shared_hbm"]["read"] == 128 * 64 * 4 and dma[0]["bytes"]["sbuf"]["write"] == 128 * 64 * 4
-    assert dma[0]["loc"].startswith("example_kernels.py:")
+    assert dma[0]["loc"].startswith("nkisim_example_kernels.py:")
     act = next(r for r in ins if r["op"] == "activation")
     assert act["engine"] == "ACT" and act["func"] == "exp" and act["writes"][0]["part"] == [0, 128]
     json.loads(tr.to_json())

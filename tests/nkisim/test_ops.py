@@ -5,7 +5,7 @@ import pytest
 
 import nki.isa as nisa
 import nki.language as nl
-from helpers import run_op
+from nkisim_helpers import run_op
 
 F32 = np.float32
 BF16 = ml_dtypes.bfloat16
