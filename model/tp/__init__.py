@@ -1,0 +1,1 @@
+"""Tensor-parallel twins: one rank's slice of each subkernel's math, in PyTorch (see nki_kernels/README.md)."""
