@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import nkisim
 from model.config import FULL, LINEAR, preset
+
+nkisim.install()  # the NKI modules: nkisim's unless the real SDK is importable
 
 torch.set_num_threads(2)
 
