@@ -2,13 +2,15 @@
 
     import nkisim; nkisim.install()          # `import nki` now resolves to nkisim (unless the real SDK exists)
     out = my_kernel[2](x_np, w_np)           # LNC=2 launch, numpy in / numpy out
+    outs = nkisim.launch(my_kernel, [(x0,), (x1,), (x2,), (x3,)], tp=4, lnc=2)   # 4 ranks x 2 cores
     with nkisim.trace.capture() as tr: ...   # instruction trace
     my_kernel(nkisim.ShapeDtype((4096, 2048), "bfloat16"))   # shape-only run (trace without data)
 """
 from . import hw, trace
 from .errors import (AllocationError, NkiValidationError, OutOfBoundsError, UninitializedReadError)
 from .jit import Kernel, ShapeDtype, jit, shape_only, simulate
+from .jit import launch_ranks as launch
 from .shim import install, real_nki_available
 
-__all__ = ["install", "real_nki_available", "jit", "simulate", "Kernel", "ShapeDtype", "shape_only", "trace", "hw",
+__all__ = ["install", "launch", "real_nki_available", "jit", "simulate", "Kernel", "ShapeDtype", "shape_only", "trace", "hw",
            "NkiValidationError", "UninitializedReadError", "AllocationError", "OutOfBoundsError"]

@@ -56,6 +56,7 @@ def legal_start_partitions(n):
 # --- registers / LNC ------------------------------------------------------------------------
 NUM_REGISTERS = 64                           # 32-bit registers per engine sequencer (SDK-ISA register_alloc)
 LNC_DEGREES = (1, 2)                         # kernel[lnc] on trn2 (SDK-LNC)
+PHYSICAL_CORES_PER_CHIP = 8                  # 8 NeuronCore-v3 per Trainium2 chip; LNC=2 -> 4 ranks (SDK-TRN2)
 NC_VERSION = "gen3"                          # trn2 (SDK-ISA nc_version)
 
 # --- uninitialized memory sentinel (SDK-SIM: the official simulator fills NaN / 4) ---------

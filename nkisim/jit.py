@@ -126,12 +126,18 @@ def _output(x, launch, want_torch, names_seen):
         if st.kind != SHARED_HBM:
             raise NkiValidationError(f"kernel {launch.kernel_name}: returned tensor {x.describe()} is in "
                                      f"{st.kind.value}; kernel outputs must be allocated in nl.shared_hbm (NKI 0.3.0)")
+        if st.cc:
+            # aws-neuron/nki-library test_collectives.py: "dma_copy required: Collective instruction cannot
+            # read/write IO tensors"; vllm-neuron all_gather_v: "NEFF I/O cannot also be collective I/O".
+            raise NkiValidationError(f"kernel {launch.kernel_name}: returned tensor {x.describe()} is an operand of "
+                                     f"a collective; collective instructions cannot read/write kernel I/O tensors: "
+                                     f"dma_copy the result into a separate output tensor")
         if st.data is None:
             return ShapeDtype(x.shape, x.dtype)
         from .tensor import mask
         if not mask(x).all():
             warnings.warn(f"kernel {launch.kernel_name}: output {x.describe()} has elements no instruction wrote "
-                          f"(they hold the NaN/4 sentinel)", stacklevel=3)
+                          f"(they hold the NaN/4 sentinel)", stacklevel=4)
         a = np.array(raw(x))
         return _numpy_to_torch(a, x.dtype) if want_torch else a
     if isinstance(x, tuple):
@@ -158,54 +164,80 @@ def _write_back(args):
             np.copyto(a.orig, new.view(a.orig.dtype) if new.dtype != a.orig.dtype else new)
 
 
-def launch(fn, lnc, ndim, args, kwargs, name=None):
+def _has(x, pred):
+    if pred(x):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_has(v, pred) for v in x)
+    if isinstance(x, dict):
+        return any(_has(v, pred) for v in x.values())
+    return False
+
+
+def run_world(fn, per_rank_args, per_rank_kwargs, tp, lnc, ndim, comms, name=None, timeout=None):
+    """Launch ``tp`` ranks x ``lnc`` instances; returns the converted outputs of every rank."""
     so = getattr(_flags, "shape_only", False)
-    flat = list(args) + list(kwargs.values())
+    flat = [v for a in per_rank_args for v in a] + [v for k in per_rank_kwargs for v in k.values()]
+    so = so or any(_has(x, lambda v: isinstance(v, ShapeDtype)) for x in flat)
+    want_torch = any(_has(x, _is_torch) for x in flat)
+    W = runtime.World(name or fn.__name__, tp, lnc, ndim, so, comms, timeout)
+    convs, cargs, ckws = [], [], []
+    for r in range(tp):
+        conv = []
+        cargs.append(tuple(_convert(a, W.ranks[r], conv, so) for a in per_rank_args[r]))
+        ckws.append({k: _convert(v, W.ranks[r], conv, so) for k, v in per_rank_kwargs[r].items()})
+        convs.append(conv)
+    results = runtime.run(W, fn, cargs, ckws)
+    outs = [_output(res, W.ranks[r], want_torch, set()) for r, res in enumerate(results)]
+    for conv in convs:
+        _write_back(conv)
+    return outs
 
-    def has_shape(x):
-        if isinstance(x, ShapeDtype):
-            return True
-        if isinstance(x, (tuple, list)):
-            return any(has_shape(v) for v in x)
-        if isinstance(x, dict):
-            return any(has_shape(v) for v in x.values())
-        return False
 
-    def has_torch(x):
-        if _is_torch(x):
-            return True
-        if isinstance(x, (tuple, list)):
-            return any(has_torch(v) for v in x)
-        if isinstance(x, dict):
-            return any(has_torch(v) for v in x.values())
-        return False
+def launch(fn, lnc, ndim, args, kwargs, name=None):
+    """A single-process launch (``kernel(...)`` / ``kernel[2](...)``): one rank, collectives unavailable."""
+    return run_world(fn, [tuple(args)], [dict(kwargs)], 1, lnc, ndim, comms=False, name=name)[0]
 
-    so = so or any(has_shape(x) for x in flat)
-    want_torch = any(has_torch(x) for x in flat)
-    L = runtime.Launch(name or fn.__name__, lnc, ndim, so)
-    conv = []
-    cargs = tuple(_convert(a, L, conv, so) for a in args)
-    ckw = {k: _convert(v, L, conv, so) for k, v in kwargs.items()}
-    if lnc == 1:
-        result = runtime.run_single(L, fn, cargs, ckw)
+
+def launch_ranks(kernel, per_rank_args, tp=None, lnc=2, per_rank_kwargs=None, timeout=None):
+    """Run ``kernel`` on ``tp`` ranks (logical NeuronCores) of one trn2 chip, each with ``lnc`` program
+    instances (physical cores), collectives initialised. ``per_rank_args[r]`` is the argument tuple of
+    rank r (a dict is taken as keyword arguments). Returns ``[outputs of rank 0, outputs of rank 1, ...]``.
+    Exported as ``nkisim.launch``; see nkisim/README.md "Multi-rank launch"."""
+    if isinstance(kernel, Kernel):
+        fn = kernel.fn
+    elif callable(kernel):
+        _lint(kernel)
+        fn = kernel
     else:
-        results = {}
-        threads = [threading.Thread(target=runtime.run_instance, args=(L, inst, fn, cargs, ckw, results),
-                                    name=f"nkisim-{L.kernel_name}-{inst.pid}", daemon=True)
-                   for inst in L.instances]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        errs = [results[("exc", i)] for i in range(lnc) if ("exc", i) in results]
-        if errs:
-            raise errs[0]
-        if L.aborted is not None:
-            raise L.aborted
-        result = results.get(0)
-    out = _output(result, L, want_torch, set())
-    _write_back(conv)
-    return out
+        raise TypeError(f"nkisim.launch: kernel must be an @nki.jit kernel or a function, got {type(kernel).__name__}")
+    if not isinstance(per_rank_args, (list, tuple)) or not per_rank_args:
+        raise TypeError("nkisim.launch: per_rank_args must be a non-empty list with one argument tuple per rank")
+    tp = len(per_rank_args) if tp is None else tp
+    if not isinstance(tp, int) or tp < 1 or len(per_rank_args) != tp:
+        raise ValueError(f"nkisim.launch: tp={tp!r} but {len(per_rank_args)} argument tuples were given (one per rank)")
+    if lnc not in hw.LNC_DEGREES:
+        raise NkiValidationError(f"nkisim.launch: lnc must be one of {hw.LNC_DEGREES} on trn2, got {lnc!r}")
+    if tp * lnc > hw.PHYSICAL_CORES_PER_CHIP:
+        raise NkiValidationError(f"nkisim.launch: tp={tp} x lnc={lnc} needs {tp * lnc} physical NeuronCores; one trn2 "
+                                 f"chip has {hw.PHYSICAL_CORES_PER_CHIP} (multi-chip worlds are not modelled)")
+    args, kws = [], []
+    for r, a in enumerate(per_rank_args):
+        if isinstance(a, dict):
+            args.append(())
+            kws.append(dict(a))
+        elif isinstance(a, tuple):
+            args.append(a)
+            kws.append({})
+        else:
+            raise TypeError(f"nkisim.launch: per_rank_args[{r}] must be a tuple of arguments (or a dict of keyword "
+                            f"arguments), got {type(a).__name__}")
+    if per_rank_kwargs is not None:
+        if len(per_rank_kwargs) != tp:
+            raise ValueError(f"nkisim.launch: per_rank_kwargs has {len(per_rank_kwargs)} entries, expected tp={tp}")
+        for r, k in enumerate(per_rank_kwargs):
+            kws[r].update(k or {})
+    return run_world(fn, args, kws, tp, lnc, 1, comms=True, timeout=timeout)
 
 
 class Kernel:

@@ -1,13 +1,20 @@
-"""Launch and instance state: who is running, their memories, and the deterministic LNC scheduler.
+"""Launch and instance state: ranks, program instances, their memories, and the deterministic scheduler.
 
-Under ``kernel[2]`` the two program instances run as two threads, but only one runs at a time and
-the turn passes only at synchronisation points (``core_barrier``, ``sendrecv``) or when an instance
-finishes: instance 0 runs first. Results are therefore deterministic; a kernel that races on shared
-HBM without a barrier still gets a deterministic (but not hardware-guaranteed) answer.
+A launch is a *world* of ``tp`` ranks (logical NeuronCores) x ``lnc`` program instances (physical cores).
+Every instance runs as a thread, but only one runs at a time and the turn passes only at
+synchronisation points (``core_barrier``, ``sendrecv``, ``nki.collectives.*``) or when an instance
+finishes. The next instance is picked round-robin in global order (rank-major, then program id)
+among those that can proceed, so results are bit-identical run to run. A kernel that races on
+shared HBM without a barrier still gets a deterministic (but not hardware-guaranteed) answer.
+
+When no instance can proceed (every unfinished instance waits at a synchronisation point nobody
+else will reach) the launch fails at once with a message naming every waiter and what it waits
+for; a wall-clock ``timeout`` covers instances that never reach a synchronisation point at all.
 """
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -21,11 +28,15 @@ _local = threading.local()
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+class LaunchTimeout(NkiValidationError):
+    """The launch exceeded its wall-clock timeout (a stuck collective / barrier / endless loop)."""
+
+
 def current(op="nki"):
     inst = getattr(_local, "inst", None)
     if inst is None:
         raise RuntimeError(f"{op}: called outside a running kernel (call the kernel through nki.jit / "
-                           f"nki.simulate; nkisim executes eagerly inside the launch)")
+                           f"nki.simulate / nkisim.launch; nkisim executes eagerly inside the launch)")
     return inst
 
 
@@ -43,67 +54,132 @@ def call_site():
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
-class Launch:
-    def __init__(self, kernel_name, lnc, ndim, shape_only):
-        self.kernel_name = kernel_name
-        self.lnc, self.ndim, self.shape_only = lnc, ndim, shape_only
-        self.shared_allocs = []
-        self.shared_hbm = HbmAccount(SHARED_HBM, hw.HBM_BYTES_PER_RANK)
+DEFAULT_TIMEOUT = float(os.environ.get("NKISIM_TIMEOUT", "600"))   # seconds of wall clock per launch
+
+
+def _where(frame):
+    """file:line of the innermost kernel frame (outside nkisim) of a thread's current frame."""
+    f = frame
+    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+        f = f.f_back
+    return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+class World:
+    """One launch: ``tp`` ranks x ``lnc`` program instances and the scheduler they share.
+
+    ``comms`` is True when the launch initialised collectives (``nkisim.launch``); a plain
+    ``kernel(...)`` / ``kernel[2](...)`` is a single-process launch in which, as on hardware,
+    ``nki.collectives`` cannot run (trn2-costs.md: "comms uninitialised -> NEFF load failure")."""
+
+    def __init__(self, kernel_name, tp, lnc, ndim, shape_only, comms=False, timeout=None):
+        self.kernel_name, self.tp, self.lnc, self.ndim = kernel_name, tp, lnc, ndim
+        self.shape_only, self.comms = shape_only, comms
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.turn = 0
         self.finished = set()
         self.aborted = None
+        self.waiting = {}          # gid -> (predicate, describe(), call site)
+        self.collectives = {}      # rendezvous table of nkisim.collectives
+        self.cc_ids = 0
+        self.traces = trace.current()
+        self.ranks = [Launch(self, r) for r in range(tp)]
+        self.instances = [i for L in self.ranks for i in L.instances]
+        for g, i in enumerate(self.instances):
+            i.gid = g
+        for t in self.traces:
+            t.launches.append({"kernel": kernel_name, "tp": tp, "lnc": lnc, "shape_only": shape_only})
+
+    def name(self, inst):
+        return f"rank {inst.launch.rank} core {inst.pid}" if self.tp > 1 else f"instance {inst.pid}"
+
+    # ---- scheduler (every method below except start/finish is called with self.cond held) ------
+    def start(self, inst):
+        with self.cond:
+            self.cond.wait_for(lambda: self.aborted is not None or self.turn == inst.gid)
+            if self.aborted is not None:
+                raise LaunchAborted(f"{self.name(inst)}: another instance failed")
+
+    def block(self, inst, pred, describe):
+        """Give up the turn until ``pred()`` holds and the scheduler picks this instance again."""
+        g = inst.gid
+        self.waiting[g] = (pred, describe, call_site())
+        self._pass(g)
+        self.cond.wait_for(lambda: self.aborted is not None or self.turn == g)
+        self.waiting.pop(g, None)
+        if self.aborted is not None:
+            raise LaunchAborted(f"{self.name(inst)}: another instance failed")
+
+    def _pass(self, g):
+        n = len(self.instances)
+        for k in range(1, n + 1):
+            j = (g + k) % n
+            if j in self.finished:
+                continue
+            w = self.waiting.get(j)
+            if w is None or w[0]():
+                self.turn = j
+                self.cond.notify_all()
+                return
+        if len(self.finished) < n and self.aborted is None:
+            self.aborted = NkiValidationError(
+                f"{self.kernel_name}: deadlock, no program instance can proceed (tp={self.tp}, lnc={self.lnc}):\n"
+                + self.describe_waits())
+        self.turn = -1
+        self.cond.notify_all()
+
+    def describe_waits(self):
+        lines = []
+        for g in sorted(self.waiting):
+            _, describe, loc = self.waiting[g]
+            lines.append(f"  {self.name(self.instances[g])} at {loc}: {describe()}")
+        return "\n".join(lines)
+
+    def finish(self, inst, exc=None):
+        with self.cond:
+            self.finished.add(inst.gid)
+            if exc is not None and self.aborted is None:
+                self.aborted = exc
+            self._pass(inst.gid)
+
+    def status_of(self, inst):
+        """'finished' / 'waiting at <loc>' / 'running' (for messages)."""
+        if inst.gid in self.finished:
+            return "finished without reaching it"
+        w = self.waiting.get(inst.gid)
+        if w is not None:
+            return f"waiting at {w[2]} ({w[1]()})"
+        return "not there yet"
+
+
+class Launch:
+    """One rank (a logical NeuronCore): its shared HBM and its ``lnc`` program instances."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.kernel_name, self.lnc, self.ndim = world.kernel_name, world.lnc, world.ndim
+        self.shape_only = world.shape_only
+        self.shared_allocs = []
+        self.shared_hbm = HbmAccount(SHARED_HBM, hw.HBM_BYTES_PER_RANK)
+        self.alloc_lock = threading.Lock()
+        self.cond = world.cond
         self.barrier_arrived = {}       # generation bookkeeping for core_barrier
         self.barrier_gen = 0
         self.pipes = {}                 # sendrecv rendezvous
-        self.traces = trace.current()
-        self.instances = [Instance(self, i) for i in range(lnc)]
-        for t in self.traces:
-            t.launches.append({"kernel": kernel_name, "lnc": lnc, "shape_only": shape_only})
+        self.traces = world.traces
+        self.instances = [Instance(self, i) for i in range(world.lnc)]
 
     # ---- tracing ---------------------------------------------------------------------------
     def record(self, rec):
+        rec["rank"] = self.rank
         for t in self.traces:
             t._add(dict(rec))
 
-    # ---- scheduler -------------------------------------------------------------------------
-    def wait_turn(self, i, pred=lambda: True):
-        with self.cond:
-            self.cond.wait_for(lambda: self.aborted is not None or (self.turn == i and pred()))
-            if self.aborted is not None:
-                raise LaunchAborted(f"instance {i}: sibling instance failed")
-
-    def pass_turn(self, i):
-        """Give the turn to the next unfinished instance (caller holds the lock)."""
-        n = self.lnc
-        for k in range(1, n + 1):
-            j = (i + k) % n
-            if j not in self.finished:
-                self.turn = j
-                break
-        self.cond.notify_all()
-
-    def finish(self, i, exc=None):
-        with self.cond:
-            self.finished.add(i)
-            if exc is not None and self.aborted is None:
-                self.aborted = exc
-            if self.aborted is None and len(self.finished) < self.lnc and self.barrier_arrived:
-                waiting = [j for j in self.barrier_arrived if j not in self.finished]
-                if waiting:
-                    self.aborted = NkiValidationError(
-                        f"core_barrier: instance {i} finished while instance(s) {waiting} wait at a core_barrier "
-                        f"it never reached (both instances must execute the same barriers)")
-            if self.aborted is None and len(self.finished) < self.lnc and self.pipes:
-                self.aborted = NkiValidationError(
-                    f"sendrecv: instance {i} finished while its peer waits in sendrecv pipe(s) "
-                    f"{sorted(self.pipes)}")
-            self.pass_turn(i)
-
     # ---- shared HBM aliasing ---------------------------------------------------------------
     def shared_alloc(self, inst, shape, dtype, name):
-        with self.lock:
+        with self.alloc_lock:
             k = inst.shared_count
             inst.shared_count += 1
             if k < len(self.shared_allocs):
@@ -125,6 +201,7 @@ class Instance:
 
     def __init__(self, launch, pid):
         self.launch, self.pid = launch, pid
+        self.gid = 0
         self.shape_only = launch.shape_only
         self.sbuf = RangeAllocator(SBUF, hw.SBUF_PARTITION_BYTES, hw.SBUF_MIN_ALIGN)
         self.psum = RangeAllocator(PSUM, hw.PSUM_PARTITION_BYTES, hw.PSUM_MIN_ALIGN, bank=hw.PSUM_BANK_BYTES)
@@ -134,11 +211,21 @@ class Instance:
         self.dve_regs = np.zeros(hw.PMAX, np.float32)   # DVE accumulator registers
         self.n_registers = 0
         self.n_alloc = 0
+        self.cc_seq = {}                                # collective call counters per rank-list
+
+    @property
+    def rank(self):
+        return self.launch.rank
+
+    @property
+    def world(self):
+        return self.launch.world
 
     def allocate(self, shape, dtype, buffer, name="", address=None):
         op = "nl.ndarray"
         shape = tuple(int(s) for s in shape)
         self.n_alloc += 1
+        explicit = bool(name)
         name = name or f"{buffer.value}{self.n_alloc}"     # deterministic default names (trace equality)
         if any(s <= 0 for s in shape) or not shape:
             raise ValueError(f"{op}: shape must be non-empty with positive dims, got {list(shape)}")
@@ -146,10 +233,12 @@ class Instance:
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
             st, new = self.launch.shared_alloc(self, shape, dtype, name)
+            st.named = st.named or explicit
             if new:
                 self._trace_alloc(st)
             return NkiTensor.whole(st)
         st = Storage(buffer, shape, dtype, name, with_data=not self.shape_only, owner=self.pid)
+        st.named = explicit
         if buffer == PRIVATE_HBM:
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
@@ -180,33 +269,67 @@ class Instance:
 
     def _trace_alloc(self, st):
         if self.launch.traces:
-            rec = {"inst": self.pid, "buf": st.id, "mem": st.kind.value, "name": st.name, "shape": list(st.shape),
-                   "dtype": st.dtype, "bytes": st.nbytes, "address": list(st.address), "loc": call_site()}
+            rec = {"rank": self.launch.rank, "inst": self.pid, "buf": st.id, "mem": st.kind.value, "name": st.name,
+                   "shape": list(st.shape), "dtype": st.dtype, "bytes": st.nbytes, "address": list(st.address),
+                   "loc": call_site()}
             for t in self.launch.traces:
                 t._alloc(rec)
 
 
-def run_instance(launch, inst, fn, args, kwargs, results):
+def _run_instance(world, inst, fn, args, kwargs, results):
     _local.inst = inst
     exc = None
     try:
-        launch.wait_turn(inst.pid)
-        results[inst.pid] = fn(*args, **kwargs)
-    except LaunchAborted as e:
-        exc = e
+        world.start(inst)
+        results[inst.gid] = fn(*args, **kwargs)
+    except LaunchAborted:
+        pass
     except BaseException as e:    # noqa: BLE001 -- reported by the launcher
         exc = e
-        results[("exc", inst.pid)] = e
     finally:
         _local.inst = None
-        launch.finish(inst.pid, exc if not isinstance(exc, LaunchAborted) else None)
+        world.finish(inst, exc)
 
 
-def run_single(launch, fn, args, kwargs):
-    inst = launch.instances[0]
-    prev = getattr(_local, "inst", None)
-    _local.inst = inst
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _local.inst = prev
+def run(world, fn, per_rank_args, per_rank_kwargs):
+    """Run every instance of the world; returns the value returned by program 0 of each rank."""
+    insts = world.instances
+    if len(insts) == 1:
+        inst = insts[0]
+        prev = getattr(_local, "inst", None)
+        _local.inst = inst
+        try:
+            return [fn(*per_rank_args[0], **per_rank_kwargs[0])]
+        finally:
+            _local.inst = prev
+    results = {}
+    threads = [threading.Thread(target=_run_instance,
+                                args=(world, i, fn, per_rank_args[i.rank], per_rank_kwargs[i.rank], results),
+                                name=f"nkisim-{world.kernel_name}-r{i.rank}c{i.pid}", daemon=True) for i in insts]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + world.timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            _timeout(world, threads)
+            break
+    if world.aborted is not None:
+        raise world.aborted
+    return [results.get(L.instances[0].gid) for L in world.ranks]
+
+
+def _timeout(world, threads):
+    frames = sys._current_frames()
+    with world.cond:
+        running = [f"  {world.name(i)} running at {_where(frames.get(t.ident))}"
+                   for i, t in zip(world.instances, threads)
+                   if t.is_alive() and i.gid not in world.waiting and i.gid not in world.finished]
+        if world.aborted is None:
+            world.aborted = LaunchTimeout(
+                f"{world.kernel_name}: launch did not finish within timeout={world.timeout:g} s (tp={world.tp}, "
+                f"lnc={world.lnc}); a synchronisation point is never reached:\n"
+                + "\n".join(running + ([world.describe_waits()] if world.waiting else [])))
+        world.cond.notify_all()
+    for t in threads:
+        t.join(0.5)

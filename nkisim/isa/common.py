@@ -189,6 +189,9 @@ def region(t, name):
 def record(op, eng, reads=(), writes=(), **extra):
     inst = current(op)
     launch = inst.launch
+    if launch.world.aborted is not None:
+        from ..errors import LaunchAborted
+        raise LaunchAborted(f"{op}: the launch was aborted by another instance")
     if not launch.traces:
         return inst
     shapes, dts, moved = {}, {}, {}

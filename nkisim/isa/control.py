@@ -93,15 +93,20 @@ def core_barrier(data, cores, engine=E.gpsimd, name=None):
     check_enum(op, "engine", engine, E)
     record(op, {E.gpsimd: "POOL", E.vector: "DVE", E.scalar: "ACT", E.tensor: "PE", E.sync: "SP"}.get(engine, "POOL"),
            reads=[("data", data)])
-    with launch.cond:
+    world = launch.world
+    with world.cond:
         gen = launch.barrier_gen
         launch.barrier_arrived[inst.pid] = gen
         if len(launch.barrier_arrived) == launch.lnc:
             launch.barrier_arrived.clear()
             launch.barrier_gen += 1
             return Instruction(op)
-        launch.pass_turn(inst.pid)
-    launch.wait_turn(inst.pid, lambda: launch.barrier_gen > gen)
+
+        def describe():
+            miss = [i for i in launch.instances if i.pid not in launch.barrier_arrived]
+            return (f"core_barrier (cores {list(cores)}) waits for " +
+                    ", ".join(f"core {i.pid} ({world.status_of(i)})" for i in miss))
+        world.block(inst, lambda: launch.barrier_gen > gen, describe)
     return Instruction(op)
 
 
@@ -128,23 +133,24 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=DE.dma,
     geom(op, "dst", dst, start_rule=False)
     record(op, "DMA", reads=[("src", src)], writes=[("dst", dst)], pipe=pipe_id, peer=send_to_rank)
     key = pipe_id
-    with launch.cond:
+    world = launch.world
+    with world.cond:
         peer = launch.pipes.get(key)
         if peer is None:
             slot = {"pid": inst.pid, "src": src, "dst": dst, "done": False}
             launch.pipes[key] = slot
-            launch.pass_turn(inst.pid)
-        else:
-            del launch.pipes[key]
-            if peer["src"].shape != src.shape or peer["src"].dtype != src.dtype:
-                raise NkiValidationError(f"{op}: pipe {pipe_id}: peer sends {peer['src'].describe()} but this core "
-                                         f"sends {src.describe()}")
-            if not inst.shape_only:
-                mine = read_raw(op, "src", src, flat=False).copy()
-                theirs = read_raw(op, "peer src", peer["src"], flat=False).copy()
-                write(dst, theirs, exact=True)
-                write(peer["dst"], mine, exact=True)
-            peer["done"] = True
+            other = launch.instances[1 - inst.pid]
+            world.block(inst, lambda: slot["done"],
+                        lambda: f"sendrecv pipe {pipe_id} waits for core {other.pid} ({world.status_of(other)})")
             return Instruction(op)
-    launch.wait_turn(inst.pid, lambda: slot["done"])
+        del launch.pipes[key]
+        if peer["src"].shape != src.shape or peer["src"].dtype != src.dtype:
+            raise NkiValidationError(f"{op}: pipe {pipe_id}: peer sends {peer['src'].describe()} but this core "
+                                     f"sends {src.describe()}")
+        if not inst.shape_only:
+            mine = read_raw(op, "src", src, flat=False).copy()
+            theirs = read_raw(op, "peer src", peer["src"], flat=False).copy()
+            write(dst, theirs, exact=True)
+            write(peer["dst"], mine, exact=True)
+        peer["done"] = True
     return Instruction(op)
