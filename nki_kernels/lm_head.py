@@ -1,0 +1,277 @@
+"""Vocabulary-parallel LM head + greedy argmax for one physical core.
+
+The vocabulary is split over all TP x LNC = 8 physical cores (nki_kernels/README.md); core g holds
+rows ``g*Vc .. (g+1)*Vc - 1`` of ``lm_head.weight`` (Vc = 31,040 for Qwen3.6). For the T tokens of a
+launch the core computes its logits, rounds them to the activation dtype (exactly what
+``F.linear(h, W).float()`` yields in the bf16 model) and returns, per token, its best
+``(value, index)``: the largest logit and the LOWEST vocabulary index holding it (torch.argmax).
+The 8 per-core winners are combined with ONE collective by
+:func:`nki_kernels.collectives.argmax_combine` (packed ``(value, index)``, trn2-costs finding #11).
+
+Layouts
+-------
+* ``xT``  SBUF ``[P, KT, T]`` activation dtype, ``xT[p, j, t] = h[t, j*P + p]`` (the normed, feature-major
+  layout of the README; KT = H / 128). The wrapper DMAs it from HBM.
+* ``w``   HBM ``[P, KT*Vc]`` activation dtype, the core's shard in the *block-packed contraction-major*
+  layout built by :func:`lm_head_layout`: the vocabulary is cut into blocks of NB = 512 columns (one
+  PSUM bank, ``gemm_moving_fmax``); block ``[b0, b0+nb)`` occupies columns ``KT*b0 .. KT*(b0+nb)`` of
+  every partition, element ``(p, KT*b0 + j*nb + n) = W[b0 + n, j*P + p]``. One block is therefore ONE
+  DMA with a single contiguous 16 KiB run per partition (KT*nb*2 B) -- no short descriptors.
+* result ``best`` SBUF ``[T, 2]`` float32: ``best[t] = (max logit, index_base + local index)``; the index
+  is an integer held exactly in fp32 (< 2^24).
+
+Algorithm (per core)
+--------------------
+1. For each vocab block: one weight DMA; KT matmuls ``psum[T, nb] += xT[:, j, :].T @ w_blk[:, j, :]``
+   (the weight is the moving operand, 512 columns per instruction, fp32 PSUM accumulation); one ACT
+   eviction that rounds the logits to the activation dtype (``lg [T, nb]``, SBUF).
+2. Put the vocabulary on partitions: each 128-column chunk c of ``lg`` is transposed by the PE into
+   ``lt[:, c*S + t]`` of ONE PSUM tile ``lt [128, Cp*S]`` (fp32; S = token stride, the next power of two
+   >= T so no write straddles a bank). bf16: a matmul of the chunk against a ``[T, T]`` identity (exact:
+   bf16 x 1.0 summed in fp32) -- a bf16 PSUM transpose fails the hardware verifier at T = 1 (trn2-costs
+   pitfalls) and a bf16 -> fp32 staging copy would cost a DVE pass. fp32 (test dtype): ``nc_transpose``
+   (bit-exact), each chunk evicted into its own dense tile because the PE transpose needs a source
+   whose partition stride equals its free size (trn2-costs pitfalls); fp32 matmul is a two-pass
+   LOW/HIGH decomposition whose exactness against an identity is not documented. Entry ``(p, c)`` is local vocab ``c*128 + p``.
+   Columns no transpose fills (a partial last chunk, padding up to max8's minimum of 8) hold -FLT_MAX.
+3. Scan on all 128 partitions (trn2-costs finding #4): per token one ``max8`` and one ``nc_find_index8``
+   over ``[128, Cp]`` (Cp = 243 at real shapes, instead of [1, 31040] on one lane); the first match is
+   the lowest chunk c, i.e. the lowest vocab index within the partition.
+4. Cross-partition: candidates (value, c*128 + p) are transposed to ``[T, 128]`` and reduced with
+   max, then min over ``index + BIG*(value != max)`` -- the lowest index among equal maxima. No GpSimd
+   ``tensor_partition_reduce`` (measured catastrophic).
+
+Bytes at real shapes (Vc = 31,040, H = 2,048, bf16): the weight stream is 31,040 x 2,048 x 2 B =
+127.1 MB per core, read once -- the minimum (every weight multiplies the hidden once); xT adds
+4 KiB per token. Instruction counts per core: 61 weight DMAs, 61 x 16 = 976 matmuls (N <= 512),
+61 evictions, 243 transposes (hidden under the DMA-bound stream), 2T top-8 ops on [128, 243].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128                  # partitions (nkisim.hw.PMAX / nl.tile_size.pmax; a Python int is needed for shapes)
+NB = 512                 # vocab columns per matmul: gemm_moving_fmax = one PSUM bank of fp32
+TOP8_MIN = 8             # max8 / nc_find_index8 need >= 8 elements per partition (SDK-ISA)
+FP32_MIN = -3.4028234663852886e38
+BIG_INDEX = 16777216.0   # 2^24 > any index: the penalty that removes non-maximal candidates
+
+
+# ---- geometry (shared by kernel and host helpers) -------------------------------------------------
+def vocab_blocks(vc: int):
+    """[(start, size)] of the NB-column blocks covering a core's ``vc`` vocabulary rows."""
+    return [(b0, min(NB, vc - b0)) for b0 in range(0, vc, NB)]
+
+
+def scan_geometry(vc: int, T: int):
+    """(C, Cp, S): 128-row chunks of the vocab, chunks padded to max8's minimum, token stride in lt."""
+    C = -(-vc // P)
+    S = 1
+    while S < T:
+        S *= 2
+    return C, max(C, TOP8_MIN), S
+
+
+# ---- shared SBUF helper ---------------------------------------------------------------------------
+def select_max_lowest_index(out, vals, idx):
+    """Per partition (token): the max of ``vals`` and the lowest ``idx`` holding it.
+
+    out:  SBUF ``[T, 2]`` float32 -> (max value, its lowest index).
+    vals: ``[T, n]`` float32 (SBUF or PSUM); idx: ``[T, n]`` float32 integer-valued (< 2^24), the index
+    of each candidate (SBUF or PSUM; not both in PSUM). Exact: comparisons and an integer min in fp32.
+    """
+    T, n = vals.shape[0], vals.shape[1]
+    nisa.tensor_reduce(dst=out[:, 0:1], op=nl.maximum, data=vals, axis=1)
+    pen = nl.ndarray((T, n), nl.float32, buffer=nl.sbuf, name="argmax_penalty")
+    # pen = BIG where vals != max else 0; then + idx; then min -> lowest index among the maxima
+    nisa.tensor_scalar(dst=pen, data=vals, op0=nl.not_equal, operand0=out[:, 0:1],
+                       op1=nl.multiply, operand1=BIG_INDEX)
+    nisa.tensor_tensor(dst=pen, data1=pen, data2=idx, op=nl.add)
+    nisa.tensor_reduce(dst=out[:, 1:2], op=nl.minimum, data=pen, axis=1)
+    return out
+
+
+# ---- body -----------------------------------------------------------------------------------------
+def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
+    """Body: greedy (value, index) of this core's vocabulary shard for each of T tokens.
+
+    xT: SBUF ``[P, KT, T]`` activation dtype (normed hidden, feature-major). w: HBM ``[P, KT*Vc]``
+    block-packed shard (:func:`lm_head_layout`), same dtype. index_base: compile-time int added to the
+    local index (0 when :func:`nki_kernels.collectives.argmax_combine` adds the core offsets).
+    logits_out: optional HBM ``[T, Vc]`` (activation dtype) receiving the rounded logits (tests, top-k
+    on the host). Returns ``best`` SBUF ``[T, 2]`` float32 (value, index).
+    """
+    Pp, KT, T = xT.shape
+    if Pp != P:
+        raise ValueError(f"lm_head: xT has {Pp} partitions, expected {P} (feature-major [P, H/P, T])")
+    if not 1 <= T <= P:
+        raise ValueError(f"lm_head: {T} tokens, expected 1..{P}")
+    if w.shape[0] != P or w.shape[1] % KT:
+        raise ValueError(f"lm_head: weight shard {list(w.shape)} is not [P={P}, KT*Vc] with KT={KT}")
+    if w.dtype != xT.dtype:
+        raise TypeError(f"lm_head: weight dtype {w.dtype} differs from activation dtype {xT.dtype}")
+    act = xT.dtype
+    vc = w.shape[1] // KT
+    if vc + index_base >= 2 ** 24:
+        raise ValueError(f"lm_head: indices up to {vc + index_base} are not exact in fp32 (limit 2^24)")
+    C, Cp, S = scan_geometry(vc, T)
+    if Cp * S * 4 > 4 * 2048:
+        raise ValueError(f"lm_head: transposed logits need {Cp * S * 4} B of PSUM per partition; at most 4 banks "
+                         f"(8192 B) are budgeted ({vc} vocab rows x stride {S})")
+
+    # transposed, rounded logits: vocab on partitions, entry (p, c*S + t) = logit of vocab c*P + p
+    lt = nl.ndarray((P, Cp * S), nl.float32, buffer=nl.psum, name="logits_vocab_major")
+    c_full = vc // P
+    if c_full < Cp:     # partial last chunk and max8 padding: never the max
+        nisa.memset(dst=lt[:, c_full * S:Cp * S], value=FP32_MIN)
+    if act == nl.float32:
+        ident = None
+    else:
+        ident = nl.shared_identity_matrix(T, dtype=act)
+
+    for b0, nb in vocab_blocks(vc):
+        wt = nl.ndarray((P, KT, nb), act, buffer=nl.sbuf, name="lm_head_w_block")
+        nisa.dma_copy(dst=wt, src=w[:, KT * b0:KT * (b0 + nb)])
+        ps = nl.ndarray((T, nb), nl.float32, buffer=nl.psum, name="logits_psum")
+        for j in range(KT):
+            nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=wt[:, j, :], accumulate=(j > 0))
+        if ident is not None:
+            lg = nl.ndarray((T, nb), act, buffer=nl.sbuf, name="logits")
+            nisa.activation(dst=lg, op=nl.copy, data=ps)      # round to the activation dtype
+            if logits_out is not None:
+                nisa.dma_copy(dst=logits_out[:, b0:b0 + nb], src=lg)
+        for q0 in range(0, nb, P):
+            wc = min(P, nb - q0)
+            c = (b0 + q0) // P
+            dst = lt[0:wc, c * S:c * S + T]
+            if ident is not None:
+                nisa.nc_matmul(dst=dst, stationary=lg[:, q0:q0 + wc], moving=ident, accumulate=False)
+            else:
+                # nc_transpose needs a dense source (partition stride == free size, trn2 pitfall):
+                # evict each 128-column chunk into its own tile
+                lgc = nl.ndarray((T, wc), act, buffer=nl.sbuf, name="logits_chunk")
+                nisa.activation(dst=lgc, op=nl.copy, data=ps[:, q0:q0 + wc])
+                if logits_out is not None:
+                    nisa.dma_copy(dst=logits_out[:, b0 + q0:b0 + q0 + wc], src=lgc)
+                nisa.nc_transpose(dst=dst, data=lgc, engine=nisa.engine.tensor)
+
+    # per-partition top-1 per token (first occurrence = lowest chunk)
+    m8 = nl.ndarray((P, T, 8), nl.float32, buffer=nl.sbuf, name="top8_vals")
+    i8 = nl.ndarray((P, T, 8), nl.uint32, buffer=nl.sbuf, name="top8_idx")
+    for t in range(T):
+        view = lt[:, t:Cp * S:S]
+        nisa.max8(dst=m8[:, t, :], src=view)
+        nisa.nc_find_index8(dst=i8[:, t, :], data=view, vals=m8[:, t, :])
+    vals = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="part_best_val")
+    nisa.tensor_copy(dst=vals, src=m8[:, :, 0])
+    cidx = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="part_best_idx")
+    nisa.tensor_copy(dst=cidx, src=i8[:, :, 0])              # uint32 -> fp32 before any arithmetic
+    pcol = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf, name="partition_index")
+    nisa.iota(dst=pcol, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+    nisa.tensor_scalar(dst=cidx, data=cidx, op0=nl.multiply, operand0=float(P), op1=nl.add, operand1=pcol)
+
+    # across partitions: PE transposes to token-major, then max / lowest index
+    vT = nl.ndarray((T, P), nl.float32, buffer=nl.psum, name="cand_val_T")
+    nisa.nc_transpose(dst=vT, data=vals, engine=nisa.engine.tensor)
+    iT = nl.ndarray((T, P), nl.float32, buffer=nl.psum, name="cand_idx_T")
+    nisa.nc_transpose(dst=iT, data=cidx, engine=nisa.engine.tensor)
+    best = nl.ndarray((T, 2), nl.float32, buffer=nl.sbuf, name="core_best")
+    select_max_lowest_index(best, vT, iT)
+    if index_base:
+        nisa.tensor_scalar(dst=best[:, 1:2], data=best[:, 1:2], op0=nl.add, operand0=float(index_base))
+    return best
+
+
+# ---- wrapper --------------------------------------------------------------------------------------
+@nki.jit
+def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False):
+    """Wrapper: xT HBM ``[P, KT, T]``, w HBM ``[n_cores, P, KT*Vc]`` (one block-packed shard per
+    physical core) -> ``best [n_cores, T, 2]`` float32 (value, vocab_base + core*Vc + local index), and
+    with ``with_logits=True`` also ``logits [n_cores, T, Vc]`` (activation dtype).
+
+    Launch ``lm_head_argmax_kernel(...)`` for one core (n_cores = 1) or ``[2]`` for a rank's two cores;
+    ``vocab_base`` = the first vocab row of this launch (rank * 2 * Vc for a rank).
+    """
+    n_cores = nl.num_programs(0) if nl.program_ndim() != 0 else 1
+    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    if w.shape[0] != n_cores:
+        raise ValueError(f"lm_head: weight holds {w.shape[0]} core shards, launched on {n_cores} cores")
+    Pp, KT, T = xT.shape
+    vc = w.shape[2] // KT
+    best_out = nl.ndarray((n_cores, T, 2), nl.float32, buffer=nl.shared_hbm, name="lm_head_best")
+    logits = None
+    if with_logits:
+        logits = nl.ndarray((n_cores, T, vc), xT.dtype, buffer=nl.shared_hbm, name="lm_head_logits")
+    xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf, name="xT")
+    nisa.dma_copy(dst=xs, src=xT)
+    best = lm_head_argmax_body(xs, w[core], index_base=vocab_base + core * vc,
+                               logits_out=None if logits is None else logits[core])
+    nisa.dma_copy(dst=best_out[core], src=best)
+    if with_logits:
+        return best_out, logits
+    return best_out
+
+
+# ---- host-side layout helpers (plain numpy/torch, run once per checkpoint) -------------------------
+def _to_numpy(w):
+    if hasattr(w, "detach"):
+        import torch
+        t = w.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return np.asarray(w)
+
+
+def lm_head_layout(w_shard) -> np.ndarray:
+    """One core's shard ``[Vc, H]`` (PyTorch layout, numpy or torch) -> block-packed ``[P, KT*Vc]``."""
+    w = _to_numpy(w_shard)
+    vc, H = w.shape
+    if H % P:
+        raise ValueError(f"lm_head: hidden size {H} is not a multiple of {P}")
+    KT = H // P
+    out = np.empty((P, KT * vc), dtype=w.dtype)
+    for b0, nb in vocab_blocks(vc):
+        blk = w[b0:b0 + nb].T.reshape(KT, P, nb)              # [j, p, n] = W[b0+n, j*P+p]
+        out[:, KT * b0:KT * (b0 + nb)] = blk.transpose(1, 0, 2).reshape(P, KT * nb)
+    return out
+
+
+def rank_lm_head_layout(shards) -> np.ndarray:
+    """Tuple of a rank's per-core shards ``[Vc, H]`` -> ``[n_cores, P, KT*Vc]`` (the wrapper's ``w``)."""
+    return np.stack([lm_head_layout(s) for s in shards])
+
+
+def xT_layout(h) -> np.ndarray:
+    """Post-norm hidden ``[T, H]`` -> feature-major ``[P, KT, T]`` (host side, for tests/layerwise)."""
+    a = _to_numpy(h)
+    T, H = a.shape
+    return np.ascontiguousarray(a.T.reshape(H // P, P, T).transpose(1, 0, 2))
+
+
+def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only: bool = False):
+    """(kernel, args) for one rank at the config's shapes: ``lm_head_argmax_kernel[2]`` with the rank's
+    two shards ``[2, P, KT*Vc]`` (Vc = V / (2*tp)) and xT ``[P, KT, T]``."""
+    import nkisim
+    H = cfg.hidden_size
+    n_cores = 2 * tp
+    if cfg.vocab_size % n_cores:
+        raise ValueError(f"lm_head: vocab {cfg.vocab_size} does not split over {n_cores} cores")
+    vc = cfg.vocab_size // n_cores
+    KT = H // P
+    if shape_only:
+        return lm_head_argmax_kernel[2], (nkisim.ShapeDtype((P, KT, T), dtype),
+                                          nkisim.ShapeDtype((2, P, KT * vc), dtype))
+    from nkisim import dtypes as _dt
+    rng = np.random.default_rng(0)
+    st = _dt.storage(dtype)
+    h = rng.standard_normal((T, H)).astype(np.float32)
+    base = (rng.standard_normal((1021, H)) / np.sqrt(H)).astype(np.float32)
+    w = np.take(base, np.arange(2 * vc) * 7 % base.shape[0], axis=0).astype(st)
+    return lm_head_argmax_kernel[2], (xT_layout(h.astype(st)), rank_lm_head_layout((w[:vc], w[vc:])))

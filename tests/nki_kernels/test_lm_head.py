@@ -1,0 +1,209 @@
+"""Vocabulary-parallel LM head + argmax kernel (nki_kernels/lm_head.py) vs its PyTorch twin
+(model/tp/embed_head.py).
+
+Tolerances. Kernel and twin both accumulate in fp32 and round the logits to the activation dtype; only
+the summation order differs. fp32: |k - t| <= 1e-5 + 1e-5|t| (H <= 2048 products of O(1/sqrt(H))).
+bf16: the fp32 sums differ by ~1e-6, so after rounding they are equal or one bf16 ulp apart
+(ulp <= 2^-7 |t|): |k - t| <= 2^-7 |t| + 1e-5. The argmax is checked EXACTLY against the kernel's own
+logits (largest value, lowest index), and against the twin up to such one-ulp near-ties: the kernel's
+index must be the twin's or hold a twin logit within one ulp of the twin's maximum. Crafted tie tests
+use integer-valued data, exact in both dtypes, and demand exact equality.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import nkisim
+from model.config import preset
+from model.params import random_params
+from model.tp import embed_head as eh
+from nki_kernels import lm_head as lm
+
+N_CORES = 8
+
+
+def _np32(a):
+    return np.asarray(a.float() if isinstance(a, torch.Tensor) else a.astype(np.float32), dtype=np.float32)
+
+
+def _tol(dtype):
+    return (2.0 ** -7, 1e-5) if dtype == torch.bfloat16 else (1e-5, 1e-5)
+
+
+def check_core(best, klogits, h, w_shard, base):
+    """best [T, 2], klogits [T, Vc] from the kernel for the shard w_shard [Vc, H] starting at vocab ``base``."""
+    best, kl = _np32(best), _np32(klogits)
+    tl = eh.core_logits(h, w_shard).numpy()
+    rtol, atol = _tol(h.dtype)
+    np.testing.assert_allclose(kl, tl, rtol=rtol, atol=atol)
+    assert np.isfinite(best).all() and np.isfinite(kl).all() and (kl != 0).any()
+    # exact argmax semantics on the kernel's own logits: largest value, lowest index
+    np.testing.assert_array_equal(best[:, 0], kl.max(-1))
+    np.testing.assert_array_equal(best[:, 1], kl.argmax(-1) + base)
+    # against the twin: same token, or a one-ulp near-tie
+    tv, ti = eh.core_argmax(torch.from_numpy(tl))
+    k_idx = best[:, 1].astype(np.int64) - base
+    for t in range(len(k_idx)):
+        if k_idx[t] != int(ti[t]):
+            assert tl[t, k_idx[t]] >= float(tv[t]) - (rtol * abs(float(tv[t])) + atol), (t, k_idx[t], int(ti[t]))
+    return k_idx
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def tiny(request):
+    cfg = preset("tiny")
+    return cfg, random_params(cfg, seed=7, dtype=request.param, include_mtp=False)
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_tiny_rank_launches_match_twin(tiny, T):
+    """TP=4 ranks x kernel[2]: every core's (value, index) and logits; their global combination is
+    torch.argmax of the reference logits (up to one-ulp near-ties)."""
+    cfg, p = tiny
+    dtype = p["lm_head.weight"].dtype
+    vc = eh.vocab_per_core(cfg, N_CORES)
+    h = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(dtype)
+    vals, idxs = [], []
+    for rank in range(N_CORES // 2):
+        shards = [eh.shard_lm_head(p, cfg, 2 * rank + c, N_CORES) for c in range(2)]
+        best, logits = lm.lm_head_argmax_kernel[2](lm.xT_layout(h), lm.rank_lm_head_layout(shards),
+                                                   vocab_base=2 * rank * vc, with_logits=True)
+        assert best.shape == (2, T, 2) and logits.shape == (2, T, vc)
+        for c in range(2):
+            g = 2 * rank + c
+            check_core(best[c], logits[c], h, shards[c], g * vc)
+            vals.append(torch.from_numpy(_np32(best[c][:, 0])))
+            idxs.append(torch.from_numpy(_np32(best[c][:, 1])).long() - g * vc)
+    v, i = eh.combine_argmax(torch.stack(vals), torch.stack(idxs), vc)
+    tv, ti = eh.lm_head_argmax(p, cfg, h)
+    rtol, atol = _tol(dtype)
+    assert torch.allclose(v, tv, rtol=rtol, atol=atol)
+    ref_logits = eh.core_logits(h, eh.lm_head_weight(p, cfg))
+    picked = ref_logits.gather(-1, i[:, None])[:, 0]
+    assert torch.all((i == ti) | (picked >= tv - (rtol * tv.abs() + atol)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vc, T", [(700, 3), (1024, 2), (34, 1), (130, 4)])
+def test_geometries_lnc1(dtype, vc, T):
+    """Several blocks with a partial last chunk (700), whole chunks only (1024: no -inf padding),
+    fewer than 8 chunks (34, 130: max8 padding), T = 3 (token stride 4)."""
+    H = 256
+    g = torch.Generator().manual_seed(vc)
+    w = (torch.randn(vc, H, generator=g) / H ** 0.5).to(dtype)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    best, logits = lm.lm_head_argmax_kernel(lm.xT_layout(h), lm.lm_head_layout(w)[None], vocab_base=5 * vc,
+                                            with_logits=True)
+    check_core(best[0], logits[0], h, w, 5 * vc)
+
+
+def _tie_problem(vc, cases, H=128):
+    """Integer weights: background logits 0..4 by row, chosen rows reach 9 for token t (exact)."""
+    w = torch.zeros(vc, H)
+    w[:, 0] = torch.arange(vc) % 5
+    h = torch.zeros(len(cases), H)
+    for t, rows in enumerate(cases):
+        h[t, 0] = 1.0
+        h[t, 1 + t] = 1.0
+        w[rows, 1 + t] = 9.0 - w[rows, 0]
+    return w, h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_crafted_ties_within_a_core_lowest_index_wins(dtype):
+    vc = 700                                    # chunks c = v // 128 on partitions p = v % 128
+    cases = [
+        [3 + 128 * 4, 3 + 128 * 1],             # same partition, different chunks
+        [128 * 2 + 90, 128 * 2 + 17],           # same chunk, different partitions
+        [5 * 128 + 3, 1 * 128 + 100, 650],      # lower index sits on a HIGHER partition; across blocks
+        [699, 0],                               # first and last rows (last in the partial chunk)
+    ]
+    w, h = _tie_problem(vc, cases)
+    for lnc in (1, 2):
+        wl = lm.rank_lm_head_layout([w.to(dtype)] * lnc)
+        kernel = lm.lm_head_argmax_kernel if lnc == 1 else lm.lm_head_argmax_kernel[2]
+        best = _np32(kernel(lm.xT_layout(h.to(dtype)), wl, vocab_base=vc))
+        for c in range(lnc):
+            assert best[c][:, 0].tolist() == [9.0] * len(cases)
+            assert best[c][:, 1].tolist() == [min(r) + vc * (1 + c) for r in cases]
+    assert torch.equal(eh.core_argmax(eh.core_logits(h.to(dtype), w.to(dtype)))[1],
+                       torch.tensor([min(r) for r in cases]))
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_real_shape_one_core(T):
+    """Real per-core shapes: Vc = 248320 / 8 = 31040 rows of H = 2048, bf16, the last core's offset."""
+    cfg = preset("qwen3.6-35b-a3b")
+    vc = eh.vocab_per_core(cfg, N_CORES)
+    H = cfg.hidden_size
+    g = torch.Generator().manual_seed(100 + T)
+    w = (torch.randn(vc, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    h = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    best, logits = lm.lm_head_argmax_kernel(lm.xT_layout(h), lm.lm_head_layout(w)[None], vocab_base=7 * vc,
+                                            with_logits=True)
+    check_core(best[0], logits[0], h, w, 7 * vc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [1, 4])
+def test_real_shape_rank_fp32(T):
+    cfg = preset("qwen3.6-35b-a3b")
+    vc = eh.vocab_per_core(cfg, N_CORES)
+    H = cfg.hidden_size
+    g = torch.Generator().manual_seed(200 + T)
+    w = torch.randn(2 * vc, H, generator=g) / H ** 0.5
+    h = torch.randn(T, H, generator=g)
+    best, logits = lm.lm_head_argmax_kernel[2](lm.xT_layout(h), lm.rank_lm_head_layout((w[:vc], w[vc:])),
+                                               vocab_base=2 * vc, with_logits=True)
+    for c in range(2):
+        check_core(best[c], logits[c], h, w[c * vc:(c + 1) * vc], (2 + c) * vc)
+
+
+def test_layout_roundtrip():
+    vc, H = 700, 256
+    w = np.arange(vc * H, dtype=np.float32).reshape(vc, H)
+    lay = lm.lm_head_layout(w)
+    KT = H // 128
+    for b0, nb in lm.vocab_blocks(vc):
+        blk = lay[:, KT * b0:KT * (b0 + nb)].reshape(128, KT, nb)
+        for j in (0, KT - 1):
+            np.testing.assert_array_equal(blk[:, j, :], w[b0:b0 + nb, j * 128:(j + 1) * 128].T)
+
+
+def test_argument_checks():
+    with pytest.raises(ValueError, match="hidden size 200 is not a multiple of 128"):
+        lm.lm_head_layout(np.zeros((10, 200), np.float32))
+    xT = np.zeros((128, 2, 1), np.float32)
+    w = lm.lm_head_layout(np.zeros((64, 256), np.float32))[None]
+    with pytest.raises(TypeError, match="weight dtype bfloat16 differs from activation dtype float32"):
+        lm.lm_head_argmax_kernel(xT, w.astype(ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="weight holds 1 core shards, launched on 2 cores"):
+        lm.lm_head_argmax_kernel[2](xT, w)
+    with pytest.raises(ValueError, match="xT has 64 partitions"):
+        lm.lm_head_argmax_kernel(np.zeros((64, 4, 1), np.float32), w)
+
+
+def test_real_shape_trace_counts_and_bytes():
+    """Shape-only trace of one rank (kernel[2]) at real shapes, T = 2: the weight stream is read once
+    (Vc*H*2 B per core, the minimum), and the instruction mix is what the module doc states."""
+    cfg = preset("qwen3.6-35b-a3b")
+    T = 2
+    kernel, args = lm.demo_args(cfg, T=T, shape_only=True)
+    with nkisim.trace.capture() as tr:
+        out = kernel(*args)
+    assert out.shape == (2, T, 2)
+    vc, H = cfg.vocab_size // N_CORES, cfg.hidden_size
+    nblk = len(lm.vocab_blocks(vc))
+    C, _, _ = lm.scan_geometry(vc, T)
+    s = tr.summary()
+    assert s[("PE", "nc_matmul")] == 2 * (nblk * H // 128 + C)          # projections + identity transposes
+    assert s[("ACT", "activation")] == 2 * nblk
+    assert s[("DVE", "max8")] == s[("DVE", "nc_find_index8")] == 2 * T
+    assert not any(op == "tensor_partition_reduce" for _, op in s)
+    for inst in (0, 1):
+        hbm_read = sum(i["bytes"].get("shared_hbm", {}).get("read", 0) for i in tr.instructions if i["inst"] == inst)
+        assert hbm_read == vc * H * 2 + H * T * 2
