@@ -1,0 +1,146 @@
+"""Zero-centred RMSNorm of the residual, emitting the feature-major ``xT`` every projection consumes.
+
+Math (``model.functional.rms_norm``): ``y[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * (1 + w)`` over the
+hidden axis, computed in fp32 and rounded once to the activation dtype.
+
+Layouts (``nki_kernels/README.md``; P = 128 partitions, J = H / P hidden tiles, T = 1..4 tokens)
+----------------------------------------------------------------------------------------------
+* ``x``    SBUF ``[T, H]`` activation dtype, token-major (token t on partition t) -- the residual.
+* ``w1``   HBM ``[P, J]`` float32, **host layout** (:func:`rmsnorm_weight_layout`): element (p, j) is
+  ``1 + w[j*P + p]`` computed in fp32 exactly like the reference (so the kernel never adds the 1).
+* ``xT``   SBUF ``[P, J, T]`` activation dtype, feature-major: ``xT[p, j, t] = y[t, j*P + p]``.
+
+Algorithm (transpose first, then normalise in the feature-major layout)
+----------------------------------------------------------------------
+1. PE: J transposes ``x[:, jP:(j+1)P] -> [P, T]`` as matmuls against a ``[T, T]`` identity
+   (stationary = the x slice, moving = identity), all into ONE fp32 PSUM tile ``[P, J, T]``. A 0/1
+   identity makes this bit-exact (one non-zero product per output), it never writes a 2-byte PSUM
+   element (the bf16 ``nc_transpose`` T=1 verifier pitfall, shared/docs/trn2-costs.md) and it slices
+   the stationary's free axis only, like any projection.
+2. ACT ``square`` of that tile -> fp32 ``[P, J, T]`` (J*T <= 64 elements per partition, not H).
+3. DVE: sum over j of a ``[P, T, J]`` (permuted) view -> ``[P, T]`` partial sums.
+4. PE: ``ones[P, P]^T @ partial`` -> every partition holds ``sum_h x[t, h]^2`` (cross-partition sum and
+   broadcast in one fp32 matmul).
+5. ACT ``rsqrt(ss / H + eps)`` (scale/bias of the same instruction) -> ``rstd [P, T]``. ``square`` and
+   ``rsqrt`` share the ACT table group {copy, square, rsqrt}: no table switch inside the norm.
+6. DVE: ``xT = (x * rstd) * (1 + w)`` as two tensor_tensor ops with stride-0 broadcast views (rstd
+   along j, the weight along t), reading the transposes straight from PSUM; the second rounds to the
+   activation dtype. Same operation order as the reference, all fp32.
+
+Per core (H = 2048, any T): 17 PE, 2 ACT, 3 DVE instructions, 1 weight DMA of 8 KiB.
+Under LNC=2 both physical cores normalise the same residual (each needs the whole ``xT``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128
+MAX_T = 4
+
+
+def rmsnorm_weight_layout(w):
+    """Host helper: norm weight ``w [H]`` (zero-centred, any float dtype; torch or numpy) -> the kernel's
+    ``w1 [P, H // P]`` float32 with ``w1[p, j] = 1 + w[j*P + p]`` (computed in fp32 like the reference)."""
+    import torch
+    t = torch.as_tensor(w).float()
+    if t.ndim != 1 or t.shape[0] % P:
+        raise ValueError(f"rmsnorm_weight_layout: weight has shape {list(t.shape)}, expected [H] with H a "
+                         f"multiple of {P}")
+    return (1.0 + t).reshape(-1, P).t().contiguous()
+
+
+def _check_x(x_sb):
+    T, H = x_sb.shape
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"rmsnorm: x has {T} token rows, expected 1..{MAX_T}")
+    if H % P:
+        raise ValueError(f"rmsnorm: hidden size {H} is not a multiple of {P} (the partition count)")
+    return T, H
+
+
+def rmsnorm_body(x_sb, w1, eps):
+    """Body: residual ``x_sb [T, H]`` (SBUF, activation dtype) -> normed ``xT [P, H/P, T]`` (SBUF, same dtype).
+
+    w1: HBM ``[P, H/P]`` float32 (:func:`rmsnorm_weight_layout`); eps: compile-time float.
+    """
+    T, H = _check_x(x_sb)
+    J = H // P
+    if tuple(w1.shape) != (P, J) or w1.dtype != nl.float32:
+        raise ValueError(f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
+                         f"{w1.dtype}{list(w1.shape)}")
+    w_sb = nl.ndarray((P, J), nl.float32, buffer=nl.sbuf, name="rms_w1")
+    nisa.dma_copy(dst=w_sb, src=w1)
+
+    ident = nl.shared_identity_matrix(n=T, dtype=x_sb.dtype)
+    ones = nl.ndarray((P, P), nl.float32, buffer=nl.sbuf, name="rms_ones")
+    nisa.memset(dst=ones, value=1.0)
+
+    # 1. feature-major copy of x (exact) in PSUM
+    xt_ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="rms_xt_ps")
+    for j in range(J):
+        nisa.nc_matmul(dst=xt_ps[:, j, :], stationary=x_sb[:, j * P:(j + 1) * P], moving=ident,
+                       accumulate=False)
+    # 2-3. squares and per-partition partial sums over j
+    sq = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_sq")
+    nisa.activation(dst=sq, op=nl.square, data=xt_ps)
+    part = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="rms_part")
+    nisa.tensor_reduce(dst=part, op=nl.add, data=sq.permute((0, 2, 1)), axis=2)
+    # 4. cross-partition sum, broadcast to every partition
+    ss_ps = nl.ndarray((P, T), nl.float32, buffer=nl.psum, name="rms_ss_ps")
+    nisa.nc_matmul(dst=ss_ps, stationary=ones, moving=part, accumulate=False)
+    # 5. rstd = rsqrt(mean + eps)
+    rstd = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="rms_rstd")
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=ss_ps, scale=1.0 / H, bias=float(eps))
+    # 6. (x * rstd) * (1 + w)
+    y = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_y")
+    nisa.tensor_tensor(dst=y, data1=xt_ps, data2=rstd.ap(pattern=[[T, P], [0, J], [1, T]], offset=0),
+                       op=nl.multiply)
+    xT = nl.ndarray((P, J, T), x_sb.dtype, buffer=nl.sbuf, name="xT")
+    nisa.tensor_tensor(dst=xT, data1=y, data2=w_sb.ap(pattern=[[J, P], [1, J], [0, T]], offset=0),
+                       op=nl.multiply)
+    return xT
+
+
+@nki.jit
+def rmsnorm_kernel(x, w1, eps):
+    """HBM wrapper: ``x [T, H]`` (activation dtype) and ``w1 [P, H/P]`` float32 -> ``xT [n_cores, P, H/P, T]``.
+
+    Core c writes row c (under LNC=2 both cores compute the same values; the test checks both copies).
+    """
+    T, H = x.shape
+    n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
+    c = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    out = nl.ndarray((n, P, H // P, T), x.dtype, buffer=nl.shared_hbm, name="xT_out")
+    x_sb = nl.ndarray((T, H), x.dtype, buffer=nl.sbuf, name="x")
+    nisa.dma_copy(dst=x_sb, src=x)
+    xT = rmsnorm_body(x_sb, w1, eps)
+    nisa.dma_copy(dst=out[c], src=xT)
+    return out
+
+
+def demo_args(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False):
+    """(kernel, args) of one rank's input RMSNorm at the config's real shapes, launched LNC=2.
+
+    The norm is replicated on every rank and core, so ``tp`` does not change the shapes.
+    With shape_only the tensor arguments are ``nkisim.ShapeDtype`` (trace without data).
+    """
+    H = cfg.hidden_size
+    shapes = {"x": ((T, H), dtype), "w1": ((P, H // P), "float32")}
+    if shape_only:
+        import nkisim
+        args = [nkisim.ShapeDtype(s, d) for s, d in shapes.values()]
+    else:
+        rng = np.random.default_rng(0)
+        args = [_np_random(rng, s, d) for s, d in shapes.values()]
+    return rmsnorm_kernel[2], tuple(args) + (float(cfg.rms_norm_eps),)
+
+
+def _np_random(rng, shape, dtype, scale=1.0):
+    import ml_dtypes
+    a = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return a.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
