@@ -96,13 +96,18 @@ def sync_ns(rec, n_ranks: int) -> float:
         return C.CORE_BARRIER_NS
     if op in SENDRECV_OPS:
         return C.SENDRECV_NS + transfer_bytes(rec) / C.HBM_BW_PER_RANK * 1e9
-    if op in COLLECTIVE_OPS:
-        return collective_ns(op, collective_bytes(rec), n_ranks)
+    if op in COLLECTIVE_OPS or rec.get("engine") == "CC":
+        cc = rec.get("collective") or {}
+        R = len(cc.get("rank_list") or ()) or n_ranks
+        return collective_ns(op, collective_bytes(rec), R)
     raise ValueError(f"costmodel: {op} is not a synchronising op")
 
 
 def collective_bytes(rec) -> int:
     """Bytes of a collective's local operand (the larger of what it reads and writes)."""
+    cc = rec.get("collective")
+    if cc is not None and ("bytes_in" in cc or "bytes_out" in cc):
+        return max(cc.get("bytes_in", 0), cc.get("bytes_out", 0))
     rd = sum(d.get("read", 0) for d in rec.get("bytes", {}).values())
     wr = sum(d.get("write", 0) for d in rec.get("bytes", {}).values())
     return max(rd, wr)

@@ -269,3 +269,27 @@ def sendrecv_pair(x):
 
 def trace_sendrecv(P=32, F=64, dtype="float16"):
     return capture(sendrecv_pair[2], SD((P, F), dtype))
+
+
+# ---- collectives (nkisim.launch: TP ranks x LNC cores) --------------------------------------------
+@nki.jit
+def all_reduce_8kb(x, rg):
+    """Every core of every rank: memset a [T, H] bf16 SBUF partial (8 KB at T=2, H=2048), all-reduce it
+    over the replica group, store the result. x gives the shape."""
+    import nki.collectives as ncc
+    T, H = x.shape
+    t = nl.ndarray((T, H), x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.0)
+    r = nl.ndarray((T, H), x.dtype, buffer=nl.sbuf)
+    ncc.all_reduce(srcs=[t], dsts=[r], replica_group=rg, op=nl.add)
+    out = nl.ndarray((nl.num_programs(0), T, H), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[nl.program_id(0)], src=r)
+    return out
+
+
+def trace_all_reduce(T=2, H=2048, tp=4, lnc=2):
+    from nki.collectives import ReplicaGroup
+    rg = ReplicaGroup([list(range(tp))])
+    with nkisim.trace.capture() as tr:
+        nkisim.launch(all_reduce_8kb, [(SD((T, H), "bfloat16"), rg) for _ in range(tp)], tp=tp, lnc=lnc)
+    return tr

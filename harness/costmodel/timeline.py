@@ -84,11 +84,19 @@ def build(recs, pe_throttle=False, physical_deps=False) -> Program:
         tl = 0.0
         issue = 0.0
         nb = 0
-        if op in costs.COLLECTIVE_OPS:
-            kind, s = K_SYNC, stream_of(ci, "CC")
-            d = costs.sync_ns(rec, n_ranks_total)
-            n = counters[("cc", ci)] = counters.get(("cc", ci), -1) + 1
-            gkey, gsize = ("cc", n), len(cores)
+        cc = rec.get("collective")
+        if op in costs.COLLECTIVE_OPS or eng == "CC":
+            s = stream_of(ci, "CC")
+            if cc is not None and cc.get("id") is None:
+                kind, d, gkey = K_COMPUTE, 0.0, None        # a rank outside the permutation: no-op
+            else:
+                kind = K_SYNC
+                d = costs.sync_ns(rec, n_ranks_total)
+                if cc is not None:                           # nkisim.launch record: the id names the group
+                    gkey, gsize = ("cc", cc["id"]), len(cc.get("participants") or cores)
+                else:                                        # synthetic: k-th collective of every core
+                    n = counters[("cc", ci)] = counters.get(("cc", ci), -1) + 1
+                    gkey, gsize = ("cc", n), len(cores)
         elif op in costs.BARRIER_OPS:
             kind, s = K_SYNC, stream_of(ci, eng)
             d = costs.sync_ns(rec, n_ranks_total)

@@ -146,7 +146,18 @@ def test_sendrecv_rendezvous():
     assert p.latency_ns == pytest.approx(dve_ns(64) + C.SENDRECV_NS + 4096 / BW, rel=1e-9)
 
 
-# ---- collectives (synthetic records until nkisim.launch + nki.collectives land in the trace) ------------
+# ---- collectives ----------------------------------------------------------------------------------------
+def test_all_reduce_8kb_under_nkisim_launch():
+    p = costmodel.predict(mk.trace_all_reduce(T=2, H=2048, tp=4, lnc=2))
+    assert len(p.cores) == 8
+    ar = C.ALL_REDUCE_NS + 2 * 3 / 4 * 8192 / (C.COLLECTIVE_BW / 1e9)
+    # every core: memset [2, 2048], the all-reduce with its lane peers on the other ranks, an 8 KB store.
+    # The 8 stores (2 per rank) share their rank's pipe pairwise.
+    store = C.DMA_ISSUE_NS + 2 * 8192 / BW + C.DMA_COMPLETION_NS
+    assert p.latency_ns == pytest.approx(dve_ns(2048) + ar + store, rel=1e-9)
+    assert p.critical[0][3] == "all_reduce" and p.critical[0][0] == pytest.approx(ar, rel=1e-9)
+
+
 def _rec(inst, engine, op, reads=(), writes=(), rank=0, nbytes=None, **kw):
     r = {"rank": rank, "inst": inst, "engine": engine, "op": op, "loc": f"synthetic.py:{op}", "shapes": {},
          "dtypes": {}, "bytes": {}, "reads": list(reads), "writes": list(writes)}
@@ -212,3 +223,46 @@ def test_json_round_trip(tmp_path):
     path = tmp_path / "t.json"
     tr.to_json(str(path))
     assert costmodel.predict(str(path)).latency_ns == pytest.approx(costmodel.predict(tr).latency_ns)
+
+
+# ---- composition and the bench command --------------------------------------------------------------------
+def test_compose_layerwise_adds_launches_collectives_and_kernels(tiny_cfg):
+    from harness.costmodel import compose
+    fams = {}
+    for c in compose.round_plan(tiny_cfg):
+        fams[(c.family, c.T)] = compose.FamilyCost(c.family, c.T, 1000.0 * c.T, 1e6, "stand-in")
+    est = compose.compose_layerwise(tiny_cfg, fams)
+    plan = compose.round_plan(tiny_cfg)
+    H = tiny_cfg.hidden_size
+    expect = sum(c.count * (1000.0 * c.T + C.LAUNCH_OVERHEAD_NS
+                            + (costs.collective_ns("all_reduce", c.T * H * 2) if c.reduce_after else 0.0))
+                 for c in plan)
+    expect += sum(costs.collective_ns("all_gather", 8) for c in plan if c.family == "lm_head")
+    assert est.round_ns == pytest.approx(expect, rel=1e-12)
+    assert sum(est.stage_ns.values()) == pytest.approx(est.round_ns, rel=1e-12)
+    assert sum(est.part_ns.values()) == pytest.approx(est.round_ns, rel=1e-12)
+    assert est.hbm_bytes_per_rank == pytest.approx(1e6 * sum(c.count for c in plan))
+    assert est.tokens_per_s(0.5) == pytest.approx(1.5 / (est.round_ns * 1e-9))
+    roof = compose.roofline_round(tiny_cfg, fams)
+    assert roof.round_ns == pytest.approx(est.hbm_bytes_per_rank / C.HBM_BW_PER_RANK * 1e9)
+    # the verify stage runs every trunk layer: one mixer per layer, rmsnorm twice per layer (+ final norm)
+    v = {}
+    for c in plan:
+        if c.stage == "V":
+            v[c.family] = v.get(c.family, 0) + c.count
+    assert v.get("gdn", 0) + v.get("attention", 0) == tiny_cfg.num_hidden_layers
+    assert v["moe"] == tiny_cfg.num_hidden_layers and v["rmsnorm"] == 2 * tiny_cfg.num_hidden_layers + 1
+
+
+def test_bench_predict_on_a_saved_trace_and_calibrate(tmp_path, monkeypatch, capsys):
+    from harness import bench
+    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    path = tmp_path / "chain.json"
+    mk.trace_engine_chain(256).to_json(str(path))
+    assert bench.main(["predict", "--trace", str(path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "chain" in out and "critical path top" in out
+    assert (tmp_path / "costmodel_timeline_chain.png").stat().st_size > 0
+    assert bench.main(["calibrate"]) == 0
+    md = (tmp_path / "costmodel_calibration.md").read_text()
+    assert "ACT_TABLE_LOAD" in md and "13,331 ns" in md
