@@ -377,9 +377,7 @@ class NkiTensor:
                 raise NkiValidationError(f"{op}: vector_offset supports only indirect_dim=0, got {indirect_dim}")
             if not isinstance(vector_offset, NkiTensor) or vector_offset.storage.kind not in ON_CHIP:
                 raise NkiValidationError(f"{op}: vector_offset must be an SBUF tensor (P, 1), got {vector_offset!r}")
-            if vector_offset.shape[0] != shape[0] or vector_offset.size != vector_offset.shape[0]:
-                raise NkiValidationError(f"{op}: vector_offset has shape {list(vector_offset.shape)}, expected "
-                                         f"({shape[0]}, 1): one index per row of the pattern")
+            # shape rules depend on the consumer: dma_copy needs (rows, 1), dma_transpose (16..128, n)
             if not dtypes.is_int(vector_offset.dtype):
                 raise NkiValidationError(f"{op}: vector_offset dtype must be an integer type, got {vector_offset.dtype}")
             ind = Indirect("vector", vector_offset, 0, unit_elems * isz)

@@ -4,12 +4,14 @@ from ..registers import VirtualRegister
 from .common import Instruction as NkiInstruction
 from .enums import (dge_mode, dma_engine, engine, gpsimd_engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd,
                     scalar_engine, tensor_engine, unknown_engine, vector_engine)
-from .dma import dma_copy
+from .dma import dma_compute, dma_copy, dma_transpose
 from .pe import nc_matmul, nc_transpose
 from .act import activation, activation_reduce
-from .dve import (max8, memset, nc_find_index8, nc_match_replace8, reciprocal, scalar_tensor_tensor, select_reduce,
-                  tensor_copy, tensor_copy_predicated, tensor_reduce, tensor_scalar, tensor_tensor)
-from .pool import affine_select, iota, tensor_partition_reduce
+from .dve import (max8, memset, nc_find_index8, nc_match_replace8, nc_stream_shuffle, reciprocal, scalar_tensor_tensor,
+                  select_reduce, tensor_copy, tensor_copy_predicated, tensor_reduce, tensor_scalar, tensor_tensor)
+from .accum import bn_aggr, bn_stats, range_select, tensor_scalar_cumulative, tensor_scalar_reduce, tensor_tensor_scan
+from .pool import (affine_select, iota, local_gather, nc_n_gather, nonzero_with_count, tensor_partition_reduce,
+                   topk)
 from .control import (core_barrier, get_nc_sub_version, get_nc_version, register_alloc, register_load, register_move,
                       register_store, sendrecv)
 
@@ -27,9 +29,10 @@ activate2 = _missing("activate2", _V4)
 exponential = _missing("exponential", _V4 + "; use activation(op=nl.exp, bias=-max)")
 quantize_mx = _missing("quantize_mx", _V4)
 rand2 = _missing("rand2", _V4)
-for _n in ("dma_transpose", "dma_compute", "tensor_scalar_reduce", "tensor_scalar_cumulative", "tensor_tensor_scan",
-           "range_select", "bn_stats", "bn_aggr", "local_gather", "nc_n_gather", "nc_stream_shuffle",
-           "sequence_bounds", "nonzero_with_count", "dropout", "rng", "set_rng_seed", "rand_set_state",
-           "rand_get_state", "topk"):
-    globals()[_n] = _missing(_n)
+_RNG = ("the XORWOW lane-to-element mapping of the hardware PRNG is undocumented, so no CPU stream would match "
+        "trn2; not implemented by nkisim")
+for _n in ("dropout", "rng", "set_rng_seed", "rand_set_state", "rand_get_state"):
+    globals()[_n] = _missing(_n, _RNG)
+sequence_bounds = _missing("sequence_bounds", "not implemented by nkisim: the docstring's numpy reference is truncated "
+                                              "(end-index convention unknown)")
 del _n

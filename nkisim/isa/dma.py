@@ -1,4 +1,4 @@
-"""DMA instructions: dma_copy (ref §5.1, SDK-ISA dma_copy, SDK-DGE)."""
+"""DMA instructions: dma_copy, dma_transpose, dma_compute (ref §5.1, SDK-ISA, SDK-DGE)."""
 import numpy as np
 
 from .. import dtypes
@@ -85,6 +85,10 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
             raise NkiValidationError(f"{op}: vector_offset gather/scatter needs dge_mode=swdge (or unknown), "
                                      f"got {dge_mode}")
         t = dst if vec[0] == "dst" else src
+        vo = t.indirect.index
+        if vo.shape[0] != t.shape[0] or vo.size != vo.shape[0]:
+            raise NkiValidationError(f"{op}: {vec[0]} vector_offset has shape {list(vo.shape)}, expected "
+                                     f"({t.shape[0]}, 1): one index per row of the access pattern")
         if t.buffer not in HBM:
             raise NkiValidationError(f"{op}: the tensor indexed by vector_offset ({vec[0]}) must be in HBM, "
                                      f"got {t.buffer.value}")
@@ -104,62 +108,271 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
     return Instruction(op)
 
 
-def _execute(op, dst, src, oob_mode):
-    s_view, s_addr, s_valid = _resolve(op, "src", src)
-    if s_valid is False:
-        _oob(op, "src", src, oob_mode)
+def read_view(op, name, t, oob_mode):
+    """Values of a (possibly indirect) view in row-major view order, storage dtype of ``t`` ->
+    (values 1-D, per-element validity 1-D or None). Returns (None, None) when a scalar offset is out of
+    bounds and oob_mode=skip (the whole transfer is skipped)."""
+    view, addr, valid = _resolve(op, name, t)
+    if valid is False:
+        _oob(op, name, t, oob_mode)
+        return None, None
+    if valid is not None and not valid.all():
+        _oob(op, name, t, oob_mode)
+    st = t.storage
+    isz = t.itemsize
+    if addr is None:
+        check_written(view, op, name)
+        return raw(view).reshape(-1), None
+    a = np.where(valid, addr, 0)
+    if (a % isz).any():
+        raise NkiValidationError(f"{op}: {name} gather addresses are not aligned to {t.dtype}")
+    if st.written is not None:
+        w = st.written[a[..., None] + np.arange(isz)].all(-1) | ~valid
+        if not w.all():
+            bad = first_unwritten(w[..., None])
+            raise UninitializedReadError(f"{op}: {name} gathers never-written memory of {st.describe()} at "
+                                         f"view element {list(bad)}")
+    return _flat(st, t.dtype)[(a // isz).reshape(-1)], valid.reshape(-1)
+
+
+def write_view(op, name, t, out, valid, oob_mode):
+    """Store ``out`` (1-D, t's storage dtype, view order) into a (possibly indirect) view; elements whose
+    ``valid`` is False are skipped."""
+    view, addr, dvalid = _resolve(op, name, t)
+    if dvalid is False:
+        _oob(op, name, t, oob_mode)
         return
-    d_view, d_addr, d_valid = _resolve(op, "dst", dst)
-    if d_valid is False:
-        _oob(op, "dst", dst, oob_mode)
-        return
-    for nm, t, v in (("src", src, s_valid), ("dst", dst, d_valid)):
-        if v is not None and not v.all():
-            _oob(op, nm, t, oob_mode)
-    sst, dst_st = src.storage, dst.storage
-    isz_s = src.itemsize
-    # ---- read source -------------------------------------------------------------------
-    if s_addr is None:
-        check_written(s_view, op, "src")
-        vals = raw(s_view).reshape(-1)
-        valid = None
+    if dvalid is not None:
+        if not dvalid.all():
+            _oob(op, name, t, oob_mode)
+        valid = dvalid.reshape(-1) if valid is None else (valid & dvalid.reshape(-1))
+    st = t.storage
+    isz = t.itemsize
+    if addr is None:
+        target = raw(view)
+        from ..tensor import mask
+        m = mask(view)
+        if valid is None:
+            target[...] = out.reshape(view.shape)
+            m[...] = True
+        else:
+            vm = valid.reshape(view.shape)
+            np.copyto(target, out.reshape(view.shape), where=vm)
+            m[vm] = True
     else:
-        valid = s_valid.reshape(-1)
-        a = np.where(s_valid, s_addr, 0)
-        if (a % isz_s).any():
-            raise NkiValidationError(f"{op}: src gather addresses are not aligned to {src.dtype}")
-        if sst.written is not None:
-            w = sst.written[a[..., None] + np.arange(isz_s)].all(-1) | ~s_valid
-            if not w.all():
-                bad = first_unwritten(w[..., None])
-                raise UninitializedReadError(f"{op}: src gathers never-written memory of {sst.describe()} at "
-                                             f"view element {list(bad)}")
-        vals = _flat(sst, src.dtype)[(a // isz_s).reshape(-1)]
+        a = addr.reshape(-1)
+        sel = np.ones(a.shape, bool) if valid is None else valid
+        a = a[sel]
+        if (a % isz).any():
+            raise NkiValidationError(f"{op}: {name} scatter addresses are not aligned to {t.dtype}")
+        _flat(st, t.dtype)[a // isz] = out[sel]
+        st.written[a[:, None] + np.arange(isz)] = True
+    st.dirty = True
+
+
+def _execute(op, dst, src, oob_mode):
+    vals, valid = read_view(op, "src", src, oob_mode)
+    if vals is None:
+        return
     if src.dtype == dst.dtype:
         out = vals
     else:
         out = dtypes.cast(vals.astype(np.float32), dst.dtype)     # src -> fp32 -> dst (SDK-ISA)
-    if d_valid is not None:
-        valid = d_valid.reshape(-1) if valid is None else (valid & d_valid.reshape(-1))
-    # ---- write destination -------------------------------------------------------------
-    isz_d = dst.itemsize
-    if d_addr is None:
-        target = raw(d_view)
-        from ..tensor import mask
-        m = mask(d_view)
-        if valid is None:
-            target[...] = out.reshape(d_view.shape)
-            m[...] = True
-        else:
-            vm = valid.reshape(d_view.shape)
-            np.copyto(target, out.reshape(d_view.shape), where=vm)
-            m[vm] = True
+    write_view(op, "dst", dst, out, valid, oob_mode)
+
+
+# ---- dma_transpose (ref §5.1, SDK-ISA) --------------------------------------------------------
+_DMA_T_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_mode=OOB.error, name=None):
+    """Bit-exact permutation by the DMA: 2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D ``(3, 1, 2, 0)``. dst in SBUF, src
+    in HBM or SBUF, equal 2-byte dtypes. With ``src.ap(..., vector_offset=indices)`` (SW-DGE gather-transpose,
+    trn2+): ``flat = indices.T.flatten()[:rows]; dst = transpose(src_rows[flat])`` (SDK-ISA)."""
+    op = "dma_transpose"
+    tensor(op, "dst", dst, (SBUF,), "DMA")
+    tensor(op, "src", src, (SBUF,) + HBM, "DMA", allow_indirect=True)
+    check_enum(op, "dge_mode", dge_mode, DGE)
+    check_enum(op, "oob_mode", oob_mode, OOB)
+    if priority is not None:
+        raise NkiValidationError(f"{op}: priority= is NeuronCore-v4 only, not available on trn2")
+    if src.dtype != dst.dtype:
+        raise NkiValidationError(f"{op}: src dtype {src.dtype} must equal dst dtype {dst.dtype}")
+    if src.itemsize != 2:
+        raise NkiValidationError(f"{op}: dtype {src.dtype} is {src.itemsize} bytes; dma_transpose needs a 2-byte "
+                                 f"dtype (SDK-ISA)")
+    r = src.ndim
+    if r not in _DMA_T_AXES:
+        raise NkiValidationError(f"{op}: src is {r}-D; dma_transpose supports 2-D, 3-D and 4-D tiles")
+    perm = _DMA_T_AXES[r]
+    if axes is not None and tuple(axes) != perm:
+        raise NkiValidationError(f"{op}: axes={tuple(axes)} for a {r}-D src; the supported permutation is {perm} "
+                                 f"(SDK-ISA: (1, 0), (2, 1, 0), (3, 1, 2, 0))")
+    want = tuple(src.shape[a] for a in perm)
+    if tuple(dst.shape) != want:
+        raise NkiValidationError(f"{op}: dst is {list(dst.shape)}, expected {list(want)} (src {list(src.shape)} "
+                                 f"permuted by {perm}; dst rank must equal src rank since NKI 0.4.0)")
+    geom(op, "dst", dst, start_rule=False)
+    ind = src.indirect
+    extra = {}
+    if ind is None:
+        if dge_mode not in (DGE.unknown, DGE.hwdge):
+            raise NkiValidationError(f"{op}: dge_mode={dge_mode.name} is not valid for a direct DMA transpose; "
+                                     f"expected unknown or hwdge (SDK-ISA)")
+        if oob_mode != OOB.error:
+            raise NkiValidationError(f"{op}: oob_mode=skip is only valid when src uses indirect indexing")
+        if src.buffer in (SBUF,):
+            geom(op, "src", src, start_rule=False)
+        if dge_mode == DGE.hwdge:      # HW-DGE direct transpose constraints, NKI 0.6.0 (ref §5.1)
+            s0 = src.shape[0]
+            if r == 2 and s0 != 16:
+                raise NkiValidationError(f"{op}: dge_mode=hwdge 2-D transpose needs src.shape[0] == 16, got {s0}")
+            if r > 2 and (s0 not in (1, 2, 4, 8, 16) or (s0 * src.shape[-2]) % 16):
+                raise NkiValidationError(f"{op}: dge_mode=hwdge {r}-D transpose needs src.shape[0] in (1, 2, 4, 8, 16) "
+                                         f"and src.shape[0] * src.shape[-2] % 16 == 0, got shape {list(src.shape)}")
+            if src.shape[-1] > 128:
+                raise NkiValidationError(f"{op}: dge_mode=hwdge needs src.shape[-1] <= 128, got {src.shape[-1]}")
     else:
-        a = d_addr.reshape(-1)
-        sel = np.ones(a.shape, bool) if valid is None else valid
-        a = a[sel]
-        if (a % isz_d).any():
-            raise NkiValidationError(f"{op}: dst scatter addresses are not aligned to {dst.dtype}")
-        _flat(dst_st, dst.dtype)[a // isz_d] = out[sel]
-        dst_st.written[a[:, None] + np.arange(isz_d)] = True
-    dst_st.dirty = True
+        if ind.kind != "vector":
+            raise NkiValidationError(f"{op}: src uses scalar_offset; dma_transpose supports only vector_offset "
+                                     f"(gather-transpose) indirection")
+        if dge_mode not in (DGE.unknown, DGE.swdge):
+            raise NkiValidationError(f"{op}: an indirect (gather) transpose is lowered to SW-DGE; dge_mode must be "
+                                     f"unknown or swdge, got {dge_mode.name}")
+        idx = ind.index
+        rows = src.shape[0]
+        checks = [
+            (src.buffer in HBM, f"src must be in HBM, got {src.buffer.value}"),
+            (r != 4 or src.shape[1] == 1 or src.shape[2] == 1, f"4-D src needs shape[1] or shape[2] == 1, got {list(src.shape)}"),
+            (src.shape[-1] <= 128, f"src.shape[-1] must be <= 128, got {src.shape[-1]}"),
+            (idx.ndim == 2, f"indices must be 2-D, got {list(idx.shape)}"),
+            (idx.dtype == "uint32", f"indices must be uint32, got {idx.dtype}"),
+            (idx.buffer == SBUF, f"indices must be in SBUF, got {idx.buffer.value}"),
+            (rows % 16 == 0, f"src.shape[0] must be divisible by 16, got {rows}"),
+        ]
+        if idx.ndim == 2:
+            checks += [
+                (idx.shape[0] * idx.shape[1] >= rows, f"indices {list(idx.shape)} hold fewer than src.shape[0]={rows} indices"),
+                (16 <= idx.shape[0] <= 128 and idx.shape[0] % 16 == 0, f"indices.shape[0] must be in [16, 128] and divisible by 16, got {idx.shape[0]}"),
+                (idx.shape[1] == 1 or idx.shape[0] == 128, f"indices.shape[0] must be 128 when indices.shape[1] > 1, got {list(idx.shape)}"),
+            ]
+        for ok, msg in checks:
+            if not ok:
+                raise NkiValidationError(f"{op}: indirect transpose: {msg} (SDK-ISA)")
+        extra["indirect"] = True
+    inst = record(op, "DMA", reads=[("src", src)], writes=[("dst", dst)], dge_mode=dge_mode.name, axes=list(perm),
+                  **extra)
+    if inst.shape_only:
+        return Instruction(op)
+    if ind is None:
+        check_written(src, op, "src")
+        vals = raw(src)
+        from .common import write
+        write(dst, np.ascontiguousarray(np.transpose(vals, perm)), exact=True)
+        return Instruction(op)
+    check_written(ind.index, op, "indices")
+    flat = raw(ind.index).T.reshape(-1)[:src.shape[0]].astype(np.int64)
+    addr = element_addresses(src, flat * ind.unit)
+    st = src.storage
+    ok = ((addr >= 0) & (addr + 2 <= st.nbytes)).reshape(src.shape[0], -1).all(axis=1)
+    if not ok.all():
+        _oob(op, "src", src, oob_mode)
+    valid = np.broadcast_to(ok.reshape((-1,) + (1,) * (src.ndim - 1)), src.shape)
+    a = np.where(valid, addr, 0)
+    if st.written is not None:
+        w = st.written[a[..., None] + np.arange(2)].all(-1) | ~valid
+        if not w.all():
+            raise UninitializedReadError(f"{op}: src gathers never-written memory of {st.describe()} at view element "
+                                         f"{list(first_unwritten(w[..., None]))}")
+    vals = _flat(st, src.dtype)[a // 2]
+    out = np.transpose(vals, perm)
+    keep = np.transpose(valid, perm)
+    target = raw(dst)
+    np.copyto(target, out, where=keep)
+    from ..tensor import mask
+    mask(dst)[keep] = True
+    dst.storage.dirty = True
+    return Instruction(op)
+
+
+# ---- dma_compute (ref §5.1, SDK-ISA) ----------------------------------------------------------
+DMA_COMPUTE_MAX_SRCS = 16
+
+
+def _same_view(a, b):
+    return (a.storage is b.storage and a.shape == b.shape and a.bstrides == b.bstrides and a.boffset == b.boffset
+            and a.dtype == b.dtype)
+
+
+def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=OOB.error, name=None):
+    """``dst = srcs[0] + srcs[1] + ...`` computed by the DMA engines in fp32 (only ``nl.add``, all scales 1.0,
+    at most 16 sources, equal element counts), plus the two read-modify-write forms with a ``vector_offset``:
+    scatter ``dst(HBM)[idx] += src(SBUF)`` and gather ``dst(SBUF) += src(HBM)[idx]`` (SDK-ISA dma_compute)."""
+    op = "dma_compute"
+    from .. import ops as _ops
+    if _ops.get(reduce_op, op, "reduce_op").name != "add":
+        raise NkiValidationError(f"{op}: reduce_op must be nl.add (the only supported operation), got {reduce_op!r}")
+    check_enum(op, "oob_mode", oob_mode, OOB)
+    if not isinstance(srcs, (list, tuple)) or not srcs:
+        raise TypeError(f"{op}: srcs must be a non-empty list of tensors, got {srcs!r}")
+    srcs = list(srcs)
+    if len(srcs) > DMA_COMPUTE_MAX_SRCS:
+        raise NkiValidationError(f"{op}: {len(srcs)} sources, at most {DMA_COMPUTE_MAX_SRCS}")
+    if scales is not None:
+        if len(scales) != len(srcs) or any(float(x) != 1.0 for x in scales):
+            raise NkiValidationError(f"{op}: scales must be None or one 1.0 per source (other scales are not "
+                                     f"supported yet), got {scales!r}")
+    for nm, t in [("dst", dst)] + [(f"srcs[{i}]", t) for i, t in enumerate(srcs)]:
+        if isinstance(t, NkiTensor) and t.buffer == PSUM:
+            raise NkiValidationError(f"{op}: {nm} is in psum; DMA engines cannot access PSUM")
+        tensor(op, nm, t, (SBUF,) + HBM, "DMA", allow_indirect=True)
+        if t.indirect is not None and t.indirect.kind != "vector":
+            raise NkiValidationError(f"{op}: {nm} uses scalar_offset; dma_compute needs compile-time addresses "
+                                     f"except for vector_offset read-modify-write")
+        if t.size != dst.size:
+            raise NkiValidationError(f"{op}: {nm} has {t.size} elements, dst has {dst.size}; element counts must match")
+    vec = [i for i, t in enumerate(srcs) if t.indirect is not None]
+    mode = "elementwise"
+    if dst.indirect is not None or vec:
+        if len(srcs) != 2:
+            raise NkiValidationError(f"{op}: read-modify-write with vector_offset needs exactly 2 sources, got {len(srcs)}")
+        if not unique_indices:
+            raise NkiValidationError(f"{op}: unique_indices=False (non-unique scatter indices) is not supported yet")
+        if dst.indirect is not None:       # scatter RMW: dst(HBM)[idx] = dst[idx] + src(SB)
+            m = [i for i, t in enumerate(srcs) if t.indirect is not None and _same_view(t, dst)
+                 and t.indirect.index is dst.indirect.index]
+            if dst.buffer not in HBM or len(m) != 1 or srcs[1 - m[0]].buffer != SBUF or srcs[1 - m[0]].indirect:
+                raise NkiValidationError(f"{op}: scatter read-modify-write needs dst in HBM with vector_offset, one "
+                                         f"source equal to dst (same .ap and indices) and the other in SBUF")
+            mode = "scatter_rmw"
+        else:                              # gather RMW: dst(SB) = dst + src(HBM)[idx]
+            if dst.buffer != SBUF or len(vec) != 1 or srcs[vec[0]].buffer not in HBM or \
+                    not _same_view(srcs[1 - vec[0]], dst):
+                raise NkiValidationError(f"{op}: gather read-modify-write needs dst in SBUF, one source in HBM with "
+                                         f"vector_offset and the other source equal to dst")
+            mode = "gather_rmw"
+        for t in [dst] + srcs:
+            if t.indirect is not None:
+                vo = t.indirect.index
+                if vo.shape[0] != t.shape[0] or vo.size != vo.shape[0]:
+                    raise NkiValidationError(f"{op}: vector_offset has shape {list(vo.shape)}, expected "
+                                             f"({t.shape[0]}, 1)")
+    for nm, t in [("dst", dst)] + [(f"srcs[{i}]", t) for i, t in enumerate(srcs)]:
+        if t.buffer == SBUF and t.indirect is None:
+            geom(op, nm, t, start_rule=False)
+    inst = record(op, "DMA", reads=[(f"srcs[{i}]", t) for i, t in enumerate(srcs)], writes=[("dst", dst)],
+                  reduce_op="add", mode=mode, n_srcs=len(srcs))
+    if inst.shape_only:
+        return Instruction(op)
+    acc, valid = None, None
+    for i, t in enumerate(srcs):
+        v, ok = read_view(op, f"srcs[{i}]", t, oob_mode)
+        if v is None:
+            return Instruction(op)
+        v = v.astype(np.float32)
+        acc = v if acc is None else (acc + v).astype(np.float32)
+        if ok is not None:
+            valid = ok if valid is None else valid & ok
+    out = dtypes.cast(acc, dst.dtype)
+    write_view(op, "dst", dst, out, valid, oob_mode)
+    return Instruction(op)

@@ -494,3 +494,49 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
         allones = 0xFFFFFFFF if dst_idx.dtype == "uint32" else np.iinfo(dtypes.storage(dst_idx.dtype)).max
         write(dst_idx, np.where(idx < 0, allones, idx))
     return Instruction(w)
+
+
+# ---- nc_stream_shuffle (ref §5.7, SDK-ISA) ----------------------------------------------------
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
+    """Cross-partition move inside each 32-partition quadrant: ``dst[q*32 + i] = src[q*32 + mask[i]]``;
+    ``mask[i] == 255`` leaves dst partition i unchanged; the same 32-element mask serves every quadrant."""
+    w = "nc_stream_shuffle"
+    for nm, t in (("dst", dst), ("src", src)):
+        tensor(w, nm, t, ON_CHIP, "DVE")
+    if src.dtype != dst.dtype:
+        raise NkiValidationError(f"{w}: dst dtype {dst.dtype} must equal src dtype {src.dtype}")
+    s0, sp, sf = geom(w, "src", src, start_rule=False)
+    d0, dp, df = geom(w, "dst", dst, start_rule=False)
+    if sf != df:
+        raise NkiValidationError(f"{w}: src has {sf} elements per partition but dst has {df}; they must match")
+    active = -(-max(sp, dp) // 32) * 32
+    legal = {128: (0,), 96: (0,), 64: (0, 64), 32: (0, 32, 64, 96)}[active]
+    for nm, st in (("src", s0), ("dst", d0)):
+        if st not in legal:
+            raise NkiValidationError(f"{w}: {nm} starts at partition {st}; with {active} active partitions the start "
+                                     f"partition must be one of {legal} (SDK-ISA nc_stream_shuffle)")
+    try:
+        mask_l = [int(m) for m in shuffle_mask]
+    except (TypeError, ValueError):
+        raise TypeError(f"{w}: shuffle_mask must be a list of 32 ints, got {shuffle_mask!r}") from None
+    if len(mask_l) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask_l):
+        raise NkiValidationError(f"{w}: shuffle_mask must have 32 entries in 0..31 or 255 (keep), got {mask_l}")
+    pairs = []            # (dst partition, src partition) relative to each tensor's first partition
+    for q in range(active // 32):
+        for i, m in enumerate(mask_l):
+            di = q * 32 + i
+            if m == 255 or di >= dp:
+                continue
+            si = q * 32 + m
+            if si >= sp:
+                raise NkiValidationError(f"{w}: shuffle_mask[{i}]={m} selects src partition {si} but src has only "
+                                         f"{sp} partitions")
+            pairs.append((di, si))
+    inst = record(w, "DVE", reads=[("src", src)], writes=[("dst", dst)], mask=mask_l)
+    if inst.shape_only or not pairs:
+        return Instruction(w)
+    x = [read_raw(w, "src", src[si:si + 1]).copy() for _, si in pairs]     # read all first (in-place allowed)
+    for (d, _), vals in zip(pairs, x):
+        row = dst[d:d + 1]
+        write(row, vals.reshape(row.shape), exact=True)
+    return Instruction(w)

@@ -32,6 +32,63 @@ def _bank_check(op, dst):
                                  f"PSUM bank boundary; a matmul output must stay inside one PSUM bank (SDK-ARCH)")
 
 
+FP8_DOUBLE_ROW = ("float8_e4m3", "float8_e5m2")    # trn2 double-row FP8 inputs (SDK-ISA nc_matmul, SDK-TRN2)
+
+
+def _psum_word_check(op, dst):
+    """PSUM is written in 4-byte words (KLR psum_min_align = 4): a PE write of a sub-word per partition fails
+    the verifier (trn2-costs.md: 'Transposing into a bf16 PSUM tile ... fails the verifier at T=1 (2-byte
+    sub-word PSUM write)')."""
+    per = dst.size // dst.shape[0] * dst.itemsize
+    if per % hw.PSUM_MIN_ALIGN:
+        raise NkiValidationError(f"{op}: dst {dst.describe()} receives {per} B per partition; PE writes to PSUM must be "
+                                 f"whole {hw.PSUM_MIN_ALIGN}-byte words (a 2-byte dst needs an even free size)")
+
+
+def _transpose_mode(op, dst, stationary, moving, accumulate, perf_mode):
+    """nc_matmul(is_transpose=True): bit-accurate PE transpose (v3+). moving must be a permutation (normally
+    the identity) [K, K]; dst[m, n] = stationary[k(n), m]. fp32/bf16/fp16 inputs give a dst of the same dtype;
+    fp8 inputs give 16-bit PSUM elements whose upper 8 bits are zero (SDK-TRN2 "Built-in Transpose Support")."""
+    if perf_mode != matmul_perf_mode.none:
+        raise NkiValidationError(f"{op}: is_transpose=True cannot be combined with perf_mode=double_row (SDK-TRN2)")
+    if accumulate:
+        raise NkiValidationError(f"{op}: is_transpose=True is a bit-accurate data move; accumulate=True is not "
+                                 f"possible (inference: transpose mode writes PSUM in the input precision)")
+    K, M = stationary.shape[0], stationary.size // stationary.shape[0]
+    N = moving.size // moving.shape[0]
+    if moving.shape[0] != K or N != K:
+        raise NkiValidationError(f"{op}: is_transpose=True needs moving to be a [K, K] = [{K}, {K}] identity matrix, "
+                                 f"got {list(moving.shape)}")
+    if stationary.dtype in ("float8_e4m3", "float8_e5m2"):
+        if dst.itemsize != 2:
+            raise NkiValidationError(f"{op}: FP8 transpose writes 16-bit PSUM elements (upper 8 bits zero); dst must be "
+                                     f"a 2-byte dtype, got {dst.dtype}")
+    elif dst.dtype != stationary.dtype:
+        raise NkiValidationError(f"{op}: is_transpose=True keeps the dtype: dst must be {stationary.dtype} like "
+                                 f"stationary, got {dst.dtype}")
+    if dst.shape[0] != M or dst.size // dst.shape[0] != K:
+        raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [{M}, {K}] for stationary {list(stationary.shape)}")
+    return K, M
+
+
+def _double_row(op, stationary, moving, tile_size):
+    """perf_mode=double_row (v3+): both inputs fp8 e4m3/e5m2, shapes [K, 2, M] and [K, 2, N...], contraction
+    over (partition, pair): dst[m, n] = sum_{p,j} stat[p, j, m] * mov[p, j, n] (SDK-ISA, SDK-TRN2)."""
+    for nm, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype not in FP8_DOUBLE_ROW:
+            raise NkiValidationError(f"{op}: perf_mode=double_row needs float8_e4m3/float8_e5m2 operands on trn2, "
+                                     f"{nm} is {t.dtype}")
+        if t.ndim < 3 or t.shape[1] != 2:
+            raise NkiValidationError(f"{op}: perf_mode=double_row needs {nm} shaped [K, 2, ...] (the first free dim "
+                                     f"is 2 and part of the contraction), got {list(t.shape)}")
+    if stationary.ndim != 3:
+        raise NkiValidationError(f"{op}: perf_mode=double_row needs stationary [K, 2, M], got {list(stationary.shape)}")
+    if tile_size and tile_size[1] != 128:
+        raise NkiValidationError(f"{op}: perf_mode=double_row cannot be combined with column tiling "
+                                 f"(tile_size={tile_size})")
+    return stationary.shape[2], moving.size // (moving.shape[0] * 2)
+
+
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
               accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
     op = "nc_matmul"
@@ -39,20 +96,17 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     tensor(op, "moving", moving, (SBUF,), "PE")
     tensor(op, "dst", dst, (PSUM,), "PE")
     check_enum(op, "perf_mode", perf_mode, matmul_perf_mode)
-    if perf_mode != matmul_perf_mode.none:
-        raise NotImplementedError(f"{op}: perf_mode=double_row is not implemented by nkisim yet")
-    if is_transpose:
-        raise NotImplementedError(f"{op}: is_transpose=True is not implemented by nkisim; use nisa.nc_transpose")
     if accumulate not in (None, True, False):
         raise TypeError(f"{op}: accumulate must be None, True or False, got {accumulate!r}")
-    ks, _, M = geom(op, "stationary", stationary)
-    km, _, N = geom(op, "moving", moving)
+    geom(op, "stationary", stationary)
+    geom(op, "moving", moving)
     geom(op, "dst", dst)
     K = stationary.shape[0]
     if K != moving.shape[0]:
         raise NkiValidationError(f"{op}: stationary has {K} partitions (contraction K) but moving has "
                                  f"{moving.shape[0]}; both must share the partition (contraction) dim")
     kmax, mmax = hw.GEMM_CONTRACT_MAX, hw.GEMM_STATIONARY_FMAX
+    tile_size, tile_position = tuple(tile_size), tuple(tile_position)
     if tile_size or tile_position:
         if len(tile_size) != 2 or len(tile_position) != 2:
             raise NkiValidationError(f"{op}: tile_position and tile_size must both be (row, col) pairs, got "
@@ -62,13 +116,6 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                 raise NkiValidationError(f"{op}: tile_size {tile_size} / tile_position {tile_position} invalid: sizes "
                                          f"in (32, 64, 128), positions multiples of the size within 128")
         kmax, mmax = tile_size
-    if K > kmax:
-        raise NkiValidationError(f"{op}: stationary has {K} partitions, the contraction (partition) dim is at most {kmax}")
-    if M > mmax:
-        raise NkiValidationError(f"{op}: stationary has {M} free elements (M), at most {mmax} (gemm_stationary_fmax)")
-    if N > hw.GEMM_MOVING_FMAX:
-        raise NkiValidationError(f"{op}: moving has {N} free elements (N), at most {hw.GEMM_MOVING_FMAX} on trn2 "
-                                 f"(gemm_moving_fmax, one PSUM bank)")
     for nm, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype not in MATMUL_IN:
             extra = " (float8_e4m3fn is NeuronCore-v4 only; use float8_e4m3 on trn2)" if t.dtype == "float8_e4m3fn" else ""
@@ -77,21 +124,46 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if (stationary.dtype in _FP32ISH) != (moving.dtype in _FP32ISH):
         raise NkiValidationError(f"{op}: fp32/tf32 operands must pair with fp32/tf32, got stationary "
                                  f"{stationary.dtype} and moving {moving.dtype}")
-    if dst.dtype != "float32":
-        raise NkiValidationError(f"{op}: dst dtype must be float32 on trn2 (PSUM accumulates fp32), got {dst.dtype}")
-    if dst.shape[0] != M or dst.size // dst.shape[0] != N:
-        raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [M={M} partitions, N={N} elements per "
-                                 f"partition] for stationary {list(stationary.shape)} and moving {list(moving.shape)}")
+    double = perf_mode == matmul_perf_mode.double_row
+    if is_transpose:
+        N, M = _transpose_mode(op, dst, stationary, moving, accumulate, perf_mode)
+        _psum_word_check(op, dst)
+    elif double:
+        M, N = _double_row(op, stationary, moving, tile_size)
+    else:
+        M = stationary.size // K
+        N = moving.size // K
+    if K > kmax:
+        raise NkiValidationError(f"{op}: stationary has {K} partitions, the contraction (partition) dim is at most {kmax}")
+    if M > mmax:
+        raise NkiValidationError(f"{op}: stationary has {M} free elements (M), at most {mmax} (gemm_stationary_fmax)")
+    if N > hw.GEMM_MOVING_FMAX:
+        raise NkiValidationError(f"{op}: moving has {N} free elements (N), at most {hw.GEMM_MOVING_FMAX} on trn2 "
+                                 f"(gemm_moving_fmax, one PSUM bank)")
+    if not is_transpose:
+        if dst.dtype != "float32":
+            raise NkiValidationError(f"{op}: dst dtype must be float32 on trn2 (PSUM accumulates fp32), got {dst.dtype}")
+        if dst.shape[0] != M or dst.size // dst.shape[0] != N:
+            raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [M={M} partitions, N={N} elements per "
+                                     f"partition] for stationary {list(stationary.shape)} and moving {list(moving.shape)}")
     _bank_check(op, dst)
+    extra = {"perf_mode": perf_mode.name} if double else {}
+    if is_transpose:
+        extra["is_transpose"] = True
     inst = record(op, "PE", reads=[("stationary", stationary), ("moving", moving)], writes=[("dst", dst)],
-                  K=K, M=M, N=N, accumulate=accumulate)
+                  K=K * (2 if double else 1), M=M, N=N, accumulate=accumulate, **extra)
     if inst.shape_only:
         return Instruction(op)
+    if is_transpose:
+        return _run_transpose(op, dst, stationary, moving, K, M)
     S, Mv = read(op, "stationary", stationary), read(op, "moving", moving)
     if stationary.dtype == "tfloat32":
         S = _tf32(S)
     if moving.dtype == "tfloat32":
         Mv = _tf32(Mv)
+    if double:      # contraction over (partition, pair) -> 2K rows
+        S = S.reshape(K * 2, M)
+        Mv = Mv.reshape(K * 2, N)
     res = np.matmul(S.T, Mv, dtype=np.float32)
     st = dst.storage
     written = mask(dst).all(-1).reshape(M, N)
@@ -120,6 +192,27 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         res = np.where(acc, old + res, res)
     write(dst, res, mm=True)
     return Instruction(op)
+
+
+def _run_transpose(op, dst, stationary, moving, K, M):
+    mv = read(op, "moving", moving)
+    ones = mv == 1.0
+    if not (((mv == 0.0) | ones).all() and (ones.sum(axis=0) == 1).all()):
+        raise NkiValidationError(f"{op}: is_transpose=True: moving {moving.describe()} is not an identity/permutation "
+                                 f"matrix (one 1.0 per column, zeros elsewhere); transpose mode is a data move, not "
+                                 f"a general matmul")
+    src_row = np.argmax(ones, axis=0)                 # dst column n comes from stationary row src_row[n]
+    a = read_raw(op, "stationary", stationary)        # [K, M] storage values, bit-exact
+    t = np.ascontiguousarray(a[src_row].T)            # [M, K]
+    if stationary.itemsize == 1:                      # fp8 -> 16-bit elements, upper 8 bits zero
+        t = t.view(np.uint8).astype(np.uint16).view(dtypes_storage(dst.dtype))
+    write(dst, t.reshape(dst.shape), exact=True, mm=False)
+    return Instruction(op)
+
+
+def dtypes_storage(name):
+    from .. import dtypes
+    return dtypes.storage(name)
 
 
 def nc_transpose(dst, data, engine=E.unknown, name=None):
@@ -154,6 +247,7 @@ def nc_transpose(dst, data, engine=E.unknown, name=None):
                                  f"(free dims flattened, then transposed)")
     if eng == "PE":
         _bank_check(op, dst)
+        _psum_word_check(op, dst)
     inst = record(op, eng, reads=[("data", data)], writes=[("dst", dst)])
     if inst.shape_only:
         return Instruction(op)
