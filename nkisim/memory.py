@@ -168,6 +168,7 @@ class HbmAccount:
 
     def __init__(self, kind, capacity):
         self.kind, self.capacity, self.used, self.lock = kind, capacity, 0, threading.Lock()
+        self.peak = 0
 
     def allocate(self, size, name):
         with self.lock:
@@ -175,6 +176,7 @@ class HbmAccount:
                 raise AllocationError(f"nl.ndarray: cannot allocate '{name}' ({size:,} B) in {self.kind.value}: "
                                       f"{self.used:,} of {self.capacity:,} B in use")
             self.used += size
+            self.peak = max(self.peak, self.used)
 
     def free(self, size):
         with self.lock:

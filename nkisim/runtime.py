@@ -89,8 +89,17 @@ class World:
         self.instances = [i for L in self.ranks for i in L.instances]
         for g, i in enumerate(self.instances):
             i.gid = g
+        self.trace_rec = {"kernel": kernel_name, "tp": tp, "lnc": lnc, "shape_only": shape_only}
         for t in self.traces:
-            t.launches.append({"kernel": kernel_name, "tp": tp, "lnc": lnc, "shape_only": shape_only})
+            t.launches.append(self.trace_rec)
+
+    def record_memory(self):
+        """High-water marks, for the trace: on-chip bytes per partition (highest allocated address), HBM bytes."""
+        if self.traces:
+            self.trace_rec["memory"] = [
+                {"rank": i.rank, "inst": i.pid, "sbuf_peak_bytes_per_partition": i.sbuf.peak,
+                 "psum_peak_bytes_per_partition": i.psum.peak, "private_hbm_peak_bytes": i.private_hbm.peak,
+                 "shared_hbm_peak_bytes": i.launch.shared_hbm.peak} for i in self.instances]
 
     def name(self, inst):
         return f"rank {inst.launch.rank} core {inst.pid}" if self.tp > 1 else f"instance {inst.pid}"
@@ -302,6 +311,7 @@ def run(world, fn, per_rank_args, per_rank_kwargs):
             return [fn(*per_rank_args[0], **per_rank_kwargs[0])]
         finally:
             _local.inst = prev
+            world.record_memory()
     results = {}
     threads = [threading.Thread(target=_run_instance,
                                 args=(world, i, fn, per_rank_args[i.rank], per_rank_kwargs[i.rank], results),
@@ -314,6 +324,7 @@ def run(world, fn, per_rank_args, per_rank_kwargs):
         if t.is_alive():
             _timeout(world, threads)
             break
+    world.record_memory()
     if world.aborted is not None:
         raise world.aborted
     return [results.get(L.instances[0].gid) for L in world.ranks]

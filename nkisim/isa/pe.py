@@ -150,6 +150,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     extra = {"perf_mode": perf_mode.name} if double else {}
     if is_transpose:
         extra["is_transpose"] = True
+    if tile_size:
+        extra["tile_position"], extra["tile_size"] = list(tile_position), list(tile_size)
     inst = record(op, "PE", reads=[("stationary", stationary), ("moving", moving)], writes=[("dst", dst)],
                   K=K * (2 if double else 1), M=M, N=N, accumulate=accumulate, **extra)
     if inst.shape_only:

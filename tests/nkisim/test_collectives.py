@@ -506,7 +506,11 @@ def test_trace_records_collectives(rng):
         assert c["participants"] == [[k, c["core"]] for k in range(4)]
         by_core.setdefault(c["core"], set()).add(c["id"])
     assert all(len(ids) == 1 for ids in by_core.values()) and by_core[0] != by_core[1]
-    assert tr.launches[-1] == {"kernel": "hbm_collective", "tp": 4, "lnc": 2, "shape_only": False}
+    L = tr.launches[-1]
+    assert {k: L[k] for k in ("kernel", "tp", "lnc", "shape_only")} == {"kernel": "hbm_collective", "tp": 4, "lnc": 2,
+                                                                         "shape_only": False}
+    assert [(m["rank"], m["inst"]) for m in L["memory"]] == [(r, c) for r in range(4) for c in range(2)]
+    assert all(m["shared_hbm_peak_bytes"] >= 3 * 8 * 16 * 4 for m in L["memory"])
 
 
 def test_shape_only_multi_rank_trace_equals_execution(rng):

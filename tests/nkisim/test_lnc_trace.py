@@ -141,3 +141,23 @@ def test_shape_only_big_args_allocate_nothing():
         out = tiled_matmul(nkisim.ShapeDtype((128, 128), "bfloat16"), nkisim.ShapeDtype((128, 512), "bfloat16"))
     assert out == nkisim.ShapeDtype((128, 512), "bfloat16") and big.shape[0] == 1 << 20
     assert [r["op"] for r in tr.instructions].count("nc_matmul") == 1
+
+
+def test_summary_function_and_cli(rng, tmp_path, capsys):
+    from nkisim import summary
+    x = rng.standard_normal((256, 64)).astype(F32)
+    with nkisim.trace.capture() as tr:
+        softmax[2](x)
+    path = tmp_path / "t.json"
+    tr.to_json(str(path))
+    s = summary.summarize(str(path))
+    assert set(s["instances"]) == {"r0c0", "r0c1"}
+    c0 = s["instances"]["r0c0"]
+    assert c0["instructions"] == sum(c0["by_engine"].values()) == len(tr.by_instance(0))
+    assert c0["by_op"]["ACT.activation"] >= 1
+    assert c0["dma"]["hbm->sbuf"]["bytes"] == 128 * 64 * 4
+    assert 0 < c0["sbuf_peak_bytes_per_partition"] <= nkisim.hw.SBUF_PARTITION_BYTES
+    assert summary.summarize(tr) == s
+    assert summary.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "instructions per engine" in out and "r0c1" in out and "hbm->sbuf" in out
