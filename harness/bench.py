@@ -47,7 +47,7 @@ def _variant_table(est, acceptance, top=6):
 
 
 def _family_table(fams):
-    lines = ["per-family kernels (one rank, LNC=2, shape-only real shapes):",
+    lines = ["per-family kernels (one rank, LNC=2, real shapes; trace = shape-only, executed = run on demo data):",
              f"  {'kernel':16s} {'source':9s} {'us':>10s} {'HBM MB':>9s} {'GB/s':>7s} {'instr':>7s}  "
              f"{'PE%':>5s} {'ACT%':>5s} {'DVE%':>5s} {'POOL%':>5s} {'DMA%':>5s}  top critical-path item"]
     for (f, T), c in sorted(fams.items()):
@@ -57,7 +57,7 @@ def _family_table(fams):
             b = p.engine_busy_pct()
             top = p.critical[0] if p.critical else None
             tops = f"{top[0] / 1e3:.1f} us {top[2]} {top[3]} {top[1]}" if top else ""
-            lines.append(f"  {f + ' T=' + str(T):16s} {'trace':9s} {c.latency_ns / 1e3:>10,.1f} "
+            lines.append(f"  {f + ' T=' + str(T):16s} {c.source:9s} {c.latency_ns / 1e3:>10,.1f} "
                          f"{c.hbm_bytes_per_rank / 1e6:>9,.2f} {gbps:>7,.0f} {p.n_instructions:>7d}  "
                          f"{b['PE']:>5.1f} {b['ACT']:>5.1f} {b['DVE']:>5.1f} {b['POOL']:>5.1f} {b['DMA']:>5.1f}  {tops}")
         else:
@@ -97,7 +97,8 @@ def cmd_predict(a):
     from model.config import preset
 
     BENCH.mkdir(exist_ok=True)
-    out = {"acceptance": a.acceptance, "model": a.model, "tp": a.tp, "pe_throttle": a.pe_throttle}
+    out = {"acceptance": a.acceptance, "model": a.model, "tp": a.tp, "pe_throttle": a.pe_throttle,
+           "shape_only": bool(a.shape_only)}
     if a.trace:
         preds = []
         for path in a.trace:
@@ -120,7 +121,8 @@ def cmd_predict(a):
     def progress(fam, T):
         bar.set_postfix_str(f"{fam} T={T}")
         bar.update(1)
-    fams = compose.family_costs(cfg, tp=a.tp, pe_throttle=a.pe_throttle, progress=progress)
+    execute = () if a.shape_only else compose.EXECUTE_DEFAULT
+    fams = compose.family_costs(cfg, tp=a.tp, pe_throttle=a.pe_throttle, progress=progress, execute=execute)
     bar.close()
     variants = [compose.compose_layerwise(cfg, fams, tp=a.tp)]
     mk = compose.megakernel_round(cfg, tp=a.tp, pe_throttle=a.pe_throttle)
@@ -183,6 +185,9 @@ def main(argv=None):
     p.add_argument("--pe-throttle", action="store_true", help="scale PE by the measured 1.69x throttle")
     p.add_argument("--trace", nargs="*", help="predict these saved nkisim trace JSON files instead")
     p.add_argument("--stages", default="function", help="stage tags for --trace: file | function | loc")
+    p.add_argument("--shape-only", action="store_true",
+                   help="trace every family shape-only (MoE then shows its minimum traffic: all tokens on the same "
+                        "k experts); by default MoE executes on its demo data to show one block per distinct expert")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(fn=cmd_predict)
     c = sub.add_parser("calibrate", help="model vs the published per-op measurements (trn2-costs.md)")

@@ -86,9 +86,11 @@ def round_plan(cfg):
 
 
 # ---- per-family traces -------------------------------------------------------------------------
-def trace_family(cfg, family, T, tp=C.TP_RANKS, dtype="bfloat16"):
-    """Trace ``nki_kernels.<family>.demo_args(cfg, tp, T, dtype, shape_only=True)``; None if the family
-    (or its demo_args) does not exist yet."""
+def trace_family(cfg, family, T, tp=C.TP_RANKS, dtype="bfloat16", shape_only=True):
+    """Trace ``nki_kernels.<family>.demo_args(cfg, tp, T, dtype, shape_only)``; None if the family (or its
+    demo_args) does not exist yet. ``shape_only=False`` executes on the demo's data: needed where the
+    traffic is data-dependent (MoE: a shape-only trace reads register values as 0, so all T tokens pick
+    the same k experts -- the minimum traffic; executing shows one block per distinct expert)."""
     import nkisim
     try:
         mod = importlib.import_module(f"nki_kernels.{family}")
@@ -97,7 +99,7 @@ def trace_family(cfg, family, T, tp=C.TP_RANKS, dtype="bfloat16"):
     demo = getattr(mod, "demo_args", None)
     if demo is None:
         return None
-    kernel, args = demo(cfg, tp=tp, T=T, dtype=dtype, shape_only=True)
+    kernel, args = demo(cfg, tp=tp, T=T, dtype=dtype, shape_only=shape_only)
     with nkisim.trace.capture() as tr:
         if isinstance(args, list):                          # per-rank argument tuples: a multi-rank launch
             nkisim.launch(kernel, args, tp=len(args))
@@ -117,8 +119,13 @@ class FamilyCost:
     error: str | None = None
 
 
-def family_costs(cfg, tp=C.TP_RANKS, dtype="bfloat16", pe_throttle=False, progress=None):
-    """{(family, T): FamilyCost} for every (family, T) of the round plan."""
+EXECUTE_DEFAULT = ("moe",)     # families traced on data (data-dependent traffic), see trace_family
+
+
+def family_costs(cfg, tp=C.TP_RANKS, dtype="bfloat16", pe_throttle=False, progress=None,
+                 execute=EXECUTE_DEFAULT):
+    """{(family, T): FamilyCost} for every (family, T) of the round plan; families in ``execute`` are
+    traced executing on their demo data instead of shape-only."""
     out = {}
     keys = sorted({(c.family, c.T) for c in round_plan(cfg)})
     for fam, T in keys:
@@ -127,13 +134,14 @@ def family_costs(cfg, tp=C.TP_RANKS, dtype="bfloat16", pe_throttle=False, progre
         tr, err = None, None
         if fam != "mtp_fc":
             try:
-                tr = trace_family(cfg, fam, T, tp=tp, dtype=dtype)
+                tr = trace_family(cfg, fam, T, tp=tp, dtype=dtype, shape_only=fam not in execute)
             except Exception as e:      # a family under construction: report it, stand in for it
                 err = f"{type(e).__name__}: {e}"
                 tr = None
         if tr is not None and tr.instructions:
             p = predict(tr, stages="function", name=f"{fam} T={T}", pe_throttle=pe_throttle)
-            out[(fam, T)] = FamilyCost(fam, T, p.latency_ns, p.hbm_bytes / p.n_ranks, "trace", p)
+            src = "executed" if fam in execute else "trace"
+            out[(fam, T)] = FamilyCost(fam, T, p.latency_ns, p.hbm_bytes / p.n_ranks, src, p)
         else:
             b = analytic_bytes(cfg, fam, T, tp=tp)
             t = C.DMA_SMALL_LATENCY_NS + b / C.HBM_BW_PER_RANK * 1e9
@@ -220,6 +228,9 @@ def compose_layerwise(cfg, fam_costs, tp=C.TP_RANKS):
              f"inside each kernel, TP all-reduce after each mixer/MoE)")
     if stand:
         label += "; stand-ins (bytes/bandwidth) for " + ", ".join(stand)
+    ex = sorted({f for (f, T), c in fam_costs.items() if c.source == "executed"})
+    if ex:
+        label += "; executed on demo data (data-dependent traffic): " + ", ".join(ex)
     return RoundEstimate("layerwise (composed)", total, label, dict(stage_ns), dict(part_ns), hbm,
                          sorted(((v, w) for w, v in bott.items()), reverse=True), dict(fam_costs))
 

@@ -117,6 +117,10 @@ class DependencyBuilder:
             lo, hi = reg["bytes"]
             if hi <= lo:
                 continue
+            m = d.get(q)
+            if m is not None and len(d) == 1:          # fast path: one partition range on this buffer
+                m.read(lo, hi, idx, stream, deps)
+                continue
             found = False
             for pr, m in d.items():
                 if pr == q:
@@ -132,6 +136,11 @@ class DependencyBuilder:
             d, q = self._maps(reg, core)
             lo, hi = reg["bytes"]
             if hi <= lo:
+                continue
+            m = d.get(q)
+            if m is not None and len(d) == 1:
+                m.collect_write(lo, hi, deps)
+                m.write(lo, hi, idx)
                 continue
             for pr, m in d.items():
                 if self._overlaps(pr, q):

@@ -2,6 +2,7 @@
 and bandwidth, idle time, critical-path contributors, stage split)."""
 from __future__ import annotations
 
+import gc
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -147,6 +148,16 @@ def predict(trace, stages=None, name="trace", pe_throttle=False, physical_deps=F
     pe_throttle: scale PE durations by the measured 1.69x throttle. physical_deps: key on-chip hazards
     by physical address (nkisim's first-fit placement) instead of buffer id."""
     recs = instructions_of(trace)
+    gc_was = gc.isenabled()
+    gc.disable()            # millions of small acyclic objects: the cyclic GC only costs time here
+    try:
+        return _predict(recs, stages, name, pe_throttle, physical_deps)
+    finally:
+        if gc_was:
+            gc.enable()
+
+
+def _predict(recs, stages, name, pe_throttle, physical_deps):
     P = build(recs, pe_throttle=pe_throttle, physical_deps=physical_deps)
     T = simulate(P)
     stage_of = resolver(stages)
