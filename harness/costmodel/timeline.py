@@ -26,6 +26,7 @@ from . import costs
 from .deps import DependencyBuilder
 
 K_COMPUTE, K_DMA, K_SYNC = 0, 1, 2
+REGISTER_WRITERS = frozenset({"register_load", "register_move", "rank_id"})
 EV_FINISH, EV_ISSUED, EV_PIPE = 0, 1, 2
 
 
@@ -72,6 +73,8 @@ def build(recs, pe_throttle=False, physical_deps=False) -> Program:
         return s
 
     dma_rr = [0] * len(cores)
+    last_reg = [None] * len(cores)     # latest register-writing instruction per core
+    last_int = [None] * len(cores)     # latest instruction writing an integer on-chip tile per core
     act_group = [None] * len(cores)
     counters = {}                    # rendezvous occurrence counters
     group_id = {}
@@ -153,6 +156,19 @@ def build(recs, pe_throttle=False, physical_deps=False) -> Program:
         if op in costs.BARRIER_OPS:
             writes = reads          # a barrier fences its `data` tensor: later accesses wait for it
         deps = builder.access(i, s, ci, reads, writes)
+        # Dynamic addressing (workaround: the trace names neither registers nor vector_offset index tiles).
+        # A scalar-offset access waits for the core's latest register write (SP register ops run in order);
+        # a vector-offset gather/scatter waits for the core's latest write of an integer on-chip tile.
+        ind = {reg.get("indirect") for reg in reads} | {reg.get("indirect") for reg in writes}
+        if "scalar" in ind and last_reg[ci] is not None:
+            deps.add(last_reg[ci])
+        if "vector" in ind and last_int[ci] is not None:
+            deps.add(last_int[ci])
+        if op in REGISTER_WRITERS:
+            last_reg[ci] = i
+        dts = rec.get("dtypes", {})
+        if any(w.get("part") and dts.get(w.get("arg"), "").startswith(("int", "uint")) for w in writes):
+            last_int[ci] = i
         st = P.stream
         if gkey is not None:        # members of one rendezvous never wait for each other
             g = P.groups[i]

@@ -266,3 +266,23 @@ def test_bench_predict_on_a_saved_trace_and_calibrate(tmp_path, monkeypatch, cap
     assert bench.main(["calibrate"]) == 0
     md = (tmp_path / "costmodel_calibration.md").read_text()
     assert "ACT_TABLE_LOAD" in md and "13,331 ns" in md
+
+
+def test_dynamic_offsets_wait_for_their_register_and_index_tile():
+    """The trace names neither registers nor vector_offset index tiles: a scalar-offset DMA waits for the
+    core's latest register write, a gather for the core's latest integer tile write (documented workaround)."""
+    sb = lambda buf, lo, hi: {"arg": "dst", "buf": buf, "mem": "sbuf", "part": [0, 1], "bytes": [lo, hi]}
+    hbm = lambda kind: {"arg": "src", "buf": 9, "mem": "shared_hbm", "indirect": kind, "bytes": [0, 1 << 20]}
+    recs = [
+        _rec(0, "DVE", "iota", writes=[sb(1, 0, 8)], shapes={"dst": [1, 2]}, dtypes={"dst": "int32"}),
+        _rec(0, "SP", "register_load", reads=[{**sb(1, 0, 4), "arg": "src"}]),
+        _rec(0, "DMA", "dma_copy", reads=[hbm("scalar")], writes=[sb(2, 0, 256)],
+             bytes={"shared_hbm": {"read": 256, "write": 0}}),
+        _rec(0, "DMA", "dma_copy", reads=[hbm("vector")], writes=[sb(3, 0, 256)],
+             bytes={"shared_hbm": {"read": 256, "write": 0}}),
+    ]
+    p = costmodel.predict(recs)
+    T = p.timeline
+    assert T.start[2] == pytest.approx(T.finish[1])       # after the register load
+    assert T.start[3] == pytest.approx(T.finish[0])       # after the index tile (int32) was written
+    assert T.finish[1] == pytest.approx(dve_ns(2) + C.SP_INSTR_NS)
