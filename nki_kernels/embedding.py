@@ -56,6 +56,17 @@ def load_token_ids(ids):
     return ids_sb
 
 
+def token_ids_from_best(best):
+    """The in-kernel seam from the LM head to the embedding: ``best`` SBUF ``[T, 2]`` float32
+    (value, global index) from ``collectives.argmax_combine`` -> SBUF ``[T, 1]`` int32 ids (exact: the
+    indices are integers < 2^24; fp32 -> int32 conversion rounds to nearest). Such ids are in ``[0, V)``
+    by construction, so no host check is needed for them."""
+    T = best.shape[0]
+    ids_sb = nl.ndarray((T, 1), nl.int32, buffer=nl.sbuf, name="greedy_ids")
+    nisa.tensor_copy(dst=ids_sb, src=best[:, 1:2])
+    return ids_sb
+
+
 def embedding_body(table, ids_sb):
     """Body: gather rows ``ids_sb`` of ``table`` into the residual.
 

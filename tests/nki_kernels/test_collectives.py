@@ -18,6 +18,7 @@ from model.config import preset
 from model.params import random_params
 from model.tp import embed_head as eh
 from nki_kernels import collectives as cc
+from nki_kernels import embedding as emb
 from nki_kernels import lm_head as lm
 
 F32 = np.float32
@@ -79,6 +80,22 @@ def lm_head_greedy_kernel(xT, w, rg):
     local = lm.lm_head_argmax_body(xs, w[pid], index_base=0)
     g = cc.argmax_combine(local, vc, rg)
     nisa.dma_copy(dst=out[pid], src=g)
+    return out
+
+
+@nki.jit
+def greedy_then_embed_kernel(xT, w, table, rg):
+    """The D1 -> verify seam without a host round trip: LM head on 8 cores, packed combine, then the
+    embedding of the chosen token, all in one launch."""
+    lnc, pid = _lnc()
+    Pp, KT, T = xT.shape
+    vc = w.shape[2] // KT
+    out = nl.ndarray((lnc, T, table.shape[1]), table.dtype, buffer=nl.shared_hbm, name="seam_out")
+    xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xs, src=xT)
+    best = cc.argmax_combine(lm.lm_head_argmax_body(xs, w[pid]), vc, rg)
+    x = emb.embedding_body(table, emb.token_ids_from_best(best))
+    nisa.dma_copy(dst=out[pid], src=x)
     return out
 
 
@@ -212,6 +229,25 @@ def test_lm_head_greedy_crafted_cross_core_ties():
         for r in range(4):
             for c in range(2):
                 assert outs[r][c][:, 1].tolist() == want and outs[r][c][:, 0].tolist() == [9.0] * 3
+
+
+def test_greedy_token_feeds_the_embedding_in_kernel():
+    cfg = preset("tiny")
+    p = random_params(cfg, seed=13, dtype=torch.bfloat16, include_mtp=False)
+    h = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    table = p["model.embed_tokens.weight"]
+    per_rank = [(lm.xT_layout(h), lm.rank_lm_head_layout([eh.shard_lm_head(p, cfg, 2 * r + c) for c in range(2)]),
+                 table) for r in range(4)]
+    outs = _launch(greedy_then_embed_kernel, per_rank, 4, 2)
+    tv, ti = eh.lm_head_argmax(p, cfg, h)
+    ref = eh.core_logits(h, eh.lm_head_weight(p, cfg))
+    for t in range(2):
+        rows = (table == outs[0][0][t]).all(-1).nonzero()[:, 0]      # which token's row arrived
+        k = int(rows[0])
+        assert k == int(ti[t]) or ref[t, k] >= tv[t] - 2.0 ** -7 * abs(float(tv[t]))   # or a one-ulp near-tie
+    for r in range(4):
+        for c in range(2):
+            assert torch.equal(outs[r][c], outs[0][0])
 
 
 def test_one_collective_per_reduction_in_the_trace():
