@@ -159,16 +159,23 @@ def build(recs, pe_throttle=False, physical_deps=False) -> Program:
         # Dynamic addressing (workaround: the trace names neither registers nor vector_offset index tiles).
         # A scalar-offset access waits for the core's latest register write (SP register ops run in order);
         # a vector-offset gather/scatter waits for the core's latest write of an integer on-chip tile.
-        ind = {reg.get("indirect") for reg in reads} | {reg.get("indirect") for reg in writes}
-        if "scalar" in ind and last_reg[ci] is not None:
-            deps.add(last_reg[ci])
-        if "vector" in ind and last_int[ci] is not None:
-            deps.add(last_int[ci])
+        if kind == K_DMA:
+            for reg in (*reads, *writes):
+                ind = reg.get("indirect")
+                if ind == "scalar" and last_reg[ci] is not None:
+                    deps.add(last_reg[ci])
+                elif ind == "vector" and last_int[ci] is not None:
+                    deps.add(last_int[ci])
         if op in REGISTER_WRITERS:
             last_reg[ci] = i
-        dts = rec.get("dtypes", {})
-        if any(w.get("part") and dts.get(w.get("arg"), "").startswith(("int", "uint")) for w in writes):
-            last_int[ci] = i
+        if writes:
+            dts = rec.get("dtypes")
+            if dts:
+                for w in writes:
+                    dt = dts.get(w.get("arg"))
+                    if dt and dt[0] in "iu" and "part" in w:      # int*/uint* on-chip tile
+                        last_int[ci] = i
+                        break
         st = P.stream
         if gkey is not None:        # members of one rendezvous never wait for each other
             g = P.groups[i]
