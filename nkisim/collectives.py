@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .runtime import QUIET
+
 from . import dtypes, ops
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
 from .isa.common import Instruction, read_raw, record, write
@@ -246,7 +248,7 @@ def _fold(o, arrays, dtype):
             acc = o.fn(acc, a.astype(np.int64))
         return acc
     acc = arrays[0].astype(F32)
-    with np.errstate(all="ignore"):
+    with QUIET:
         for a in arrays[1:]:
             acc = np.asarray(o.fn(acc, a.astype(F32)), dtype=F32)
     return acc

@@ -47,7 +47,7 @@ def _next_id():
 class Storage:
     """One allocation. ``data``/``written`` are None in shape-only mode."""
     __slots__ = ("id", "kind", "name", "shape", "dtype", "nbytes", "row_bytes", "partitions", "address",
-                 "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "__weakref__")
+                 "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "full", "__weakref__")
 
     def __init__(self, kind, shape, dtype, name="", with_data=True, owner=None, fill=True):
         self.id = _next_id()
@@ -71,6 +71,7 @@ class Storage:
         self.is_input = False
         self.named = False            # an explicit name= (collective HBM operands need one, see collectives.py)
         self.cc = False               # operand of a collective (may then not be a kernel output)
+        self.full = False             # every byte written (monotonic: written bits are never cleared)
         self.mm = None
         if with_data:
             self.data = np.empty(self.nbytes, dtype=np.uint8)

@@ -11,6 +11,7 @@ When no instance can proceed (every unfinished instance waits at a synchronisati
 else will reach) the launch fails at once with a message naming every waiter and what it waits
 for; a wall-clock ``timeout`` covers instances that never reach a synchronisation point at all.
 """
+import contextlib
 import os
 import sys
 import threading
@@ -18,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import hw, trace
+from . import blas, hw, trace
 from .errors import LaunchAborted, NkiValidationError
 from .memory import (PSUM, SBUF, PRIVATE_HBM, SHARED_HBM, HbmAccount, RangeAllocator, Storage,
                      attach_release)
@@ -44,15 +45,26 @@ def current_or_none():
     return getattr(_local, "inst", None)
 
 
+_BASENAMES = {}     # code filename -> basename, or None for nkisim's own files
+
+
 def call_site():
     """file:line of the innermost frame outside nkisim (the kernel line that issued the op)."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+    while f is not None:
+        fn = f.f_code.co_filename
+        b = _BASENAMES.get(fn, 0)
+        if b == 0:
+            b = _BASENAMES[fn] = None if fn.startswith(_PKG_DIR) else os.path.basename(fn)
+        if b is not None:
+            return f"{b}:{f.f_lineno}"
         f = f.f_back
-    if f is None:
-        return "?"
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+    return "?"
 
+
+# Engines compute in IEEE fp32 where overflow/NaN are values, not errors: every launch runs its kernel under
+# np.errstate(all="ignore") (thread-local), so instructions need no per-op errstate (which costs ~10 us each).
+QUIET = contextlib.nullcontext()
 
 DEFAULT_TIMEOUT = float(os.environ.get("NKISIM_TIMEOUT", "600"))   # seconds of wall clock per launch
 
@@ -290,7 +302,8 @@ def _run_instance(world, inst, fn, args, kwargs, results):
     exc = None
     try:
         world.start(inst)
-        results[inst.gid] = fn(*args, **kwargs)
+        with blas.single_thread(), np.errstate(all="ignore"):
+            results[inst.gid] = fn(*args, **kwargs)
     except LaunchAborted:
         pass
     except BaseException as e:    # noqa: BLE001 -- reported by the launcher
@@ -308,7 +321,8 @@ def run(world, fn, per_rank_args, per_rank_kwargs):
         prev = getattr(_local, "inst", None)
         _local.inst = inst
         try:
-            return [fn(*per_rank_args[0], **per_rank_kwargs[0])]
+            with blas.single_thread(), np.errstate(all="ignore"):
+                return [fn(*per_rank_args[0], **per_rank_kwargs[0])]
         finally:
             _local.inst = prev
             world.record_memory()

@@ -9,6 +9,8 @@ SDK-ISA notes on each of them.
 """
 import numpy as np
 
+from ..runtime import QUIET
+
 from .. import dtypes, hw, ops
 from ..errors import NkiValidationError
 from ..memory import ON_CHIP
@@ -30,7 +32,7 @@ def _dve(w, *named):
 
 
 def _apply2(o, a, b):
-    with np.errstate(all="ignore"):
+    with QUIET:
         return np.asarray(o.fn(a, b), dtype=F32)
 
 
@@ -310,7 +312,7 @@ def bn_aggr(dst, data, name=None):
     t = read(w, "data", data).reshape(P, F // 3, 3)
     cnt, mean, m2 = t[..., 0], t[..., 1], t[..., 2]
     n = np.sum(cnt, axis=1, dtype=F32)
-    with np.errstate(all="ignore"):
+    with QUIET:
         mu = np.where(n > 0, np.sum(cnt * mean, axis=1, dtype=F32) / n, F32(0)).astype(F32)
         tot = np.sum(m2 + cnt * np.square(mean - mu[:, None]), axis=1, dtype=F32)
         var = np.where(n > 0, tot / n, F32(0)).astype(F32)

@@ -3,6 +3,8 @@ import warnings
 
 import numpy as np
 
+from ..runtime import QUIET
+
 from .. import hw, ops
 from ..errors import NkiValidationError
 from ..memory import ON_CHIP
@@ -66,7 +68,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     x = x * s
     if bkind is not None:
         x = x + column_values(opn, "bias", bkind, bias)
-    with np.errstate(all="ignore"):
+    with QUIET:
         out = np.asarray(o.act(x), dtype=np.float32)
     lanes = slice(start, start + P)
     if reduce_op is not None:

@@ -43,6 +43,9 @@ def tensor(op, name, t, mems=ON_CHIP, eng=None, allow_indirect=False):
 
 def geom(op, name, t, start_rule=True):
     """(absolute start partition, partition count, free elements per partition) of an on-chip view."""
+    g = t._geom
+    if g is not None and (g[3] or not start_rule):
+        return g[:3]
     st = t.storage
     n = t.shape[0]
     if n > hw.PMAX:
@@ -62,6 +65,7 @@ def geom(op, name, t, start_rule=True):
             f"partition in {hw.legal_start_partitions(n)} for {n} partitions (SDK-ARCH start-partition rule; "
             f"switch: nkisim.hw.ENFORCE_START_PARTITION)")
     free = t.size // n if n else 0
+    t._geom = (start, n, free, start_rule and hw.ENFORCE_START_PARTITION)
     return start, n, free
 
 
@@ -132,7 +136,8 @@ def write_where(t, cond, values):
 
 def mark(t, mm=False):
     st = t.storage
-    mask(t)[...] = True
+    if not st.full:
+        mask(t)[...] = True
     st.dirty = True
     if st.mm is not None:
         mask(t, st.mm)[...] = mm
@@ -162,27 +167,29 @@ def column_values(op, name, kind, x):
 
 
 # ---- trace -------------------------------------------------------------------------------------
+_MEMNAME = {k: k.value for k in (SBUF, PSUM) + HBM}     # enum .value is a slow descriptor
 def region(t, name):
     st = t.storage
-    r = {"arg": name, "buf": st.id, "mem": st.kind.value, "name": st.name,
-         "inst": st.owner if st.kind.value != "shared_hbm" else None}
+    mem = _MEMNAME[st.kind]
+    r = {"arg": name, "buf": st.id, "mem": mem, "name": st.name, "inst": st.owner if mem != "shared_hbm" else None}
+    onchip = mem in ("sbuf", "psum")
+    isz = t.itemsize
     if t.indirect is not None:
         r["indirect"] = t.indirect.kind
-        if st.kind in ON_CHIP:
+        if onchip:
             r["part"] = [st.address[0], st.partitions]
             r["bytes"] = [st.address[1], st.address[1] + st.row_bytes]
         else:
             r["bytes"] = [0, st.nbytes]
         return r
-    lo, hi = _extent(t.boffset, t.shape, t.bstrides, t.itemsize)
-    if st.kind in ON_CHIP:
+    if onchip:
         R = st.row_bytes
         p0 = t.boffset // R if R else 0
-        lo2, hi2 = _extent(t.boffset - p0 * R, t.shape[1:], t.bstrides[1:], t.itemsize)
+        lo2, hi2 = _extent(t.boffset - p0 * R, t.shape[1:], t.bstrides[1:], isz)
         r["part"] = [st.address[0] + p0, t.shape[0]]
         r["bytes"] = [st.address[1] + lo2, st.address[1] + hi2]
     else:
-        r["bytes"] = [lo, hi]
+        r["bytes"] = list(_extent(t.boffset, t.shape, t.bstrides, isz))
     return r
 
 
@@ -202,7 +209,7 @@ def record(op, eng, reads=(), writes=(), **extra):
                 continue
             shapes[name] = list(t.shape)
             dts[name] = t.dtype
-            m = moved.setdefault(t.buffer.value, {"read": 0, "write": 0})
+            m = moved.setdefault(_MEMNAME[t.storage.kind], {"read": 0, "write": 0})
             m[key] += t.size * t.itemsize
             out.append(region(t, name))
     rec = {"inst": inst.pid, "engine": eng, "op": op, "loc": call_site(), "shapes": shapes, "dtypes": dts,

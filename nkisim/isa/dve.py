@@ -2,6 +2,8 @@
 (ref §5.4-§5.6, §5.8; SDK-ISA)."""
 import numpy as np
 
+from ..runtime import QUIET
+
 from .. import dtypes, hw, ops
 from ..errors import NkiValidationError
 from ..memory import ON_CHIP, PSUM, SBUF
@@ -93,7 +95,7 @@ def tensor_tensor(dst, data1, data2, op, engine=E.unknown, name=None):
     elif eng == "POOL" and ints and o.kind == "arith" and o.name != "divide":
         write(dst, o.fn(a.astype(np.int64), b.astype(np.int64)))      # GpSimd native int32 (ref §8)
     else:
-        with np.errstate(all="ignore"):
+        with QUIET:
             write(dst, np.asarray(o.fn(a.astype(F32), b.astype(F32)), dtype=F32))
     return Instruction(w)
 
@@ -164,7 +166,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         write(dst, _from_bits(x, dst).reshape(dst.shape), exact=True)
         return Instruction(w)
     x = read(w, "data", data)
-    with np.errstate(all="ignore"):
+    with QUIET:
         for o, (k, v), rev in ((o0, kinds[0], reverse0), (o1, kinds[1], reverse1)):
             if o is None:
                 continue
@@ -193,7 +195,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
         return Instruction(w)
     x = read(w, "data", data)
     y = read(w, "operand1", operand1)
-    with np.errstate(all="ignore"):
+    with QUIET:
         t = np.asarray(_apply(o0, x, column_values(w, "operand0", k0, v0), reverse0), dtype=F32)
         r = np.asarray(_apply(o1, t, y, reverse1), dtype=F32)
     write(dst, r)
@@ -321,7 +323,7 @@ def reciprocal(dst, data, name=None):
     inst = record(w, "DVE", reads=[("data", data)], writes=[("dst", dst)])
     if inst.shape_only:
         return Instruction(w)
-    with np.errstate(all="ignore"):
+    with QUIET:
         write(dst, F32(1) / read(w, "data", data))
     return Instruction(w)
 

@@ -6,7 +6,7 @@ import numpy as np
 from .. import hw
 from ..errors import NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
-from ..tensor import _extent, mask, raw
+from ..tensor import _extent, elem_mask, mask, raw
 from .common import Instruction, check_enum, geom, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
 
@@ -166,10 +166,10 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if double:      # contraction over (partition, pair) -> 2K rows
         S = S.reshape(K * 2, M)
         Mv = Mv.reshape(K * 2, N)
-    res = np.matmul(S.T, Mv, dtype=np.float32)
+    res = np.matmul(S.T, Mv)          # fp32 x fp32 -> fp32 through BLAS sgemm (a dtype= argument bypasses BLAS)
     st = dst.storage
-    written = mask(dst).all(-1).reshape(M, N)
-    mm = mask(dst, st.mm).all(-1).reshape(M, N)
+    written = elem_mask(dst).reshape(M, N)
+    mm = elem_mask(dst, st.mm).reshape(M, N)
     if accumulate is None:
         acc = mm
         if (written & ~mm).any():
