@@ -1,0 +1,302 @@
+"""Gated GQA attention kernel (nki_kernels/attention.py) vs its PyTorch twin (model/tp/attention.attention_rank).
+
+Every case runs the twin and the kernel on the same rank weights, normed input and caches, and compares the
+sum of the kernel's per-core partials with the twin's fp32 partial, plus the caches.
+
+Tolerances (|kernel - twin| <= tol * max|twin|, elementwise):
+
+* float32: tol = 1e-4. Both sides compute the same math in fp32; only summation orders differ (2048-term
+  projections, up to 4096-key softmax sums and PV, 1024-term o_proj) plus the order of the scale fold
+  (exp(scale*s - m) vs softmax(scale*s)). Measured <= 1.2e-5 at the real shapes; 1e-4 leaves ~8x margin while
+  an error of one lost key (>= 1/4096 of the mass) or a dropped d-tile is far larger.
+* bfloat16: tol = 1.5e-2 (2^-6) and mean error <= 2e-3. The kernel rounds the softmax probabilities to bf16
+  for the PV matmul (2^-9 relative each, the twin keeps fp32), and a projection or normed value can land one
+  bf16 ulp (2^-8) away when its fp32 accumulation order differs, which then propagates through norm, RoPE,
+  softmax and the bf16 rounding of o before the 1024-term o_proj. Measured max 5.5e-3, mean ~5e-4.
+* KV rows: the new rows are bit-identical in bf16 (the same bf16 roundings of the same values; 1-ulp flips
+  would show up here and are allowed for, see above, but none occur at these seeds); in fp32 within
+  1e-4 * max|row| (a 2048-term fp32 projection summed in another order: worst case ~n*2^-24 = 1.2e-4 relative,
+  measured 3.5e-5); every other row is bit-identical (never written).
+
+Default suite: tiny shapes over T, positions and LNC, a few real per-rank shapes; the long sweep is slow.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import nkisim
+from model import functional as fn
+from model.config import preset
+from model.params import expected_shapes, random_params
+from model.tp.attention import attention_rank, shard_attention
+from nki_kernels import attention as att
+
+TINY, REAL = "tiny", "qwen3.6-35b-a3b"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}
+MEAN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+
+
+@functools.lru_cache(maxsize=None)
+def _params(name, dtype):
+    """Canonical params of one attention layer (tiny: the full random model; real: that layer only)."""
+    cfg = preset(name)
+    pre = f"model.layers.{cfg.full_layers[0]}"
+    if name == TINY:
+        return cfg, pre, random_params(cfg, seed=0, dtype=dtype, include_mtp=False)
+    g = torch.Generator().manual_seed(0)
+    params = {}
+    for k, shp in expected_shapes(cfg, include_mtp=False).items():
+        if k.startswith(pre + ".self_attn"):
+            t = 0.1 * torch.randn(shp, generator=g) if len(shp) == 1 else torch.randn(shp, generator=g) / shp[-1] ** 0.5
+            params[k] = t.to(dtype)
+    return cfg, pre, params
+
+
+def _shard(name, dtype, rank, edit=None):
+    cfg, pre, params = _params(name, dtype)
+    sh = shard_attention(params, pre, cfg, rank, 4)
+    if edit is not None:
+        sh = edit(dict(sh))
+    return cfg, sh
+
+
+def _case(name, dtype, T, p, lnc, rank=0, L=None, kv_tile=att.KV_TILE, seed=1, poison=False, edit=None,
+          max_context=None):
+    """Run twin and kernel; returns (cfg, kernel partials [lnc, T, H], twin [T, H], caches before/after)."""
+    cfg, sh = _shard(name, dtype, rank, edit)
+    g = torch.Generator().manual_seed(seed)
+    L = L or max(kv_tile, -(-(p + T + 3) // 128) * 128)
+    D = cfg.head_dim
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
+    k0 = torch.randn(1, L, D, generator=g).to(dtype)
+    v0 = torch.randn(1, L, D, generator=g).to(dtype)
+    if poison:      # rows past the valid prefix: never read unmasked, must not leak
+        k0[:, p + T:] = float("nan")
+        v0[:, p + T:] = float("nan")
+    kt, vt = k0.clone(), v0.clone()
+    want = attention_rank(sh, x, (kt, vt), p, cfg)
+    kk, vk = k0.clone(), v0.clone()
+    got = att.run_attention(att.attention_layout(sh), x, kk, vk, p, cfg, lnc=lnc, kv_tile=kv_tile,
+                            max_context=max_context)
+    return cfg, got, want, (k0, v0), (kt, vt), (kk, vk)
+
+
+def _check(dtype, got, want, T, H, lnc):
+    assert got.shape == (lnc, T, H) and got.dtype == torch.float32
+    y = got.sum(0)
+    assert torch.isfinite(y).all() and y.abs().max() > 0
+    scale = want.abs().max().item()
+    err = (y - want).abs()
+    assert err.max().item() <= TOL[dtype] * scale, f"max err {err.max().item():.3e} vs scale {scale:.3e}"
+    assert err.mean().item() <= MEAN_TOL[dtype] * scale
+    if lnc == 2:    # both cores contribute (their heads' o_proj columns)
+        assert (got[0] != 0).any() and (got[1] != 0).any()
+    return err.max().item() / scale
+
+
+def _check_caches(dtype, p, T, before, twin, kern):
+    for b, t, k in zip(before, twin, kern):
+        # rows outside p..p+T-1: untouched, bit for bit (NaN poison included)
+        assert torch.equal(k[:, :p].view(torch.int16) if dtype == torch.bfloat16 else k[:, :p],
+                           b[:, :p].view(torch.int16) if dtype == torch.bfloat16 else b[:, :p])
+        rest_k = k[:, p + T:].contiguous().view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        rest_b = b[:, p + T:].contiguous().view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        assert torch.equal(rest_k, rest_b)
+        new_k, new_t = k[:, p:p + T].float(), t[:, p:p + T].float()
+        if dtype == torch.bfloat16:
+            assert torch.equal(new_k, new_t)
+        else:
+            assert ((new_k - new_t).abs() <= 1e-4 * new_t.abs().max()).all()
+
+
+# ---- tiny shapes: positions x T x LNC x dtype ---------------------------------------------------------------
+TINY_CASES = [(1, 0), (2, 1), (4, 127), (2, 128), (3, 129), (1, 600), (2, 1100)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("T,p", TINY_CASES)
+def test_tiny_parity(T, p, lnc, dtype):
+    cfg, got, want, before, twin, kern = _case(TINY, dtype, T, p, lnc, rank=2)
+    _check(dtype, got, want, T, cfg.hidden_size, lnc)
+    _check_caches(dtype, p, T, before, twin, kern)
+
+
+@pytest.mark.parametrize("T,p,kv_tile", [(2, 300, 128), (4, 256, 128), (1, 383, 128), (3, 1021, 256)])
+def test_tiny_small_tiles(T, p, kv_tile):
+    """Smaller KV tiles: head tile + several runtime-loop iterations, tile boundaries at p."""
+    cfg, got, want, before, twin, kern = _case(TINY, torch.float32, T, p, 2, kv_tile=kv_tile)
+    _check(torch.float32, got, want, T, cfg.hidden_size, 2)
+    _check_caches(torch.float32, p, T, before, twin, kern)
+
+
+@pytest.mark.parametrize("p", [0, 5, 700])
+def test_poisoned_rows_beyond_prefix(p):
+    """NaN in every cache row >= p+T (the head tile reads some of them when p < kv_tile): output finite and
+    correct, the NaN rows untouched."""
+    dtype = torch.bfloat16
+    cfg, got, want, before, twin, kern = _case(TINY, dtype, 2, p, 2, poison=True, L=1024)
+    _check(dtype, got, want, 2, cfg.hidden_size, 2)
+    _check_caches(dtype, p, 2, before, twin, kern)
+
+
+# ---- real per-rank shapes (H 2048, 4 query heads, 1 KV head, D 256) -------------------------------------------
+@pytest.mark.parametrize("dtype,T,p,lnc,rank", [
+    (torch.bfloat16, 2, 129, 2, 2),
+    (torch.float32, 1, 0, 2, 0),
+    (torch.bfloat16, 4, 128, 1, 3),
+    (torch.float32, 4, 4096, 2, 1),
+])
+def test_real_parity(dtype, T, p, lnc, rank):
+    cfg, got, want, before, twin, kern = _case(REAL, dtype, T, p, lnc, rank=rank)
+    _check(dtype, got, want, T, cfg.hidden_size, lnc)
+    _check_caches(dtype, p, T, before, twin, kern)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("p", [0, 1, 127, 128, 129, 4096])
+def test_real_sweep(p, T, lnc, dtype):
+    cfg, got, want, before, twin, kern = _case(REAL, dtype, T, p, lnc, rank=p % 4)
+    _check(dtype, got, want, T, cfg.hidden_size, lnc)
+    _check_caches(dtype, p, T, before, twin, kern)
+
+
+def test_split_k_both_dtiles_accumulated():
+    """kernel-algorithms §6 item 10: with the query confined to one 128-dim half (the other half's q weights
+    zeroed), the scores come from one d-tile only; parity in both cases proves both d-tiles of the split-K
+    QK^T are accumulated, and the two results differ (each half matters)."""
+    outs = []
+    for half in (0, 1):
+        def edit(sh, half=half):
+            q = sh["q_proj"].clone().reshape(4, 2, 256, -1)
+            q[:, 0, half * 128:(half + 1) * 128] = 0        # query rows of that d-half, every head
+            sh["q_proj"] = q.reshape(sh["q_proj"].shape)
+            return sh
+        cfg, got, want, *_ = _case(REAL, torch.float32, 2, 200, 2, edit=edit)
+        _check(torch.float32, got, want, 2, cfg.hidden_size, 2)
+        outs.append(want)
+    assert (outs[0] - outs[1]).abs().max() > 1e-2 * outs[0].abs().max()
+
+
+def test_large_logits_softmax_stability():
+    """q/k norm weights x24 -> |scaled logits| in the hundreds (exp would overflow fp32 without the max)."""
+    def edit(sh):
+        sh["q_norm"] = sh["q_norm"] * 0 + 23.0
+        sh["k_norm"] = sh["k_norm"] * 0 + 23.0
+        return sh
+    cfg, sh = _shard(TINY, torch.float32, 0, edit)
+    q = torch.randn(3, cfg.head_dim)
+    q = fn.rms_norm(q, sh["q_norm"], 1e-6)
+    assert q.abs().max() * q.abs().max() / cfg.head_dim ** 0.5 > 100     # the logit scale reached
+    cfg, got, want, before, twin, kern = _case(TINY, torch.float32, 3, 700, 2, edit=edit)
+    _check(torch.float32, got, want, 3, cfg.hidden_size, 2)
+
+
+# ---- structure: bytes read, compile-time context specialisation, demo -----------------------------------------
+def _weight_reads(tr, names):
+    reads = {}
+    for r in tr.instructions:
+        if r["op"] != "dma_copy":
+            continue
+        for reg in r["reads"]:
+            if reg["name"] in names:
+                reads[reg["name"]] = reads.get(reg["name"], 0) + r["bytes"]["shared_hbm"]["read"]
+    return reads
+
+
+@pytest.mark.parametrize("T,lnc", [(1, 2), (4, 2), (4, 1)])
+def test_every_weight_byte_read_once(T, lnc):
+    """Shape-only trace at real shapes: over the launch (both cores) each weight tensor is read exactly once,
+    whatever T; the KV cache reads are the context's rows (2 caches x p rows), nothing else."""
+    cfg = preset(REAL)
+    kernel, args = att.demo_args(cfg, T=T, shape_only=True, context=1536)
+    if lnc == 1:
+        kernel = att.attention_kernel
+    with nkisim.trace.capture() as tr:
+        kernel(*args)
+    names = {f"arg{i}": a for i, a in enumerate(args[:11])}
+    reads = _weight_reads(tr, set(names))
+    for i, nm in ((1, "wqg"), (2, "wk"), (3, "wv"), (4, "wo"), (5, "norm_w")):
+        a = args[i]
+        nbytes = int(np.prod(a.shape)) * (4 if a.dtype == "float32" else 2)
+        want = nbytes if nm != "norm_w" else None
+        if want is not None:
+            assert reads[f"arg{i}"] == want, f"{nm}: read {reads[f'arg{i}']} B, holds {want} B"
+    row = cfg.head_dim * 2
+    assert reads["arg8"] == reads["arg9"] == lnc * 1536 * row         # every core reads rows 0..p-1 once
+
+
+def test_max_context_specialisation_matches_and_traces_like_data_run():
+    """max_context = N: same results as the general kernel for p in N's tile bucket, and the shape-only trace
+    of the specialised kernel has the instruction mix of a data launch at p = N."""
+    for p in (700, 1000):      # bucket of N = 900 with kv_tile 512: one full tile + a head tile
+        cfg, got, want, *_ = _case(TINY, torch.float32, 2, p, 2, max_context=900)
+        _check(torch.float32, got, want, 2, cfg.hidden_size, 2)
+    cfg = preset(TINY)
+    kernel, args = att.demo_args(cfg, tp=4, T=2, shape_only=False, context=900, dtype="float32")
+    with nkisim.trace.capture() as data_tr:
+        kernel(*args)
+    kernel, args = att.demo_args(cfg, tp=4, T=2, shape_only=True, context=900, dtype="float32")
+    with nkisim.trace.capture() as shape_tr:
+        kernel(*args)
+    assert shape_tr.summary() == data_tr.summary()
+
+
+def test_demo_args_real_shape_only():
+    cfg = preset(REAL)
+    kernel, args = att.demo_args(cfg, T=2, shape_only=True, context=4096)
+    with nkisim.trace.capture() as tr:
+        kernel(*args)
+    s = tr.summary()
+    assert s[("DMA", "sendrecv")] == 2 and s[("PE", "nc_matmul")] > 0
+    mem = tr.launches[0]["memory"]
+    assert all(m["sbuf_peak_bytes_per_partition"] < 212_984 for m in mem)
+
+
+# ---- host helpers and argument checks --------------------------------------------------------------------------
+def test_rope_tables_match_functional():
+    for cfg in (preset(TINY), preset(REAL)):
+        c, s = att.rope_tables(4093, 4, cfg.rotary_dim, cfg.rope_theta)
+        c2, s2 = fn.rope_cos_sin(torch.arange(4093, 4097), cfg.rotary_dim, cfg.rope_theta)
+        # same fp32 angles; numpy's and torch's fp32 cos/sin may differ in the last bit
+        np.testing.assert_allclose(c, c2.numpy(), rtol=0, atol=2.5e-7)
+        np.testing.assert_allclose(s, s2.numpy(), rtol=0, atol=2.5e-7)
+
+
+def test_layout_deinterleaves_query_and_gate():
+    cfg, sh = _shard(TINY, torch.float32, 1)
+    lay = att.attention_layout(sh)
+    D, hq = cfg.head_dim, sh["num_heads"]
+    q = sh["q_proj"].numpy()
+    for h in range(hq):
+        np.testing.assert_array_equal(lay["wqg"][:, 0, h, :], q[h * 2 * D:h * 2 * D + D].T)
+        np.testing.assert_array_equal(lay["wqg"][:, 1, h, :], q[h * 2 * D + D:(h + 1) * 2 * D].T)
+    np.testing.assert_array_equal(lay["wo"], sh["o_proj"].numpy().T)
+    np.testing.assert_allclose(lay["norm_w"][0], 1 + sh["q_norm"].numpy())
+
+
+def test_argument_errors():
+    cfg, sh = _shard(TINY, torch.float32, 0)
+    lay = att.attention_layout(sh)
+    x = torch.randn(2, cfg.hidden_size)
+    kc = np.zeros((1, 256, cfg.head_dim), np.float32)
+    with pytest.raises(ValueError, match="shorter than one KV tile"):
+        att.run_attention(lay, x, kc, kc.copy(), 0, cfg, lnc=1)
+    kc = np.zeros((1, 512, cfg.head_dim), np.float32)
+    with pytest.raises(ValueError, match="kv_tile"):
+        att.run_attention(lay, x, kc, kc.copy(), 0, cfg, lnc=1, kv_tile=384)
+    with pytest.raises(ValueError, match="1..4"):
+        att.run_attention(lay, torch.randn(5, cfg.hidden_size), kc, kc.copy(), 0, cfg, lnc=1)
+    bad = dict(lay, norm_w=lay["norm_w"].astype(np.float16))
+    with pytest.raises(ValueError, match="norm_w"):
+        att.run_attention(bad, x, kc, kc.copy(), 0, cfg, lnc=1)
+    with pytest.raises(ValueError, match="one KV head"):
+        att.attention_layout(dict(sh, num_kv_heads=2))
