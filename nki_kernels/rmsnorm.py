@@ -56,10 +56,8 @@ def rmsnorm_weight_layout(w):
 
 def _check_x(x_sb):
     T, H = x_sb.shape
-    if not 1 <= T <= MAX_T:
-        raise ValueError(f"rmsnorm: x has {T} token rows, expected 1..{MAX_T}")
-    if H % P:
-        raise ValueError(f"rmsnorm: hidden size {H} is not a multiple of {P} (the partition count)")
+    assert 1 <= T and T <= MAX_T, f"rmsnorm: x has {T} token rows, expected 1..{MAX_T}"
+    assert H % P == 0, f"rmsnorm: hidden size {H} is not a multiple of {P} (the partition count)"
     return T, H
 
 
@@ -70,9 +68,8 @@ def rmsnorm_body(x_sb, w1, eps):
     """
     T, H = _check_x(x_sb)
     J = H // P
-    if tuple(w1.shape) != (P, J) or w1.dtype != nl.float32:
-        raise ValueError(f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
-                         f"{w1.dtype}{list(w1.shape)}")
+    assert w1.shape[0] == P and w1.shape[1] == J and w1.dtype == nl.float32, (
+        f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got {w1.dtype}{w1.shape}")
     w_sb = nl.ndarray((P, J), nl.float32, buffer=nl.sbuf, name="rms_w1")
     nisa.dma_copy(dst=w_sb, src=w1)
 

@@ -1,0 +1,578 @@
+"""Gated DeltaNet mixer for T = 1..4 decode/verify tokens, one TP rank split over its LNC cores.
+
+Math (``shared/docs/qwen36.md`` §4.3, ``model.reference.ReferenceModel.gdn_mixer``; PyTorch twin
+``model.tp.gdn.gdn_rank``): projections u = W_qkv x, z, b, a; depthwise causal conv (K taps) + SiLU over
+``[window ‖ u]``; l2norm(q), l2norm(k) (eps 1e-6 inside the sqrt), q *= Dk^-0.5; beta = sigmoid(b),
+g = -exp(A_log) * softplus(a + dt_bias); per token and value head h (key head h // g_va):
+``S <- exp(g) S; m = S^T k; delta = beta (v - m); S <- S + k delta^T; o = S^T q``;
+gated RMSNorm ``w * o * rsqrt(mean(o^2) + eps) * silu(z)``; out_proj -> this core's partial ``y``.
+Casts follow the reference: u, z, b, a, the conv output and o are rounded to the activation dtype;
+l2norm, gates, recurrence and norm run in fp32; the state is fp32.
+
+Sharding (nki_kernels/README.md): the rank holds Hk_r key heads and Hv_r value heads (4 and 8 for
+Qwen3.6 at TP=4). Core c of n = LNC owns value heads ``[c*Hv_c, (c+1)*Hv_c)``, Hv_c = Hv_r / n, and the
+key heads they use (GVA: value head h uses key head h // g_va). It computes its heads' projections,
+conv, recurrence and norm and the out_proj partial over its heads' columns. When a key head is
+shared by both cores (tiny configs: 1 key head per rank), both compute it, the core owning the key
+head's first value head writes its window columns, and a ``core_barrier`` separates every read of
+the window/state from every checkpoint write.
+
+Host layouts (:func:`gdn_weight_layout`, converted once per checkpoint; D = Dk = Dv, J = H / 128)
+---------------------------------------------------------------------------------------------
+* ``w_in``   ``[n, 128, J, N]`` activation dtype: core c's input projections, contraction-major and
+  partition-contiguous: ``w_in[c, p, j, col] = W_c[col, j*128 + p]`` with the core's columns
+  ``N = q (Hk_c*D) ‖ k (Hk_c*D) ‖ v (Hv_c*D) ‖ z (Hv_c*D) ‖ b (Hv_c) ‖ a (Hv_c)``.
+* ``conv_w`` ``[n, D, 2*Hk_c + Hv_c, K]`` activation dtype: the core's conv taps, channel-major per head.
+* ``A_log``, ``dt_bias`` ``[Hv_r]`` float32 (the rank's, unchanged); ``norm_w`` ``[D, 1]`` float32.
+* ``w_out``  ``[n, D, Hv_c, H]`` activation dtype: ``w_out[c, d, i, :] = out_proj[:, (c*Hv_c + i)*D + d]``.
+* decode state (README "Decode state in HBM"): ``window [slots, K-1, C_rank]`` (activation dtype, the
+  rank's channels q_r ‖ k_r ‖ v_r), ``state [slots, Hv_r, D, D]`` float32, ``read_slot [1, 1]`` int32.
+
+SBUF layouts and algorithm (per core)
+-------------------------------------
+1. ``read_slot`` is loaded into a register and used as the ``scalar_offset`` of the dynamic DMAs that
+   read the starting window (token-major rows into ``full_tok[0:K-1]``) and state (``S [D, Hv_c, D]``,
+   dk on partitions). No Python branch looks at it. Every checkpoint write is made to depend on these
+   reads (data flow plus explicit ``depends_on``), so reading slot n-1 and writing slots 0..T-1 in one
+   launch is safe.
+2. Projections: weights are the moving operand (``nc_matmul(stationary=xT[:, j, :] [128, T],
+   moving=w[:, j, cols] [128, <=512])``), accumulated over the J hidden tiles in one PSUM bank per
+   512-column chunk (``accumulate=(j > 0)``). Weights stream in groups of hidden tiles, each DMA
+   partition-contiguous; every weight byte is read once, independent of T. Evicted (rounded) to
+   ``proj [T, N]`` token-major.
+3. Gates: the rows ``(b_t, a_t)`` of the T tokens and one row ``(A_log, dt_bias)`` (loaded once, DMA'd
+   into partition T) are broadcast to all D partitions by T+1 matmuls against one-hot stationaries;
+   then in fp32 on ``[D, T, Hv_c]``: softplus (ACT), exp (ACT) for exp(A_log), alpha = exp(g) and
+   exp(-b); beta = 1 / (1 + exp(-b)) on DVE (sigmoid without a sigmoid table); ``alpha*beta``.
+4. Channel-major conv input ``full [D, heads, K-1+T]`` in PSUM: PE transposes (matmul with an identity)
+   of the window rows and of u, per head. Conv = one DVE multiply of a windowed access pattern
+   ``[D, heads, T, K]`` (overlapping, stride 1 in t and k) by the broadcast taps + one add-reduce over
+   K. z is transposed the same way; SiLU of [conv ‖ z] is ``x / (1 + exp(-x))`` (one ACT exp in the gates'
+   table, DVE add/reciprocal/multiply) -- no separate silu table load.
+5. l2norm in the channel-major layout: square (ACT), cross-partition sum AND broadcast by one matmul
+   with a ones[D, D] stationary, rsqrt(+eps) (ACT), multiply (DVE). q, k are stored interleaved
+   ``QK [D, Hk_c, 2T]`` (column 2t = k_t, 2t+1 = q_t) so ``[q_{t-1} | k_t]`` is one [D, 2] moving tile.
+6. Recurrence, T+1 read rounds: round t issues per value head one matmul with the state as stationary
+   and ``[q_{t-1} | k_t]`` as moving: column 0 is ``o_{t-1} = S_{t-1}^T q_{t-1}`` (the output after the
+   update, read exactly), column 1 is ``S_{t-1}^T k_t``; then (fp32)
+   ``delta = beta v - (alpha beta) (S^T k)`` (2 DVE ops on [D, Hv_c]); delta is broadcast along the dk
+   partitions by a matmul (stationary = delta column with a stride-0 free pattern, moving = identity);
+   ACT decays ``S_t = alpha S_{t-1}`` (per-head scale column) off the chain; one DVE
+   ``scalar_tensor_tensor`` per key head adds ``k (x) delta`` (k as the per-partition scalar):
+   ``S_t = delta_bcast * k + S_t``. S_t is DMA'd to checkpoint slot t. All state arithmetic is on
+   ACT/DVE in fp32; the PE only reads the state.
+7. Gated RMSNorm in channel-major ``[D, Hv_c, T]`` (same ones-matmul partition sum, ACT rsqrt, DVE),
+   result rounded to the activation dtype = the stationary of out_proj (contraction over the core's
+   value dims on partitions, ``accumulate=(i > 0)`` over its Hv_c head tiles) -> ``y [T, H]`` fp32.
+8. Windows: u rows are DMA'd behind the old window rows (``full_tok [K-1+T, C_core]`` token-major), so
+   the window after token j is the partition range ``full_tok[j+1 : j+K]``: one DMA per slot and column
+   group (q‖k, v).
+
+ACT table groups used, in program order: {copy} (PSUM evictions, the table the preceding RMSNorm left
+loaded), softplus, exp (exp(A_log), alpha, sigmoid(b), SiLU), {copy, square, rsqrt} (l2norm, state decay,
+gated norm): two table switches inside the mixer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128
+MAX_T = 4
+L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
+PSUM_COLS = 512         # fp32 columns of one PSUM bank = moving free size limit on trn2
+WEIGHT_PREFETCH_BYTES = 96 * 1024   # per partition: issue every in_proj weight DMA up front below this
+WEIGHT_GROUP_BYTES = 16 * 1024      # per partition and DMA: in_proj weights stream in groups of hidden tiles
+
+
+# ---------------------------------------------------------------------------------------------
+# core split (compile time)
+# ---------------------------------------------------------------------------------------------
+
+def core_split(hk_r, hv_r, n_cores, core):
+    """Which heads core ``core`` of ``n_cores`` owns (compile time; also used by the host layout). Returns
+    a dict: hv_c (value heads per core), vh0 (first value head, rank-local), kh0 / hk_c (key heads it
+    uses), g (value heads per key head), key_of (local key head of each local value head), runs
+    ([key head, first, end) of consecutive local value heads sharing a key head), own ((o0, o1): local key
+    heads whose window columns this core writes), shared (a key head is used by both cores).
+
+    Written in the Python subset the NKI front end traces (loops, lists, asserts; no comprehensions).
+    """
+    assert hv_r % hk_r == 0, f"gdn: {hv_r} value heads are not a multiple of {hk_r} key heads"
+    assert hv_r % n_cores == 0, f"gdn: {hv_r} value heads do not split over {n_cores} cores"
+    g = hv_r // hk_r
+    hv_c = hv_r // n_cores
+    for c in range(n_cores):
+        v0 = c * hv_c
+        count = (v0 + hv_c - 1) // g - v0 // g + 1
+        if c == core:
+            vh0, kh0, hk_c = v0, v0 // g, count
+    for c in range(n_cores):
+        v0 = c * hv_c
+        assert (v0 + hv_c - 1) // g - v0 // g + 1 == hk_c, (
+            f"gdn: {hv_r} value heads over {hk_r} key heads cannot be split evenly over {n_cores} cores")
+    key_of = []
+    runs = []
+    for i in range(hv_c):
+        kk = (vh0 + i) // g - kh0
+        key_of.append(kk)
+        if len(runs) > 0 and runs[len(runs) - 1][0] == kk:
+            runs[len(runs) - 1][2] = i + 1
+        else:
+            runs.append([kk, i, i + 1])
+    o0 = -1
+    o1 = -1
+    for i in range(hk_c):
+        if ((kh0 + i) * g) // hv_c == core:
+            if o0 < 0:
+                o0 = i
+            o1 = i + 1
+    if o0 < 0:
+        o0 = 0
+        o1 = 0
+    return {"hv_c": hv_c, "vh0": vh0, "kh0": kh0, "hk_c": hk_c, "g": g, "key_of": key_of, "runs": runs,
+            "own": (o0, o1), "shared": hk_c * n_cores > hk_r}
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side layout helpers (plain torch, run once per checkpoint)
+# ---------------------------------------------------------------------------------------------
+
+def gdn_weight_layout(w, lnc=2):
+    """A rank's GDN weights in PyTorch layout (``model.tp.gdn.shard_gdn``: in_proj_qkv [C_r, H],
+    in_proj_z [Vd_r, H], in_proj_b / in_proj_a [Hv_r, H], conv1d [C_r, K] (or [C_r, 1, K]), A_log /
+    dt_bias [Hv_r], norm [Dv], out_proj [H, Vd_r]) -> the kernel's HBM layout for ``lnc`` cores.
+
+    Returns ``{"w_in", "conv_w", "A_log", "dt_bias", "norm_w", "w_out"}`` (torch tensors; see the
+    module docstring for shapes). Weights keep their dtype; A_log/dt_bias/norm_w become float32.
+    """
+    import torch
+    qkv, wz, wb, wa = w["in_proj_qkv"], w["in_proj_z"], w["in_proj_b"], w["in_proj_a"]
+    conv = w["conv1d"].reshape(w["conv1d"].shape[0], -1)
+    out_proj = w["out_proj"]
+    H = qkv.shape[1]
+    hv_r = w["A_log"].shape[0]
+    D = w["norm"].shape[0]
+    vd_r = wz.shape[0]
+    if vd_r != hv_r * D:
+        raise ValueError(f"gdn_weight_layout: in_proj_z has {vd_r} rows, expected Hv_r*Dv = {hv_r * D}")
+    kd_r = (qkv.shape[0] - vd_r) // 2
+    if kd_r % D:
+        raise ValueError(f"gdn_weight_layout: key dim {kd_r} is not a multiple of the value head dim {D}; "
+                         f"the kernel needs Dk == Dv")
+    hk_r = kd_r // D
+    if H % P:
+        raise ValueError(f"gdn_weight_layout: hidden size {H} is not a multiple of {P}")
+    if D > P:
+        raise ValueError(f"gdn_weight_layout: head dim {D} exceeds {P} partitions")
+    J = H // P
+    w_in, conv_w, w_out = [], [], []
+    for c in range(lnc):
+        s = core_split(hk_r, hv_r, lnc, c)
+        kq = slice(s["kh0"] * D, (s["kh0"] + s["hk_c"]) * D)
+        kk = slice(kd_r + kq.start, kd_r + kq.stop)
+        vv = slice(2 * kd_r + s["vh0"] * D, 2 * kd_r + (s["vh0"] + s["hv_c"]) * D)
+        zz = slice(s["vh0"] * D, (s["vh0"] + s["hv_c"]) * D)
+        hh = slice(s["vh0"], s["vh0"] + s["hv_c"])
+        rows = torch.cat([qkv[kq], qkv[kk], qkv[vv], wz[zz], wb[hh], wa[hh]])      # [N, H]
+        w_in.append(rows.t().reshape(J, P, -1).permute(1, 0, 2))                 # [P, J, N]
+        taps = torch.cat([conv[kq], conv[kk], conv[vv]])                          # [NH*D, K]
+        conv_w.append(taps.reshape(-1, D, taps.shape[1]).permute(1, 0, 2))       # [D, NH, K]
+        w_out.append(out_proj[:, zz].t().reshape(s["hv_c"], D, H).permute(1, 0, 2))   # [D, Hv_c, H]
+    return {
+        "w_in": torch.stack(w_in).contiguous(),
+        "conv_w": torch.stack(conv_w).contiguous(),
+        "A_log": w["A_log"].float().contiguous(),
+        "dt_bias": w["dt_bias"].float().contiguous(),
+        "norm_w": w["norm"].float().reshape(D, 1).contiguous(),
+        "w_out": torch.stack(w_out).contiguous(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# body
+# ---------------------------------------------------------------------------------------------
+
+def _bcast_col(t, col, rows, width):
+    """[rows, width] view of column ``col`` of a 2-D on-chip tensor ``t``, repeated along the free axis."""
+    return t.ap(pattern=[[t.shape[1], rows], [0, width]], offset=col)
+
+
+def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps):
+    """Body of one core: normed ``xT [128, H/128, T]`` (SBUF, activation dtype) + HBM weights (host layout)
+    and decode state -> this core's partial ``y [T, H]`` float32 (SBUF).
+
+    Writes checkpoint slots 0..T-1 of ``window`` and ``state`` (this core's heads / owned columns) in
+    place; reads the starting slot given by the run-time ``read_slot [1, 1]`` int32 tensor. eps: the
+    gated-norm epsilon (compile-time float).
+    """
+    pdim, J, T = xT.shape
+    adt = xT.dtype
+    n_cores, _, Jw, N = w_in.shape
+    _, D, NH, K = conv_w.shape
+    Km1 = K - 1
+    hv_r = A_log.shape[0]
+    slots, hv_r2, Dk, Dv = state.shape
+    C_rank = window.shape[2]
+    H = J * P
+    n_launch = nl.num_programs(0) if nl.program_ndim() != 0 else 1
+    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    # ---- compile-time checks ------------------------------------------------------------------
+    assert pdim == P and 1 <= T and T <= MAX_T, (
+        f"gdn: xT has shape {xT.shape}, expected [{P}, H/{P}, T] with T in 1..{MAX_T}")
+    assert n_cores == n_launch, (f"gdn: weights are laid out for {n_cores} cores but the launch has {n_launch} "
+                                 f"(gdn_weight_layout(lnc=...) must match kernel[lnc])")
+    assert Jw == J and Dk == D and Dv == D and hv_r2 == hv_r and window.shape[0] == slots and window.shape[1] == Km1, (
+        f"gdn: inconsistent shapes: xT {xT.shape}, w_in {w_in.shape}, conv_w {conv_w.shape}, state {state.shape}, "
+        f"window {window.shape}")
+    assert slots >= T, f"gdn: {slots} checkpoint slots cannot hold the {T} tokens of the launch"
+    assert D > T and D <= P, f"gdn: head dim {D} must be in ({T}, {P}]"
+    kd_r = (C_rank - hv_r * D) // 2
+    hk_r = kd_r // D
+    s = core_split(hk_r, hv_r, n_cores, core)
+    hv_c, hk_c, vh0, kh0 = s["hv_c"], s["hk_c"], s["vh0"], s["kh0"]
+    assert NH == 2 * hk_c + hv_c and N == NH * D + hv_c * D + 2 * hv_c, (
+        f"gdn: w_in/conv_w column counts {N}/{NH} do not match {hk_c} key and {hv_c} value heads of dim {D} per core")
+    assert w_out.shape[1] == D and w_out.shape[2] == hv_c and w_out.shape[3] == H and norm_w.shape[0] == D, (
+        f"gdn: w_out {w_out.shape} / norm_w {norm_w.shape} do not match the heads of the core")
+    assert window.dtype == adt and w_in.dtype == adt and w_out.dtype == adt and state.dtype == nl.float32, (
+        f"gdn: dtypes: activations {adt}, w_in {w_in.dtype}, w_out {w_out.dtype}, window {window.dtype} must agree; "
+        f"state must be float32 (got {state.dtype})")
+    Cc = NH * D                        # conv channels of the core
+    cz, cb, ca = Cc, Cc + hv_c * D, Cc + hv_c * D + hv_c
+    f32 = nl.float32
+
+    # ---- 1. run-time read slot, starting window and state --------------------------------------
+    rs = nisa.register_alloc()
+    nisa.register_load(rs, read_slot)            # one 32-bit load straight from HBM (SDK-ISA register_load)
+    full_tok = nl.ndarray((Km1 + T, Cc), adt, buffer=nl.sbuf, name="conv_rows")    # token-major rows
+    reads = [
+        nisa.dma_copy(dst=full_tok[0:Km1, 0:2 * hk_c * D],
+                      src=window.ap(pattern=[[C_rank, Km1], [kd_r, 2], [1, hk_c * D]], offset=kh0 * D,
+                                    scalar_offset=rs, indirect_dim=0)),
+        nisa.dma_copy(dst=full_tok[0:Km1, 2 * hk_c * D:Cc],
+                      src=window.ap(pattern=[[C_rank, Km1], [1, hv_c * D]], offset=2 * kd_r + vh0 * D,
+                                    scalar_offset=rs, indirect_dim=0)),
+    ]
+    S_prev = nl.ndarray((D, hv_c, D), f32, buffer=nl.sbuf, name="state_in")
+    reads.append(nisa.dma_copy(dst=S_prev, src=state.ap(pattern=[[D, D], [D * D, hv_c], [1, D]], offset=vh0 * D * D,
+                                                        scalar_offset=rs, indirect_dim=0)))
+    if s["shared"]:
+        # both cores read a shared key head's window columns; only its owner writes them
+        nisa.core_barrier(data=window, cores=(0, 1))
+
+    # ---- small parameters and constants --------------------------------------------------------
+    wc = nl.ndarray((D, NH, K), conv_w.dtype, buffer=nl.sbuf, name="conv_taps")
+    nisa.dma_copy(dst=wc, src=conv_w[core])
+    wn = nl.ndarray((D, 1), f32, buffer=nl.sbuf, name="norm_w")
+    nisa.dma_copy(dst=wn, src=norm_w)
+    # gate inputs: rows t < T get (b_t, a_t) after the projections; row T holds (A_log, dt_bias) once
+    gin = nl.ndarray((T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in")
+    nisa.dma_copy(dst=gin[T:T + 1, 0, :], src=A_log[vh0:vh0 + hv_c])
+    nisa.dma_copy(dst=gin[T:T + 1, 1, :], src=dt_bias[vh0:vh0 + hv_c])
+    identA = nl.shared_identity_matrix(n=T if T > Km1 else Km1, dtype=adt)
+    identF = nl.shared_identity_matrix(n=D, dtype=f32)
+    onesF = nl.ndarray((D, D), f32, buffer=nl.sbuf, name="ones")
+    nisa.memset(dst=onesF, value=1.0)
+
+    # ---- weights: in_proj groups (prefetched when they fit) and out_proj ----------------------
+    isz = 2 if adt == nl.bfloat16 else 4
+    n_groups = (J * N * isz + WEIGHT_GROUP_BYTES - 1) // WEIGHT_GROUP_BYTES
+    jg = (J + n_groups - 1) // n_groups         # hidden tiles per weight DMA
+    n_groups = (J + jg - 1) // jg
+    prefetch = J * N * isz <= WEIGHT_PREFETCH_BYTES
+    w_tiles = []
+    if prefetch:
+        for gi in range(n_groups):
+            j0 = gi * jg
+            j1 = min(J, j0 + jg)
+            wt = nl.ndarray((P, j1 - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}")
+            nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j1, :])
+            w_tiles.append(wt)
+    wo = nl.ndarray((D, hv_c, H), adt, buffer=nl.sbuf, name="w_out")
+    nisa.dma_copy(dst=wo, src=w_out[core])
+
+    # ---- 2. projections ------------------------------------------------------------------------
+    n_chunks = (N + PSUM_COLS - 1) // PSUM_COLS
+    accs = []
+    for k in range(n_chunks):
+        accs.append(nl.ndarray((T, min(N, (k + 1) * PSUM_COLS) - k * PSUM_COLS), f32, buffer=nl.psum,
+                               name=f"proj_ps{k}"))
+    for gi in range(n_groups):
+        j0 = gi * jg
+        j1 = min(J, j0 + jg)
+        if prefetch:
+            wt = w_tiles[gi]
+        else:
+            wt = nl.ndarray((P, j1 - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}")
+            nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j1, :])
+        for j in range(j0, j1):
+            for k in range(n_chunks):
+                c0 = k * PSUM_COLS
+                c1 = min(N, c0 + PSUM_COLS)
+                nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=wt[:, j - j0, c0:c1], accumulate=j > 0)
+    w_tiles = wt = None
+    proj = nl.ndarray((T, N), adt, buffer=nl.sbuf, name="proj")
+    for kr in range(n_chunks):                  # the gate columns (last chunk) first; alternate DVE / ACT
+        k = n_chunks - 1 - kr
+        c0 = k * PSUM_COLS
+        c1 = min(N, c0 + PSUM_COLS)
+        if k % 2 == 1:
+            nisa.activation(dst=proj[:, c0:c1], op=nl.copy, data=accs[k])
+        else:
+            nisa.tensor_copy(dst=proj[:, c0:c1], src=accs[k])
+    accs = None
+
+    # ---- 4a. channel-major window rows (PE transposes; the window DMA had the projections' time) --
+    W = Km1 + T
+    full_ps = nl.ndarray((D, NH, W), f32, buffer=nl.psum, name="conv_in_ps")
+    for h in range(NH):
+        nisa.nc_matmul(dst=full_ps[:, h, 0:Km1], stationary=full_tok[0:Km1, h * D:(h + 1) * D],
+                       moving=identA[0:Km1, 0:Km1], accumulate=False)
+
+    # ---- 3. gates: (b, a | A_log, dt_bias) broadcast over the D partitions, then fp32 math -------
+    nisa.tensor_copy(dst=gin[0:T, :, :], src=proj[:, cb:cb + 2 * hv_c])      # proj holds b ‖ a
+    gr_ps = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.psum, name="gate_in_ps")
+    for t in range(T + 1):          # one-hot stationary (column t of an identity, repeated D times)
+        nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=identF.ap(pattern=[[D, T + 1], [0, D]], offset=t),
+                       moving=gin, accumulate=False)
+    gr = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in_b")
+    nisa.tensor_copy(dst=gr, src=gr_ps)
+    gr_ps = None
+    bcast_t = (T + 1) * 2 * hv_c        # partition row of gr; a [D, T, Hv_c] view of row T (stride 0 over t)
+    alog_b = gr.ap(pattern=[[bcast_t, D], [0, T], [1, hv_c]], offset=T * 2 * hv_c)
+    dtb_b = gr.ap(pattern=[[bcast_t, D], [0, T], [1, hv_c]], offset=T * 2 * hv_c + hv_c)
+    x1 = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="a_dt")
+    nisa.tensor_tensor(dst=x1, data1=gr[:, 0:T, 1, :], data2=dtb_b, op=nl.add)
+    sp = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="softplus")
+    nisa.activation(dst=sp, op=nl.softplus, data=x1)
+    ea = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="exp_A")
+    nisa.activation(dst=ea, op=nl.exp, data=alog_b)
+    gl = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="g")
+    nisa.scalar_tensor_tensor(dst=gl, data=ea, op0=nl.multiply, operand0=-1.0, op1=nl.multiply, operand1=sp)
+    gb = nl.ndarray((D, T, 3, hv_c), f32, buffer=nl.sbuf, name="gates")      # alpha, beta, alpha*beta
+    nisa.activation(dst=gb[:, :, 0, :], op=nl.exp, data=gl)
+    eb = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="exp_neg_b")
+    nisa.activation(dst=eb, op=nl.exp, data=gr[:, 0:T, 0, :], scale=-1.0)
+    nisa.tensor_scalar(dst=eb, data=eb, op0=nl.add, operand0=1.0)
+    nisa.reciprocal(dst=gb[:, :, 1, :], data=eb)
+    nisa.tensor_tensor(dst=gb[:, :, 2, :], data1=gb[:, :, 0, :], data2=gb[:, :, 1, :], op=nl.multiply)
+    gr = x1 = sp = ea = gl = eb = None
+
+    # ---- 4b. channel-major u and z, conv + SiLU --------------------------------------------------
+    zT_ps = nl.ndarray((D, hv_c, T), f32, buffer=nl.psum, name="z_ps")
+    for h in range(NH):
+        nisa.nc_matmul(dst=full_ps[:, h, Km1:W], stationary=proj[:, h * D:(h + 1) * D], moving=identA[0:T, 0:T],
+                       accumulate=False)
+    for i in range(hv_c):
+        nisa.nc_matmul(dst=zT_ps[:, i, :], stationary=proj[:, cz + i * D:cz + (i + 1) * D],
+                       moving=identA[0:T, 0:T], accumulate=False)
+    prod = nl.ndarray((D, NH, T, K), f32, buffer=nl.sbuf, name="conv_prod")
+    nisa.tensor_tensor(dst=prod, data1=full_ps.ap(pattern=[[NH * W, D], [W, NH], [1, T], [1, K]], offset=0),
+                       data2=wc.ap(pattern=[[NH * K, D], [K, NH], [0, T], [1, K]], offset=0), op=nl.multiply)
+    # SiLU of [conv ‖ z] as x * 1/(1 + exp(-x)): exp shares the gates' ACT table (no silu table load)
+    sil = nl.ndarray((D, NH + hv_c, T), f32, buffer=nl.sbuf, name="silu_in")
+    nisa.tensor_reduce(dst=sil[:, 0:NH, :], op=nl.add, data=prod, axis=3)
+    nisa.tensor_copy(dst=sil[:, NH:NH + hv_c, :], src=zT_ps)
+    sig = nl.ndarray((D, NH + hv_c, T), f32, buffer=nl.sbuf, name="sigmoid")
+    nisa.activation(dst=sig, op=nl.exp, data=sil, scale=-1.0)
+    nisa.tensor_scalar(dst=sig, data=sig, op0=nl.add, operand0=1.0)
+    nisa.reciprocal(dst=sig, data=sig)
+    cact = nl.ndarray((D, NH, T), adt, buffer=nl.sbuf, name="conv_act")     # q heads, k heads, v heads
+    nisa.tensor_tensor(dst=cact, data1=sil[:, 0:NH, :], data2=sig[:, 0:NH, :], op=nl.multiply)
+    sz = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="silu_z")
+    nisa.tensor_tensor(dst=sz, data1=sil[:, NH:NH + hv_c, :], data2=sig[:, NH:NH + hv_c, :], op=nl.multiply)
+    full_ps = zT_ps = prod = sil = sig = None
+
+    # ---- 8. checkpoint windows: full_tok rows K-1.. <- u, slot j <- rows j+1 .. j+K-1 ------------
+    nisa.dma_copy(dst=full_tok[Km1:W, :], src=proj[:, 0:Cc])
+    o0, o1 = s["own"]
+    for j in range(T):
+        if o1 > o0:
+            wr = nisa.dma_copy(
+                dst=window.ap(pattern=[[C_rank, Km1], [kd_r, 2], [1, (o1 - o0) * D]],
+                              offset=j * Km1 * C_rank + (kh0 + o0) * D),
+                src=full_tok.ap(pattern=[[Cc, Km1], [hk_c * D, 2], [1, (o1 - o0) * D]], offset=(j + 1) * Cc + o0 * D))
+            wr.depends_on(reads[0], reads[1], reads[2])
+        wr = nisa.dma_copy(dst=window.ap(pattern=[[C_rank, Km1], [1, hv_c * D]],
+                                         offset=j * Km1 * C_rank + 2 * kd_r + vh0 * D),
+                           src=full_tok[j + 1:j + K, 2 * hk_c * D:Cc])
+        wr.depends_on(reads[0], reads[1], reads[2])
+
+    # ---- 5. l2norm(q), l2norm(k), q * Dk^-0.5 -> QK [D, Hk_c, 2T] (k_t at 2t, q_t at 2t+1) ---------
+    sq = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.sbuf, name="qk_sq")
+    nisa.activation(dst=sq, op=nl.square, data=cact[:, 0:2 * hk_c, :])
+    ss_ps = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.psum, name="qk_ss_ps")
+    nisa.nc_matmul(dst=ss_ps, stationary=onesF, moving=sq, accumulate=False)
+    rr = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.sbuf, name="qk_rstd")
+    nisa.activation(dst=rr, op=nl.rsqrt, data=ss_ps, bias=L2_EPS)
+    QK = nl.ndarray((D, hk_c, 2 * T), f32, buffer=nl.sbuf, name="qk")
+    nisa.tensor_tensor(dst=QK.ap(pattern=[[hk_c * 2 * T, D], [2 * T, hk_c], [2, T]], offset=0),
+                       data1=cact[:, hk_c:2 * hk_c, :], data2=rr[:, hk_c:2 * hk_c, :], op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=QK.ap(pattern=[[hk_c * 2 * T, D], [2 * T, hk_c], [2, T]], offset=1),
+                              data=cact[:, 0:hk_c, :], op0=nl.multiply, operand0=1.0 / math.sqrt(D),
+                              op1=nl.multiply, operand1=rr[:, 0:hk_c, :])
+    sq = ss_ps = rr = None
+    # beta * v for every token: [D, T, Hv_c]
+    bv = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="beta_v")
+    nisa.tensor_tensor(dst=bv, data1=gb[:, :, 1, :], data2=cact[:, 2 * hk_c:NH, :].permute((0, 2, 1)),
+                       op=nl.multiply)
+
+    # ---- 6. recurrence -------------------------------------------------------------------------
+    o_all = nl.ndarray((D, hv_c, T), adt, buffer=nl.sbuf, name="o")
+    key_of = s["key_of"]
+    for t in range(T + 1):
+        lo = 0 if t == 0 else 2 * t - 1
+        hi = 2 * T if t == T else 2 * t + 1
+        n = hi - lo
+        rd = nl.ndarray((D, hv_c, 2), f32, buffer=nl.psum, name="read_ps")
+        for i in range(hv_c):
+            nisa.nc_matmul(dst=rd[:, i, 0:n], stationary=S_prev[:, i, :], moving=QK[:, key_of[i], lo:hi],
+                           accumulate=False)
+        if t > 0:
+            nisa.activation(dst=o_all[:, :, t - 1], op=nl.copy, data=rd[:, :, 0])
+        if t < T:
+            m = rd[:, :, n - 1]                               # S_{t-1}^T k_t
+            tmp = nl.ndarray((D, hv_c), f32, buffer=nl.sbuf, name="ab_m")
+            nisa.tensor_tensor(dst=tmp, data1=m, data2=gb[:, t, 2, :], op=nl.multiply)
+            delta = nl.ndarray((D, hv_c), f32, buffer=nl.sbuf, name="delta")
+            nisa.tensor_tensor(dst=delta, data1=bv[:, t, :], data2=tmp, op=nl.subtract)
+            db = nl.ndarray((D, hv_c, D), f32, buffer=nl.psum, name="delta_b_ps")
+            for i in range(hv_c):
+                nisa.nc_matmul(dst=db[:, i, :], stationary=_bcast_col(delta, i, D, D), moving=identF, accumulate=False)
+            S_new = nl.ndarray((D, hv_c, D), f32, buffer=nl.sbuf, name=f"state_{t}")
+            for i in range(hv_c):
+                nisa.activation(dst=S_new[:, i, :], op=nl.copy, data=S_prev[:, i, :], scale=gb[:, t, 0, i:i + 1])
+            for run in s["runs"]:
+                kk = run[0]
+                i0 = run[1]
+                i1 = run[2]
+                nisa.scalar_tensor_tensor(dst=S_new[:, i0:i1, :], data=db[:, i0:i1, :], op0=nl.multiply,
+                                          operand0=QK[:, kk, 2 * t:2 * t + 1], op1=nl.add, operand1=S_new[:, i0:i1, :])
+            wr = nisa.dma_copy(dst=state.ap(pattern=[[D, D], [D * D, hv_c], [1, D]], offset=(t * hv_r + vh0) * D * D),
+                               src=S_new)
+            wr.depends_on(reads[0], reads[1], reads[2])
+            S_prev = S_new
+
+    # ---- 7. gated RMSNorm (channel-major) and out_proj ------------------------------------------
+    sq2 = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_sq")
+    nisa.activation(dst=sq2, op=nl.square, data=o_all)
+    ss2 = nl.ndarray((D, hv_c, T), f32, buffer=nl.psum, name="o_ss_ps")
+    nisa.nc_matmul(dst=ss2, stationary=onesF, moving=sq2, accumulate=False)
+    rstd = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_rstd")
+    nisa.activation(dst=rstd, op=nl.rsqrt, data=ss2, scale=1.0 / D, bias=float(eps))
+    yn = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_norm")
+    nisa.tensor_tensor(dst=yn, data1=o_all, data2=rstd, op=nl.multiply)
+    yg = nl.ndarray((D, hv_c, T), adt, buffer=nl.sbuf, name="o_gated")
+    nisa.scalar_tensor_tensor(dst=yg, data=yn, op0=nl.multiply, operand0=wn, op1=nl.multiply, operand1=sz)
+    n_ochunks = (H + PSUM_COLS - 1) // PSUM_COLS
+    y_ps = []
+    for k in range(n_ochunks):
+        y_ps.append(nl.ndarray((T, min(H, (k + 1) * PSUM_COLS) - k * PSUM_COLS), f32, buffer=nl.psum,
+                               name=f"y_ps{k}"))
+    for i in range(hv_c):
+        for k in range(n_ochunks):
+            n0 = k * PSUM_COLS
+            nisa.nc_matmul(dst=y_ps[k], stationary=yg[:, i, :], moving=wo[:, i, n0:min(H, n0 + PSUM_COLS)],
+                           accumulate=i > 0)
+    y = nl.ndarray((T, H), f32, buffer=nl.sbuf, name="y")
+    for k in range(n_ochunks):
+        n0 = k * PSUM_COLS
+        if k % 2 == 1:
+            nisa.activation(dst=y[:, n0:min(H, n0 + PSUM_COLS)], op=nl.copy, data=y_ps[k])
+        else:
+            nisa.tensor_copy(dst=y[:, n0:min(H, n0 + PSUM_COLS)], src=y_ps[k])
+    return y
+
+
+def load_feature_major(x):
+    """HBM ``x [T, H]`` (token-major) -> SBUF ``xT [128, H/128, T]`` (same dtype) by exact PE transposes."""
+    T, H = x.shape
+    J = H // P
+    assert H % P == 0, f"gdn: hidden size {H} is not a multiple of {P}"
+    x_sb = nl.ndarray((T, H), x.dtype, buffer=nl.sbuf, name="x_in")
+    nisa.dma_copy(dst=x_sb, src=x)
+    ident = nl.shared_identity_matrix(n=T, dtype=x.dtype)
+    ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="xT_ps")
+    for j in range(J):
+        nisa.nc_matmul(dst=ps[:, j, :], stationary=x_sb[:, j * P:(j + 1) * P], moving=ident, accumulate=False)
+    xT = nl.ndarray((P, J, T), x.dtype, buffer=nl.sbuf, name="xT")
+    nisa.tensor_copy(dst=xT, src=ps)
+    return xT
+
+
+@nki.jit
+def gdn_kernel(x, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps):
+    """HBM wrapper. x: normed input ``[T, H]`` token-major (activation dtype); weights in the host layout of
+    :func:`gdn_weight_layout` for this launch's LNC; window ``[slots, K-1, C_rank]``, state
+    ``[slots, Hv_r, D, D]`` float32 (mutated in place: slot j <- after token j); read_slot ``[1, 1]`` int32;
+    eps: gated-norm epsilon. Returns ``(y [n_cores, T, H] float32 per-core partials, state, window)``.
+    """
+    T, H = x.shape
+    n = w_in.shape[0]
+    y_out = nl.ndarray((n, T, H), nl.float32, buffer=nl.shared_hbm, name="y_partials")
+    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    xT = load_feature_major(x)
+    y = gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps)
+    nisa.dma_copy(dst=y_out[core], src=y)
+    return y_out, state, window
+
+
+# ---------------------------------------------------------------------------------------------
+# demo arguments at real shapes (trace reports)
+# ---------------------------------------------------------------------------------------------
+
+def kernel_shapes(cfg, tp=4, T=2, lnc=2, dtype="bfloat16", slots=None):
+    """Name -> (shape, dtype) of gdn_kernel's tensor arguments for one rank of ``cfg`` (ModelConfig-like)."""
+    H, D, K = cfg.hidden_size, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    hk_r, hv_r = cfg.linear_num_key_heads // tp, cfg.linear_num_value_heads // tp
+    s = core_split(hk_r, hv_r, lnc, 0)
+    nh = 2 * s["hk_c"] + s["hv_c"]
+    n_cols = nh * D + s["hv_c"] * D + 2 * s["hv_c"]
+    c_rank = (2 * hk_r + hv_r) * D
+    slots = slots or max(T, 2)
+    return {
+        "x": ((T, H), dtype),
+        "w_in": ((lnc, P, H // P, n_cols), dtype),
+        "conv_w": ((lnc, D, nh, K), dtype),
+        "A_log": ((hv_r,), "float32"),
+        "dt_bias": ((hv_r,), "float32"),
+        "norm_w": ((D, 1), "float32"),
+        "w_out": ((lnc, D, s["hv_c"], H), dtype),
+        "window": ((slots, K - 1, c_rank), dtype),
+        "state": ((slots, hv_r, D, D), "float32"),
+        "read_slot": ((1, 1), "int32"),
+    }
+
+
+def demo_args(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False):
+    """(kernel, args) of one rank's GDN mixer at the config's real shapes, launched LNC=2
+    (``kernel(*args)`` runs it). shape_only: ``nkisim.ShapeDtype`` tensor arguments (trace without data);
+    otherwise seeded random arrays of moderate scale in the kernel layout, read_slot = 1."""
+    shapes = kernel_shapes(cfg, tp=tp, T=T, lnc=2, dtype=dtype)
+    if shape_only:
+        import nkisim
+        args = [nkisim.ShapeDtype(s, d) for s, d in shapes.values()]
+    else:
+        import ml_dtypes
+        rng = np.random.default_rng(0)
+        H = cfg.hidden_size
+        scale = {"x": 1.0, "w_in": H ** -0.5, "conv_w": 0.5, "A_log": 1.0, "dt_bias": 1.0, "norm_w": 1.0,
+                 "w_out": (cfg.linear_num_value_heads // tp * cfg.linear_value_head_dim) ** -0.5, "window": 1.0,
+                 "state": 0.1}
+        args = []
+        for name, (shp, dt) in shapes.items():
+            if name == "read_slot":
+                args.append(np.ones(shp, np.int32))
+                continue
+            a = (rng.standard_normal(shp) * scale[name]).astype(np.float32)
+            if name == "norm_w":
+                a = 1.0 + 0.1 * a
+            args.append(a.astype(ml_dtypes.bfloat16) if dt == "bfloat16" else a)
+    return gdn_kernel[2], tuple(args) + (float(cfg.rms_norm_eps),)
