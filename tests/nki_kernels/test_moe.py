@@ -1,0 +1,360 @@
+"""nki_kernels/moe.py (moe_tkg) against its PyTorch twin model/tp/moe.py (moe_rank), under nkisim.
+
+The kernel returns per-core partials [n_cores, T, H]; their sum is compared with the rank's partial
+from the twin. Tolerances (max |kernel - twin| over the output, relative to max |twin|):
+
+* float32: 1e-5. Both sides compute in fp32 and differ only in summation order (PSUM accumulation
+  over 16 contraction blocks, the 2048-long down contraction cut into 512-column banks, fp32 sums of
+  <= 33 expert contributions): ~sqrt(2048) * 2^-24 ~ 3e-6 relative at worst; observed <= 6e-7.
+* bfloat16: 2e-2 (~10 x 2^-9). Kernel and twin round to bf16 at different points: the twin rounds
+  gate x, up x (F.linear outputs), h = silu(g) * u and each expert's down projection; the kernel
+  keeps those in fp32 and rounds a = silu(g) * w * u once. That is <= 5 differing bf16 roundings
+  (2^-9 relative each) per expert contribution, over <= k + 1 = 9 contributions whose weights sum
+  to <= 2; random signs make the typical sum far smaller: observed <= 9e-3 over 108 random
+  tiny-shape cases, ~4e-3 at the real shapes. Routing itself is exact in both dtypes (same
+  bf16-rounded logits, fp32 softmax, lower index on ties), which the crafted-tie tests check.
+
+Every parity check also asserts the output is finite and not all zero, and where the test is about
+traffic it counts the HBM bytes of the routed-expert DMAs in the nkisim trace against the minimum
+(one block per DISTINCT selected expert).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import nkisim
+from model.config import preset
+from model.params import random_params
+from model.tp.moe import distinct_experts, moe_rank, route_tokens, shard_moe
+from nki_kernels.moe import (P, block_width, demo_args, expert_block_bytes, expert_blocks, moe_hbm_layout, moe_tkg,
+                             router_block, routed_expert_bytes)
+
+PREFIX = "model.layers.1"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def run_kernel(shard, x, top_k, lnc, layout=None):
+    """(rank partial [T, H] f32, routed-expert bytes read, kernel output [n_cores, T, H])."""
+    L = layout if layout is not None else moe_hbm_layout(shard, lnc)
+    with nkisim.trace.capture() as tr:
+        out = moe_tkg[lnc](x, L["router"], L["experts"], L["shared"], top_k)
+    assert out.shape == (lnc, x.shape[0], x.shape[1]) and out.dtype == torch.float32
+    return out.sum(0), routed_expert_bytes(tr), out
+
+
+def check_close(got, ref, dtype):
+    assert torch.isfinite(got).all(), "kernel output has non-finite values"
+    scale = float(ref.abs().max())
+    assert scale > 0 and float(got.abs().max()) > 0, "all-zero output"
+    err = float((got - ref).abs().max()) / scale
+    assert err <= TOL[dtype], f"max |kernel - twin| = {err:.3g} of max |twin| (tolerance {TOL[dtype]:g})"
+
+
+def block_bytes_tiny(cfg, tp, dtype):
+    return 3 * cfg.hidden_size * (cfg.moe_intermediate_size // tp) * (2 if dtype == torch.bfloat16 else 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny shapes (cfg "tiny": H 128, 16 experts, top-4, I 64): every expert random
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    cfg = preset("tiny")
+    return {dt: random_params(cfg, seed=3, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_tiny_parity(tiny_params, dtype, tp, lnc, T):
+    """tp=1/2/4 x LNC 1/2 give 8..64 intermediate columns per core, i.e. 2..16 folded down-row groups."""
+    cfg = preset("tiny")
+    rank = tp - 1
+    shard = shard_moe(tiny_params[dtype], PREFIX, cfg, rank, tp)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(10 * T + tp)).to(dtype)
+    got, nbytes, _ = run_kernel(shard, x, cfg.num_experts_per_tok, lnc)
+    check_close(got, moe_rank(shard, x, cfg.num_experts_per_tok), dtype)
+    U = len(distinct_experts(shard, x, cfg.num_experts_per_tok))
+    assert nbytes == U * block_bytes_tiny(cfg, tp, dtype)
+
+
+def test_tiny_identical_tokens_read_each_expert_once(tiny_params):
+    """Two identical tokens choose the same experts: k blocks are read, not 2k."""
+    cfg = preset("tiny")
+    shard = shard_moe(tiny_params[torch.bfloat16], PREFIX, cfg, 0, 2)
+    x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).repeat(2, 1)
+    got, nbytes, _ = run_kernel(shard, x, cfg.num_experts_per_tok, 2)
+    check_close(got, moe_rank(shard, x, cfg.num_experts_per_tok), torch.bfloat16)
+    assert nbytes == cfg.num_experts_per_tok * block_bytes_tiny(cfg, 2, torch.bfloat16)
+
+
+def designed_logits(shard, x, columns):
+    """Make logits[t, e] = columns[t][e] EXACTLY: router column t holds token t's logits, every other
+    router entry 0, and x[t, :T] = one-hot(t) (each logit is then one exact product by 1)."""
+    T = x.shape[0]
+    router = torch.zeros_like(shard["router"])
+    x = x.clone()
+    x[:, :T] = 0
+    for t in range(T):
+        x[t, t] = 1
+        router[:, t] = torch.as_tensor(columns[t], dtype=torch.float32).to(router.dtype)
+    return dict(shard, router=router), x
+
+
+def tie_columns(E, k, T):
+    """Per-token logits with exact ties straddling the top-k boundary (lower index must win)."""
+    cols = []
+    for t in range(T):
+        v = np.full(E, -1.0)
+        if t % 2 == 0:       # k - 3 clear winners, then 6 tied experts for the last 3 seats
+            wins = [E - 1, 3, E // 2, 1, 7][:k - 3]
+            for i, e in enumerate(wins):
+                v[e] = 4.0 - 0.5 * i
+            for e in (E - 2, 5, 2, E // 2 + 1, 0, 6):
+                v[e] = 1.0
+        else:                # everything tied: the k lowest indices win
+            v[:] = 0.5
+        cols.append(v)
+    return cols
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiny_router_ties(tiny_params, dtype):
+    cfg = preset("tiny")
+    k, T = cfg.num_experts_per_tok, 2
+    shard = shard_moe(tiny_params[dtype], PREFIX, cfg, 1, 2)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    shard, x = designed_logits(shard, x, tie_columns(cfg.num_experts, k, T))
+    chosen = [set(r) for r in route_tokens(shard, x, k)[1].tolist()]
+    assert chosen[1] == set(range(k))
+    assert {0, 2}.issubset(chosen[0]) and cfg.num_experts - 2 not in chosen[0]
+    got, nbytes, _ = run_kernel(shard, x, k, 2)
+    check_close(got, moe_rank(shard, x, k), dtype)
+    assert nbytes == len(chosen[0] | chosen[1]) * block_bytes_tiny(cfg, 2, dtype)
+
+
+def test_layout_helpers_round_trip():
+    """expert_blocks / router_block place every weight where the kernel reads it."""
+    E, I, H, C = 3, 64, 256, 2
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)
+    b = expert_blocks(gate, up, down, C)
+    ic, J = I // C, H // P
+    R = P // ic
+    assert b.shape == (E, C, P, block_width(ic, H))
+    for e, c, p, j, n in [(0, 0, 0, 0, 0), (2, 1, 127, 1, 2 * ic - 1), (1, 1, 5, 0, ic + 3)]:
+        src = gate if n < ic else up
+        assert b[e, c, p, j * 2 * ic + n] == src[e, c * ic + n % ic, j * P + p]
+    for e, c, grp, i, col in [(0, 0, 0, 0, 0), (2, 1, R - 1, ic - 1, H // R - 1), (1, 0, 1, 4, 9)]:
+        assert b[e, c, grp * ic + i, J * 2 * ic + col] == down[e, grp * (H // R) + col, c * ic + i]
+    rw, seg = torch.randn(E + 5, H, generator=g), torch.randn(1, H, generator=g)
+    rb = router_block(rw, seg)
+    assert rb.shape == (P, J, E + 6) and rb[3, 1, 2] == rw[2, P + 3] and rb[7, 0, E + 5] == seg[0, 7]
+
+
+def test_refuses_mismatched_launch(tiny_params):
+    cfg = preset("tiny")
+    shard = shard_moe(tiny_params[torch.float32], PREFIX, cfg, 0, 4)
+    L = moe_hbm_layout(shard, 2)
+    x = torch.randn(1, cfg.hidden_size)
+    with pytest.raises(ValueError, match="LNC=1"):
+        moe_tkg(x, L["router"], L["experts"], L["shared"], cfg.num_experts_per_tok)
+    with pytest.raises(ValueError, match="bfloat16"):
+        moe_tkg[2](x.to(torch.bfloat16), L["router"], L["experts"], L["shared"], cfg.num_experts_per_tok)
+    with pytest.raises(ValueError, match="divisor"):
+        expert_blocks(torch.zeros(1, 48, 128), torch.zeros(1, 48, 128), torch.zeros(1, 128, 48), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# real per-rank shapes (Qwen3.6-35B-A3B at TP=4: 256 experts, intermediate slice 128, hidden 2048)
+# ---------------------------------------------------------------------------------------------
+
+class RealRank:
+    """One rank's MoE weights at the real shapes. The expert tables are full size, zero except the
+    experts some test selects, which get random weights on first use (``fill``); a kernel reading a
+    wrong expert therefore reads zeros (or another expert) and fails the parity check."""
+
+    def __init__(self, dtype, lncs, seed=0):
+        self.cfg = cfg = preset("qwen3.6-35b-a3b")
+        self.tp, self.dtype, self.k = 4, dtype, cfg.num_experts_per_tok
+        E, H = cfg.num_experts, cfg.hidden_size
+        Ir, Is = cfg.moe_intermediate_size // self.tp, cfg.shared_expert_intermediate_size // self.tp
+        self.g = g = torch.Generator().manual_seed(seed)
+        rnd = lambda *s, fan: (torch.randn(*s, generator=g) * fan ** -0.5).to(dtype)
+        self.shard = {"router": rnd(E, H, fan=H), "shared_expert_gate": rnd(1, H, fan=H),
+                      "gate": torch.zeros(E, Ir, H, dtype=dtype), "up": torch.zeros(E, Ir, H, dtype=dtype),
+                      "down": torch.zeros(E, H, Ir, dtype=dtype),
+                      "shared_gate": rnd(Is, H, fan=H), "shared_up": rnd(Is, H, fan=H),
+                      "shared_down": rnd(H, Is, fan=cfg.shared_expert_intermediate_size)}
+        self.tables = {}
+        for lnc in lncs:
+            ic = Ir // lnc
+            self.tables[lnc] = {"router": router_block(self.shard["router"], self.shard["shared_expert_gate"]),
+                                "experts": torch.zeros(E, lnc, P, block_width(ic, H), dtype=dtype),
+                                "shared": expert_blocks(self.shard["shared_gate"][None], self.shard["shared_up"][None],
+                                                        self.shard["shared_down"][None], lnc)[0]}
+        self.filled = set()
+
+    def fill(self, experts):
+        new = sorted(set(experts) - self.filled)
+        if not new:
+            return
+        s, H, I = self.shard, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        n, Ir = len(new), s["gate"].shape[1]
+        w = torch.randn(n, 3, Ir, H, generator=self.g)
+        gate, up = (w[:, 0] * H ** -0.5).to(self.dtype), (w[:, 1] * H ** -0.5).to(self.dtype)
+        down = (w[:, 2] * I ** -0.5).to(self.dtype).transpose(1, 2)
+        s["gate"][new], s["up"][new], s["down"][new] = gate, up, down
+        for lnc, t in self.tables.items():
+            t["experts"][new] = expert_blocks(gate.float(), up.float(), down.float(), lnc).to(self.dtype)
+        self.filled.update(new)
+
+    def run(self, x, lnc=2, router=None):
+        """Fill the experts the twin selects, run kernel and twin; returns (got, ref, bytes, U)."""
+        shard = self.shard if router is None else dict(self.shard, router=router)
+        sel = distinct_experts(shard, x, self.k)
+        self.fill(sel)
+        layout = dict(self.tables[lnc])
+        if router is not None:
+            layout["router"] = router_block(router, shard["shared_expert_gate"])
+        got, nbytes, _ = run_kernel(shard, x, self.k, lnc, layout)
+        return got, moe_rank(shard, x, self.k), nbytes, sel
+
+    def x(self, T, seed):
+        return torch.randn(T, self.cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
+
+    def block_bytes(self):
+        return expert_block_bytes(self.cfg, self.tp, "bfloat16" if self.dtype == torch.bfloat16 else "float32")
+
+
+@pytest.fixture(scope="module")
+def real_bf16():
+    return RealRank(torch.bfloat16, lncs=(1, 2))
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_real_parity_and_traffic_bf16(real_bf16, T):
+    """LNC=2 at the deployed shapes: parity, and the routed-expert bytes in the trace equal the
+    minimum, one 1.5 MiB block per distinct selected expert (each core reads its 768 KiB half)."""
+    r = real_bf16
+    got, ref, nbytes, sel = r.run(r.x(T, seed=T))
+    check_close(got, ref, torch.bfloat16)
+    assert nbytes == len(sel) * r.block_bytes()
+    assert nbytes <= 1.05 * len(sel) * r.block_bytes()
+
+
+def test_real_parity_lnc1_bf16(real_bf16):
+    """LNC=1: one core takes all 128 intermediate columns (no down-row fold)."""
+    r = real_bf16
+    got, ref, nbytes, sel = r.run(r.x(2, seed=21), lnc=1)
+    check_close(got, ref, torch.bfloat16)
+    assert nbytes == len(sel) * r.block_bytes()
+
+
+def _boost(router, x, experts_per_token, seed, alpha=4.0, beta=2.0):
+    """Crafted routing: token t gets a component alpha * u_t and the experts in
+    experts_per_token[t] get beta * u_t added to their router row, so they win by ~alpha*beta logits."""
+    H = x.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    router, x = router.float().clone(), x.float().clone()
+    for t, experts in enumerate(experts_per_token):
+        u = torch.randn(H, generator=g)
+        u /= u.norm()
+        x[t] += alpha * u
+        router[list(experts)] += beta * u
+    return router, x
+
+
+def test_real_tokens_choosing_the_same_experts(real_bf16):
+    """Different tokens routed (by a crafted router) to the same 8 experts: the 8 blocks are read
+    once, each run T-wide with every token's own weight."""
+    r = real_bf16
+    T, A = 2, [9, 40, 77, 128, 130, 199, 230, 254]
+    router, x = _boost(r.shard["router"], r.x(T, seed=5), [A] * T, seed=1)
+    router, x = router.to(r.dtype), x.to(r.dtype)
+    got, ref, nbytes, sel = r.run(x, router=router)
+    assert sel == A
+    check_close(got, ref, torch.bfloat16)
+    assert nbytes == len(A) * r.block_bytes()
+
+
+def test_real_experts_0_and_255(real_bf16):
+    """Token 0 routed to expert 0, token 1 to expert 255 (the first and last blocks of the table)."""
+    r = real_bf16
+    router, x = _boost(r.shard["router"], r.x(2, seed=6), [[0], [255]], seed=2)
+    router, x = router.to(r.dtype), x.to(r.dtype)
+    got, ref, nbytes, sel = r.run(x, router=router)
+    assert 0 in sel and 255 in sel
+    check_close(got, ref, torch.bfloat16)
+    assert nbytes == len(sel) * r.block_bytes()
+
+
+def test_real_router_ties(real_bf16):
+    r = real_bf16
+    E, k, T = r.cfg.num_experts, r.k, 2
+    shard, x = designed_logits(r.shard, r.x(T, seed=8), tie_columns(E, k, T))
+    got, ref, nbytes, sel = r.run(x, router=shard["router"])
+    assert set(range(k)).issubset(sel) and E - 2 not in sel
+    check_close(got, ref, torch.bfloat16)
+    assert nbytes == len(sel) * r.block_bytes()
+
+
+def test_real_parity_fp32():
+    r = RealRank(torch.float32, lncs=(2,), seed=1)
+    got, ref, nbytes, sel = r.run(r.x(2, seed=31))
+    check_close(got, ref, torch.float32)
+    assert nbytes == len(sel) * r.block_bytes()
+
+
+def test_demo_shape_only_trace():
+    """The shape-only demo trace: registers read 0, so the k always-valid slots fetch expert 0 and the
+    conditional slots run 0 times -- the minimum traffic of k blocks (documented in demo_args)."""
+    cfg = preset("qwen3.6-35b-a3b")
+    kernel, args = demo_args(cfg, tp=4, T=2, shape_only=True)
+    with nkisim.trace.capture() as tr:
+        out = kernel(*args)
+    assert out.shape == (2, 2, cfg.hidden_size)
+    assert routed_expert_bytes(tr) == cfg.num_experts_per_tok * expert_block_bytes(cfg, 4)
+    ops = tr.summary()
+    assert ops[("DVE", "max8")] == 2 * (2 + 2)        # per core: top-k, tie keys, 2 union rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [1, 4])
+def test_real_parity_fp32_sweep(T):
+    r = RealRank(torch.float32, lncs=(1, 2), seed=2)
+    for lnc in (1, 2):
+        got, ref, nbytes, sel = r.run(r.x(T, seed=40 + T), lnc=lnc)
+        check_close(got, ref, torch.float32)
+        assert nbytes == len(sel) * r.block_bytes()
+
+
+@pytest.mark.slow
+def test_demo_executes():
+    cfg = preset("qwen3.6-35b-a3b")
+    kernel, args = demo_args(cfg, tp=4, T=2, shape_only=False)
+    with nkisim.trace.capture() as tr:
+        out = kernel(*args)
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+    assert routed_expert_bytes(tr) >= cfg.num_experts_per_tok * expert_block_bytes(cfg, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(20))
+def test_tiny_random_sweep(seed):
+    cfg = preset("tiny")
+    for dtype in (torch.float32, torch.bfloat16):
+        params = random_params(cfg, seed=100 + seed, dtype=dtype)
+        for tp in (1, 4):
+            shard = shard_moe(params, PREFIX, cfg, seed % tp, tp)
+            for T in (1, 3, 4):
+                x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+                got, nbytes, _ = run_kernel(shard, x, cfg.num_experts_per_tok, 2)
+                check_close(got, moe_rank(shard, x, cfg.num_experts_per_tok), dtype)
+                assert nbytes == len(distinct_experts(shard, x, cfg.num_experts_per_tok)) * \
+                    block_bytes_tiny(cfg, tp, dtype)
