@@ -13,9 +13,11 @@ partial ``y [T, H]`` float32. P = 128 partitions.
 
 Design
 ------
-**Router** (every core computes it; identical instructions on identical data, so both cores agree).
-Logits and the shared-expert gate logit come out of one accumulation over the H/P contraction
-blocks (the gate weight is column E of the router block), are rounded to the activation dtype, and
+**Router.** Under LNC = 2 each core reads half of the router rows (512 KiB of the 1 MiB bf16 at the
+real shapes) and computes those logits, and the halves are swapped with ``sendrecv``; every later
+routing step runs on both cores on identical data, so both cores agree. The shared-expert gate
+weight rides as an extra column of each core's router block (one accumulation over the H/P
+contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype, and
 softmax runs in fp32 (``exp`` with the per-token max as bias, ``reciprocal`` of the sum). The top-k
 SET is exact with lower-index ties and needs nothing but ``max8`` values (documented: the 8 largest
 values, descending): with ``v`` = max8(p) and ``vk = v[k-1]``, every expert with ``p > vk`` is
@@ -68,6 +70,12 @@ LNC = 2). Each core returns its own partial; the wrapper writes ``out[core]``.
 
 ACT table use: ``exp`` (softmax, and the gate as ``1 / (1 + exp(-z))``) then ``silu`` for every
 expert: two table loads, no thrash.
+
+**Traces.** An executing nkisim run traces exactly the slots that ran: k + (distinct experts - k)
+routed-expert DMAs of one block each (``routed_expert_bytes``). In shape-only mode the registers read
+0: the k always-valid slots fetch expert 0 and the conditional slots run zero times, i.e. the trace
+shows the minimum traffic (all tokens agreeing on k experts); every further distinct expert adds one
+identical block (``expert_block_bytes``) and one slot's instructions.
 """
 
 from __future__ import annotations
@@ -152,23 +160,28 @@ def expert_blocks(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, n_co
     return torch.cat([gu, d], dim=3).contiguous()
 
 
-def router_block(router: torch.Tensor, shared_expert_gate: torch.Tensor) -> torch.Tensor:
-    """[E, H] router and [1, H] shared-expert gate -> [P, H/P, E+1], element (p, j, n) = W[n, j*P + p]
-    (column E is the gate), partition-major: one contiguous run per partition."""
+def router_block(router: torch.Tensor, shared_expert_gate: torch.Tensor, n_cores: int = 2) -> torch.Tensor:
+    """[E, H] router and [1, H] shared-expert gate -> [n_cores, P, H/P, E/n_cores + 1]: core c's block
+    holds experts c*E/n_cores .. (c+1)*E/n_cores - 1 and, in its last column, the gate (both cores
+    need it); element (c, p, j, n) = W_c[n, j*P + p], partition-major (one contiguous run per partition)."""
     E, H = router.shape
     if shared_expert_gate.shape != (1, H):
         raise ValueError(f"router_block: shared_expert_gate {list(shared_expert_gate.shape)}, expected [1, {H}]")
     if H % P:
         raise ValueError(f"router_block: hidden size {H} is not a multiple of {P}")
-    w = torch.cat([router, shared_expert_gate.to(router.dtype)], 0)             # [E+1, H]
-    return w.T.reshape(H // P, P, E + 1).permute(1, 0, 2).contiguous()
+    if E % n_cores:
+        raise ValueError(f"router_block: {E} experts do not split over {n_cores} cores")
+    Eh = E // n_cores
+    w = router.reshape(n_cores, Eh, H)
+    w = torch.cat([w, shared_expert_gate.to(router.dtype).expand(n_cores, 1, H)], 1)      # [C, Eh+1, H]
+    return w.transpose(1, 2).reshape(n_cores, H // P, P, Eh + 1).permute(0, 2, 1, 3).contiguous()
 
 
 def moe_hbm_layout(shard: dict[str, torch.Tensor], n_cores: int = 2) -> dict[str, torch.Tensor]:
     """A rank's shard (``model.tp.moe.shard_moe``) -> the kernel's HBM tensors:
-    ``router`` [P, H/P, E+1], ``experts`` [E, n_cores, P, F], ``shared`` [n_cores, P, Fs]."""
+    ``router`` [n_cores, P, H/P, E/n_cores + 1], ``experts`` [E, n_cores, P, F], ``shared`` [n_cores, P, Fs]."""
     return {
-        "router": router_block(shard["router"], shard["shared_expert_gate"]),
+        "router": router_block(shard["router"], shard["shared_expert_gate"], n_cores),
         "experts": expert_blocks(shard["gate"], shard["up"], shard["down"], n_cores),
         "shared": expert_blocks(shard["shared_gate"][None], shard["shared_up"][None], shard["shared_down"][None],
                                 n_cores)[0],
@@ -179,24 +192,36 @@ def moe_hbm_layout(shard: dict[str, torch.Tensor], n_cores: int = 2) -> dict[str
 # kernel body
 # ---------------------------------------------------------------------------------------------
 
-def _route(xT, r_sb, top_k, S):
+def _route(xT, r_sb, top_k, S, lnc, pid):
     """Router on SBUF: returns (gate [T, 1] f32, wsel [T, S] f32, ids [1, S] int32, flags [1, S] int32).
 
+    r_sb [P, H/P, E/lnc + 1] holds this core's experts and the gate column; the halves of the logits
+    are exchanged between the cores (sendrecv) so that both see all E logits.
     ids[s] is the s-th distinct selected expert (ascending), E when slot s is unused (flags[s] = 0).
     wsel[t, s] is token t's renormalised weight (rounded to the activation dtype) for expert ids[s].
     """
     _, J, T = xT.shape
-    E = r_sb.shape[2] - 1
+    Eh = r_sb.shape[2] - 1
+    E = Eh * lnc
     adt = xT.dtype
     f32 = nl.float32
     k = top_k
 
-    # logits | gate logit, rounded to the activation dtype like F.linear
-    lg_ps = nl.ndarray((T, E + 1), dtype=f32, buffer=nl.psum)
+    # this core's logits | the gate logit, rounded to the activation dtype like F.linear
+    lg_ps = nl.ndarray((T, Eh + 1), dtype=f32, buffer=nl.psum)
     for j in range(J):
         nisa.nc_matmul(dst=lg_ps, stationary=xT[:, j, :], moving=r_sb[:, j, :], accumulate=j > 0)
-    lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=lg, src=lg_ps)
+    lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)        # [all E logits | gate logit]
+    if lnc == 1:
+        nisa.tensor_copy(dst=lg, src=lg_ps)
+    else:                   # whole tiles through sendrecv (a strided part of a tile is not delivered)
+        mine = nl.ndarray((T, Eh), dtype=adt, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=mine, src=lg_ps[:, 0:Eh])
+        theirs = nl.ndarray((T, Eh), dtype=adt, buffer=nl.sbuf)
+        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+        nisa.tensor_copy(dst=lg[:, E:E + 1], src=lg_ps[:, Eh:Eh + 1])
+        nisa.tensor_copy(dst=lg[:, pid * Eh:(pid + 1) * Eh], src=mine)
+        nisa.tensor_copy(dst=lg[:, (1 - pid) * Eh:(2 - pid) * Eh], src=theirs)
 
     # softmax (fp32): p = exp(l - max) / sum
     nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
@@ -354,30 +379,42 @@ def _expert_mlp(xT, wbuf, geo, wcol, mask, acc_ps, acc_sb, first):
             nisa.tensor_tensor(dst=acc_sb[:, c0:c0 + n], data1=acc_sb[:, c0:c0 + n], data2=loc, op=nl.add)
 
 
-def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None):
+def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None):
     """Sparse MoE of T tokens on one core: SBUF xT in, SBUF partial y out.
 
     xT:      SBUF [P, H/P, T] activation dtype (bfloat16 or float32), element (p, j, t) = x[t, j*P + p]
-    router:  HBM [P, H/P, E+1] (``router_block``): router rows and, in column E, the shared-expert gate
-    experts: HBM [E, n_cores, P, F] (``expert_blocks``), n_cores = the launch's LNC degree
+    router:  HBM [n_cores, P, H/P, E/n_cores + 1] (``router_block``): each core's router rows and the
+             shared-expert gate
+    experts: HBM [E, n_cores, P, F] (``expert_blocks``), n_cores = the launch's LNC degree -- a whole
+             tensor, or with ``layer`` the stacked tensor [L, E, n_cores, P, F] of all layers (the
+             run-time-addressed DMA uses ``.ap()``, which addresses the base tensor, not a view)
     shared:  HBM [n_cores, P, Fs] (``expert_blocks`` of the shared expert)
     top_k:   experts per token (<= 8); prefetch: expert buffers in the ring (DMAs in flight + 1)
     regs:    optional tuple of 2 * ring-depth registers to reuse (a megakernel composing many layers
              passes one pool); allocated here when None.
+    layer:   with stacked weights, the layer index (router [L, ...] and shared [L, ...] too).
     Returns y: SBUF [T, H] float32, this core's partial (sum over cores and ranks = MoE output).
     """
     _, J, T = xT.shape
     H = J * P
     adt = xT.dtype
     f32 = nl.float32
+    base = 0                # element offset of this layer's expert table inside `experts`
+    stacked = experts
+    if layer is not None:
+        base = layer * experts.shape[1] * experts.shape[2] * experts.shape[3] * experts.shape[4]
+        experts, router, shared = experts[layer], router[layer], shared[layer]
+    elif len(experts.shape) != 4:
+        raise ValueError(f"moe_tkg: experts {list(experts.shape)}: expected [E, n_cores, {P}, F], or stacked "
+                         f"[L, E, n_cores, {P}, F] with layer=")
     if xT.shape[0] != P:
         raise ValueError(f"moe_tkg: xT has {xT.shape[0]} partitions, expected {P} (layout [P, H/P, T])")
     if adt not in (nl.bfloat16, nl.float32):
         raise ValueError(f"moe_tkg: activation dtype {adt} is not bfloat16 or float32")
     E, n_cores = experts.shape[0], experts.shape[1]
-    if experts.shape[2] != P or tuple(router.shape) != (P, J, E + 1):
+    if experts.shape[2] != P or E % n_cores or tuple(router.shape) != (n_cores, P, J, E // n_cores + 1):
         raise ValueError(f"moe_tkg: experts {list(experts.shape)} / router {list(router.shape)} do not match "
-                         f"H={H}, E={E} (expected [E, n_cores, {P}, F] and [{P}, {J}, {E + 1}])")
+                         f"H={H}, E={E} (expected [E, n_cores, {P}, F] and [n_cores, {P}, {J}, E/n_cores + 1])")
     for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
         if t.dtype != adt:
             raise ValueError(f"moe_tkg: {nm} is {t.dtype} but the activations are {adt}; weights must match")
@@ -391,19 +428,20 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None):
                          f"launch has LNC={lnc}")
     geo = _geometry(experts.shape[3], H, "expert")
     geo_s = _geometry(shared.shape[2], H, "shared-expert")
-    if P // geo["ic"] * T > P:
-        raise ValueError(f"moe_tkg: {T} tokens x {P // geo['ic']} row groups exceed {P} output partitions")
+    for g in (geo, geo_s):
+        if g["R"] * T > P:
+            raise ValueError(f"moe_tkg: {T} tokens x {g['R']} down-row groups exceed {P} output partitions")
     F, Fs = geo["F"], geo_s["F"]
     S = min(T * top_k, E)
 
     # 1. weights that do not depend on the routing: router (+gate) and the shared expert
-    r_sb = nl.ndarray((P, J, E + 1), dtype=adt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=r_sb, src=router, dge_mode=nisa.dge_mode.hwdge)
+    r_sb = nl.ndarray((P, J, E // lnc + 1), dtype=adt, buffer=nl.sbuf)
+    nisa.dma_copy(dst=r_sb, src=router[pid], dge_mode=nisa.dge_mode.hwdge)
     sh = nl.ndarray((P, Fs), dtype=adt, buffer=nl.sbuf)
     nisa.dma_copy(dst=sh, src=shared[pid], dge_mode=nisa.dge_mode.hwdge)
 
     # 2. routing
-    gate, wsel, ids, flags = _route(xT, r_sb, top_k, S)
+    gate, wsel, ids, flags = _route(xT, r_sb, top_k, S, lnc, pid)
 
     # 3. the expert stream: a ring of D buffers, D - 1 DMAs ahead of the compute
     D = max(2, min(prefetch, S, RING_BUDGET // (F * (2 if adt == nl.bfloat16 else 4))))
@@ -418,6 +456,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None):
     if len(regs) < 2 * D:
         raise ValueError(f"moe_tkg: {len(regs)} registers given, the ring of {D} needs {2 * D}")
     id_regs, flag_regs = regs[0:D], regs[D:2 * D]
+    edim = 0 if layer is None else 1      # the expert axis of the base tensor (scalar_offset stride)
 
     def issue(s):
         if s >= S:
@@ -425,15 +464,17 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None):
         buf, rid = ring[s % D], id_regs[s % D]
         nisa.register_load(rid, ids[0:1, s:s + 1])
         if s < top_k:           # always valid: a single token selects top_k distinct experts
-            nisa.dma_copy(dst=buf, src=experts.ap(pattern=[[F, P], [1, F]], offset=pid * P * F, scalar_offset=rid,
-                                                  indirect_dim=0), dge_mode=nisa.dge_mode.hwdge)
+            nisa.dma_copy(dst=buf, src=stacked.ap(pattern=[[F, P], [1, F]], offset=base + pid * P * F,
+                                                  scalar_offset=rid, indirect_dim=edim),
+                          dge_mode=nisa.dge_mode.hwdge)
             return
         rf = flag_regs[s % D]
         nisa.register_load(rf, flags[0:1, s:s + 1])
 
         def fetch(i, buf=buf, rid=rid):
-            nisa.dma_copy(dst=buf, src=experts.ap(pattern=[[F, P], [1, F]], offset=pid * P * F, scalar_offset=rid,
-                                                  indirect_dim=0), dge_mode=nisa.dge_mode.hwdge)
+            nisa.dma_copy(dst=buf, src=stacked.ap(pattern=[[F, P], [1, F]], offset=base + pid * P * F,
+                                                  scalar_offset=rid, indirect_dim=edim),
+                          dge_mode=nisa.dge_mode.hwdge)
 
         nl.fori_loop(0, rf, fetch)
 
@@ -548,7 +589,8 @@ def demo_args(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False, lnc=2, seed=0)
     H, E = cfg.hidden_size, cfg.num_experts
     ir, isr = cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp
     F, Fs = block_width(ir // lnc, H), block_width(isr // lnc, H)
-    shapes = {"x": (T, H), "router": (P, H // P, E + 1), "experts": (E, lnc, P, F), "shared": (lnc, P, Fs)}
+    shapes = {"x": (T, H), "router": (lnc, P, H // P, E // lnc + 1), "experts": (E, lnc, P, F),
+              "shared": (lnc, P, Fs)}
     if shape_only:
         import nkisim
         args = tuple(nkisim.ShapeDtype(s, dtype) for s in shapes.values())

@@ -25,12 +25,15 @@ import numpy as np
 import pytest
 import torch
 
+import nki
+import nki.isa as nisa
+import nki.language as nl
 import nkisim
 from model.config import preset
 from model.params import random_params
 from model.tp.moe import distinct_experts, moe_rank, route_tokens, shard_moe
 from nki_kernels.moe import (P, block_width, demo_args, expert_block_bytes, expert_blocks, moe_hbm_layout, moe_tkg,
-                             router_block, routed_expert_bytes)
+                             moe_tkg_body, router_block, routed_expert_bytes)
 
 PREFIX = "model.layers.1"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -138,6 +141,34 @@ def test_tiny_router_ties(tiny_params, dtype):
     assert nbytes == len(chosen[0] | chosen[1]) * block_bytes_tiny(cfg, 2, dtype)
 
 
+@nki.jit
+def stacked_moe(x, router, experts, shared, top_k, layer):
+    """The body as a megakernel uses it: weights of all layers stacked, the layer picked by index."""
+    T, H = x.shape
+    lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
+    xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
+    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer)
+    nisa.dma_copy(dst=out[pid], src=y)
+    return out
+
+
+def test_stacked_layers(tiny_params):
+    """With [L, ...] stacked weights the run-time expert DMA must address layer `layer`'s table
+    (``.ap()`` addresses the base tensor, so the layer offset is added explicitly)."""
+    cfg = preset("tiny")
+    k = cfg.num_experts_per_tok
+    params = random_params(cfg, seed=9, dtype=torch.float32)
+    shards = [shard_moe(params, f"model.layers.{i}", cfg, 1, 2) for i in (0, 1)]
+    layouts = [moe_hbm_layout(sh, 2) for sh in shards]
+    stack = {n: torch.stack([L[n] for L in layouts]) for n in ("router", "experts", "shared")}
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    for layer in (1, 0):
+        out = stacked_moe[2](x, stack["router"], stack["experts"], stack["shared"], k, layer)
+        check_close(out.sum(0), moe_rank(shards[layer], x, k), torch.float32)
+
+
 def test_layout_helpers_round_trip():
     """expert_blocks / router_block place every weight where the kernel reads it."""
     E, I, H, C = 3, 64, 256, 2
@@ -152,9 +183,11 @@ def test_layout_helpers_round_trip():
         assert b[e, c, p, j * 2 * ic + n] == src[e, c * ic + n % ic, j * P + p]
     for e, c, grp, i, col in [(0, 0, 0, 0, 0), (2, 1, R - 1, ic - 1, H // R - 1), (1, 0, 1, 4, 9)]:
         assert b[e, c, grp * ic + i, J * 2 * ic + col] == down[e, grp * (H // R) + col, c * ic + i]
-    rw, seg = torch.randn(E + 5, H, generator=g), torch.randn(1, H, generator=g)
-    rb = router_block(rw, seg)
-    assert rb.shape == (P, J, E + 6) and rb[3, 1, 2] == rw[2, P + 3] and rb[7, 0, E + 5] == seg[0, 7]
+    rw, seg = torch.randn(16, H, generator=g), torch.randn(1, H, generator=g)
+    rb = router_block(rw, seg, 2)
+    assert rb.shape == (2, P, J, 9)
+    assert rb[0, 3, 1, 2] == rw[2, P + 3] and rb[1, 3, 1, 2] == rw[10, P + 3]
+    assert rb[0, 7, 0, 8] == seg[0, 7] and rb[1, 7, 1, 8] == seg[0, P + 7]
 
 
 def test_refuses_mismatched_launch(tiny_params):
@@ -194,7 +227,7 @@ class RealRank:
         self.tables = {}
         for lnc in lncs:
             ic = Ir // lnc
-            self.tables[lnc] = {"router": router_block(self.shard["router"], self.shard["shared_expert_gate"]),
+            self.tables[lnc] = {"router": router_block(self.shard["router"], self.shard["shared_expert_gate"], lnc),
                                 "experts": torch.zeros(E, lnc, P, block_width(ic, H), dtype=dtype),
                                 "shared": expert_blocks(self.shard["shared_gate"][None], self.shard["shared_up"][None],
                                                         self.shard["shared_down"][None], lnc)[0]}
@@ -221,7 +254,7 @@ class RealRank:
         self.fill(sel)
         layout = dict(self.tables[lnc])
         if router is not None:
-            layout["router"] = router_block(router, shard["shared_expert_gate"])
+            layout["router"] = router_block(router, shard["shared_expert_gate"], lnc)
         got, nbytes, _ = run_kernel(shard, x, self.k, lnc, layout)
         return got, moe_rank(shard, x, self.k), nbytes, sel
 
