@@ -68,6 +68,11 @@ SBUF layouts and algorithm (per core)
    the window after token j is the partition range ``full_tok[j+1 : j+K]``: one DMA per slot and column
    group (q‖k, v).
 
+Trace at the real per-rank shapes (nkisim, LNC=2, bf16, per core; T = 1 / 2 / 4): PE 132 / 141 / 159,
+DVE 29 / 33 / 41, ACT 18 / 23 / 33, DMA 18 / 21 / 27, POOL 3 (identity constants), SP 1 (register load);
+HBM reads 8.70 MB (8.43 MB of weights, one 256 KiB state slot, one window slot, x), writes T x (256 KiB
+state + 6 KiB window) + y; peak SBUF 71 KB per partition (of 208 KB), PSUM 12 KB (6 of 8 banks).
+
 ACT table groups used, in program order: {copy} (PSUM evictions, the table the preceding RMSNorm left
 loaded), softplus, exp (exp(A_log), alpha, sigmoid(b), SiLU), {copy, square, rsqrt} (l2norm, state decay,
 gated norm): two table switches inside the mixer.
