@@ -9,6 +9,7 @@ tensors are copied back into the caller's arrays when the launch finishes.
 import contextlib
 import functools
 import inspect
+import os
 import threading
 import warnings
 
@@ -108,6 +109,10 @@ def _convert(x, launch, args_out, shape_only):
     if isinstance(x, tuple):
         return tuple(_convert(v, launch, args_out, shape_only) for v in x)
     if isinstance(x, dict):
+        bad = [k for k in x if not isinstance(k, str)]
+        if bad:
+            raise NkiValidationError(f"kernel argument dict has non-string key(s) {bad!r}; NKI dict keys must be "
+                                     f"strings (NKI 0.3.0)")
         return {k: _convert(v, launch, args_out, shape_only) for k, v in x.items()}
     return x
 
@@ -118,6 +123,44 @@ def _lint(fn):
         if p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY, p.VAR_KEYWORD):
             raise NkiValidationError(f"nki.jit: kernel {fn.__name__} uses '*'/'**' in its signature (parameter "
                                      f"'{p.name}'), which the NKI compiler rejects (NKI 0.3.0)")
+
+
+# Front-end lint of the kernel body (ref §2.1, SDK-MIG 0.3.0 "NKI language restrictions"): the NKI compiler
+# rejects `is` / `is not` and dicts with non-string keys. Checked on the @nki.jit function's own source
+# (nested defs included; helpers it calls are not parsed). Switch: nkisim.jit.FRONTEND_LINT = False.
+FRONTEND_LINT = True
+_linted = {}
+
+
+def _lint_source(fn):
+    code = getattr(fn, "__code__", None)
+    if not FRONTEND_LINT or code is None or code in _linted:
+        return
+    _linted[code] = True
+    import ast
+    import textwrap
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        first = inspect.getsourcelines(fn)[1]
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError):
+        return                                   # no source (REPL, exec): nothing to check
+    where = os.path.basename(code.co_filename)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for o in node.ops:
+                if isinstance(o, (ast.Is, ast.IsNot)):
+                    word = "is not" if isinstance(o, ast.IsNot) else "is"
+                    raise NkiValidationError(
+                        f"nki.jit: kernel {fn.__name__} uses '{word}' at {where}:{first + node.lineno - 1}; the NKI "
+                        f"compiler rejects 'is'/'is not' (NKI 0.3.0 update guide, Language Restrictions): use == / != "
+                        f"instead (e.g. 'x == None')")
+        elif isinstance(node, ast.Dict):
+            for k in node.keys:
+                if isinstance(k, ast.Constant) and not isinstance(k.value, str):
+                    raise NkiValidationError(
+                        f"nki.jit: kernel {fn.__name__} builds a dict with key {k.value!r} at "
+                        f"{where}:{first + node.lineno - 1}; NKI dict keys must be strings (NKI 0.3.0)")
 
 
 def _output(x, launch, want_torch, names_seen):
@@ -176,6 +219,7 @@ def _has(x, pred):
 
 def run_world(fn, per_rank_args, per_rank_kwargs, tp, lnc, ndim, comms, name=None, timeout=None):
     """Launch ``tp`` ranks x ``lnc`` instances; returns the converted outputs of every rank."""
+    _lint_source(fn)
     so = getattr(_flags, "shape_only", False)
     flat = [v for a in per_rank_args for v in a] + [v for k in per_rank_kwargs for v in k.values()]
     so = so or any(_has(x, lambda v: isinstance(v, ShapeDtype)) for x in flat)

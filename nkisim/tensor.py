@@ -34,10 +34,11 @@ def _extent(offset, shape, strides, itemsize):
 
 class Indirect:
     """Dynamic addressing attached by ``.ap(scalar_offset=...)`` / ``.ap(vector_offset=...)``."""
-    __slots__ = ("kind", "index", "dim", "unit")
+    __slots__ = ("kind", "index", "dim", "unit", "limit")
 
-    def __init__(self, kind, index, dim, unit):
+    def __init__(self, kind, index, dim, unit, limit=None):
         self.kind, self.index, self.dim, self.unit = kind, index, dim, unit   # unit: bytes per index step
+        self.limit = limit          # select(dim, t): the index must be < limit (size of the selected dim)
 
 
 class NkiTensor:
@@ -192,8 +193,13 @@ class NkiTensor:
                     shape.append(1)
                     strides.append(s)
             elif isinstance(k, NkiTensor):
-                raise NotImplementedError("indexing with a tensor (dynamic select) is not implemented by nkisim; "
-                                          "use .ap(pattern, scalar_offset=...) or .ap(vector_offset=...)")
+                # t[..., idx_tensor, ...] = static indexing of the other dims, then .select(dim, idx_tensor)
+                tk = list(key)
+                tk[d] = slice(None)
+                rest = self[tuple(tk)]
+                nd = d - sum(1 for j, kk in enumerate(key[:d]) if isinstance(kk, (int, np.integer))
+                             and not (self.on_chip and j == 0))
+                return rest.select(nd, k)
             else:
                 raise TypeError(f"unsupported index {k!r} for dim {d} of {self.describe()}")
         keep = [i for i in range(len(shape)) if i not in dropped]
@@ -214,11 +220,50 @@ class NkiTensor:
 
     def select(self, dim, index):
         if isinstance(index, NkiTensor):
-            raise NotImplementedError("select with a tensor index is not implemented by nkisim; use .ap()")
+            return self._dynamic_select(dim, index)
         v = self.slice(dim, index, index + 1)
         if self.on_chip and dim == 0:
             return v
         return v.squeeze_dim(dim) if (not self.on_chip or v.ndim > 2) else v
+
+    def _dynamic_select(self, dim, index):
+        """select(dim, idx) with a (1, 1) SBUF index tensor (NKI 0.5.0): a runtime offset along ``dim``, which is
+        dropped. Rules (ref §3.2): one dynamic select per tensor; on-chip it cannot target dim 0."""
+        op = "select"
+        if self.indirect is not None:
+            raise NkiValidationError(f"{op}: {self.describe()} already has a dynamic access; only one dynamic select "
+                                     f"per tensor (ref §3.2)")
+        dim = dim % self.ndim
+        if self.on_chip and dim == 0:
+            raise NkiValidationError(f"{op}: a dynamic select on an on-chip tensor cannot target the partition dim 0")
+        if index.size != 1 or index.storage.kind not in ON_CHIP or not dtypes.is_int(index.dtype):
+            raise NkiValidationError(f"{op}: a tensor index must be a (1, 1) integer SBUF tensor, got {index.describe()}")
+        keep = [i for i in range(self.ndim) if i != dim]
+        if self.on_chip and len(keep) < 2:
+            v = NkiTensor._fast(self.storage, self.dtype, (self.shape[0], 1), (self.bstrides[0], self.itemsize),
+                                self.boffset)
+        else:
+            v = NkiTensor._fast(self.storage, self.dtype, tuple(self.shape[i] for i in keep),
+                                tuple(self.bstrides[i] for i in keep), self.boffset)
+        v.indirect = Indirect("scalar", index, dim, self.bstrides[dim], limit=self.shape[dim])
+        return v
+
+    def vector_select(self, dim, index):
+        """HBM only: row ``index[p]`` of dim 0 for every row p of the result (a gather, NKI 0.5.0)."""
+        op = "vector_select"
+        if dim != 0:
+            raise NkiValidationError(f"{op}: only dim 0 is supported, got {dim}")
+        if self.on_chip:
+            raise NkiValidationError(f"{op}: vector_select is for HBM tensors, got {self.describe()}")
+        if self.indirect is not None:
+            raise NkiValidationError(f"{op}: {self.describe()} already has a dynamic access")
+        if not isinstance(index, NkiTensor) or index.storage.kind not in ON_CHIP or index.ndim != 2 or \
+                index.shape[1] != 1 or not dtypes.is_int(index.dtype):
+            raise NkiValidationError(f"{op}: index must be an integer (P, 1) SBUF tensor, got {index!r}")
+        v = NkiTensor._fast(self.storage, self.dtype, (index.shape[0],) + self.shape[1:], (0,) + self.bstrides[1:],
+                            self.boffset)
+        v.indirect = Indirect("vector", index, 0, self.bstrides[0], limit=self.shape[0])
+        return v
 
     def permute(self, dims):
         self._no_indirect("permute")
@@ -320,7 +365,44 @@ class NkiTensor:
         return self.indirect is not None
 
     def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):
-        raise NotImplementedError("NkiTensor.rearrange is not implemented by nkisim yet; use permute/reshape")
+        """einops-style view change (NKI 0.5.0): ``src_pattern`` names every current dim, a tuple splitting it
+        (sizes from ``fixed_sizes``, at most one unknown per group); ``dst_pattern`` orders the names, a tuple
+        merging them. Splits/permutes are always views; a merge of non-adjacent strides is refused (as reshape)."""
+        op = "rearrange"
+        self._no_indirect(op)
+        fixed = dict(fixed_sizes or {})
+        src = [p if isinstance(p, (tuple, list)) else (p,) for p in src_pattern]
+        dst = [p if isinstance(p, (tuple, list)) else (p,) for p in dst_pattern]
+        if len(src) != self.ndim:
+            raise ValueError(f"{op}: src_pattern {src_pattern!r} has {len(src)} entries for a {self.ndim}-D tensor")
+        names, sizes = [], []
+        for grp, n in zip(src, self.shape):
+            known = 1
+            unknown = [g for g in grp if g not in fixed]
+            for g in grp:
+                if g in fixed:
+                    known *= int(fixed[g])
+            if len(unknown) > 1:
+                raise ValueError(f"{op}: group {grp} has several unsized names {unknown}; give fixed_sizes")
+            if unknown:
+                if n % known:
+                    raise ValueError(f"{op}: dim of size {n} is not divisible by {known} for group {grp}")
+                fixed[unknown[0]] = n // known
+            elif known != n:
+                raise ValueError(f"{op}: group {grp} has size {known} but the dim has size {n}")
+            for g in grp:
+                if g in names:
+                    raise ValueError(f"{op}: name {g!r} appears twice in src_pattern")
+                names.append(g)
+                sizes.append(int(fixed[g]))
+        flat_dst = [g for grp in dst for g in grp]
+        if sorted(flat_dst) != sorted(names):
+            raise ValueError(f"{op}: dst_pattern {dst_pattern!r} must use exactly the names of src_pattern {names}")
+        split = self.reshape(sizes) if list(sizes) != list(self.shape) else self
+        perm = [names.index(g) for g in flat_dst]
+        moved = split.permute(perm) if perm != list(range(len(perm))) else split
+        out_shape = [int(np.prod([fixed[g] for g in grp])) for grp in dst]
+        return moved.reshape(out_shape) if out_shape != list(moved.shape) else moved
 
     def indirect_(self, *a, **k):   # pragma: no cover
         raise NkiValidationError("NkiTensor.indirect: tensor indirection is NeuronCore-v4 only (not trn2)")

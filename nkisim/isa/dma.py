@@ -32,6 +32,8 @@ def _resolve(op, name, t):
     isz = t.itemsize
     if ind.kind == "scalar":
         v = _index_value(op, name, ind.index)
+        if ind.limit is not None and not 0 <= v < ind.limit:
+            return t, None, False
         base = NkiTensor(st, t.dtype, t.shape, t.bstrides, t.boffset + v * ind.unit)
         from ..tensor import _extent
         lo, hi = _extent(base.boffset, base.shape, base.bstrides, isz)
@@ -42,6 +44,8 @@ def _resolve(op, name, t):
     check_written(ind.index, op, f"{name} vector_offset")
     addr = element_addresses(t, idx * ind.unit)
     ok_el = (addr >= 0) & (addr + isz <= st.nbytes)
+    if ind.limit is not None:
+        ok_el &= ((idx >= 0) & (idx < ind.limit)).reshape((-1,) + (1,) * (t.ndim - 1))
     row_ok = ok_el.reshape(t.shape[0], -1).all(axis=1)
     valid = np.broadcast_to(row_ok.reshape((-1,) + (1,) * (t.ndim - 1)), t.shape)
     return t, addr, valid

@@ -334,7 +334,7 @@ def test_stuck_rank_times_out_with_message():
         nkisim.launch(maybe_skip, args, tp=4, lnc=1, timeout=0.3)
     assert time.monotonic() - t0 < 1.5
     msg = str(e.value)
-    assert "timeout=0.3" in msg and "rank 3 core 0 running at test_collectives.py" in msg
+    assert "timeout=0.3" in msg and "rank 3 core 0 running at test_nkisim_collectives.py" in msg
     assert "ncc.all_reduce call #1 on rank list [0, 1, 2, 3] (core 0) waits for rank 3 core 0" in msg
 
 

@@ -159,3 +159,93 @@ def test_dynamic_range_and_while():
         nisa.dma_copy(dst=out, src=c)
         return out
     assert k(np.zeros((1, 1), F32))[0, 0] == 6
+
+
+# ---- phase 2: front-end lint, tensor-valued select, rearrange ---------------------------------
+def test_frontend_lint_is_and_dict_keys():
+    @nki.jit
+    def uses_is(x, flag):
+        if flag is None:
+            pass
+        return x
+
+    with pytest.raises(nkisim.NkiValidationError, match="uses 'is' at test_views_dynamic.py:.*use == / !="):
+        uses_is(np.zeros((2, 2), np.float32), None)
+
+    @nki.jit
+    def int_keys(x):
+        d = {0: x}
+        return d["0"] if False else x
+
+    with pytest.raises(nkisim.NkiValidationError, match="dict with key 0 .* must be strings"):
+        int_keys(np.zeros((2, 2), np.float32))
+
+    @nki.jit
+    def ok(x, cfg):
+        return x
+    with pytest.raises(nkisim.NkiValidationError, match="non-string key"):
+        ok(np.zeros((2, 2), np.float32), {1: 2})
+
+
+def test_tensor_valued_select_and_vector_select(rng):
+    table = rng.standard_normal((5, 3, 8)).astype(np.float32)
+
+    @nki.jit
+    def k(tbl, idx_in, rows_in):
+        i = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=i, src=idx_in)
+        a = nl.ndarray((3, 8), tbl.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=tbl.select(0, i))            # dynamic row of dim 0
+        b = nl.ndarray((5, 8), tbl.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b, src=tbl[:, i, :])                 # tensor index on dim 1
+        r = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=r, src=rows_in)
+        flat = tbl.reshape((5, 24))
+        c = nl.ndarray((4, 24), tbl.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=c, src=flat.vector_select(0, r))     # gather rows
+        outs = []
+        for t in (a, b, c):
+            o = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=o, src=t)
+            outs.append(o)
+        return tuple(outs)
+    rows = np.array([[4], [0], [2], [2]], np.int32)
+    a, b, c = k(table, np.array([[2]], np.int32), rows)
+    np.testing.assert_array_equal(a, table[2])
+    np.testing.assert_array_equal(b, table[:, 2, :])
+    np.testing.assert_array_equal(c, table.reshape(5, 24)[rows[:, 0]])
+    with pytest.raises(nkisim.OutOfBoundsError):
+        k(table, np.array([[3]], np.int32), rows)              # 3 >= dim-1 size 3 (inside the storage, still OOB)
+
+    @nki.jit
+    def onchip_dim0(x):
+        i = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=i, value=0)
+        t = nl.ndarray((4, 4), x.dtype, buffer=nl.sbuf)
+        t.select(0, i)
+        return x
+    with pytest.raises(nkisim.NkiValidationError, match="cannot target the partition dim 0"):
+        onchip_dim0(np.zeros((2, 2), np.float32))
+
+
+def test_rearrange(rng):
+    x = rng.standard_normal((6, 4 * 8)).astype(np.float32)
+
+    @nki.jit
+    def k(x):
+        v = x.rearrange(("a", ("b", "c")), ("b", "a", "c"), {"b": 4})       # [6, 32] -> [4, 6, 8]
+        o = nl.ndarray((4, 6, 8), x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 6, 8), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=v)
+        nisa.dma_copy(dst=o, src=t)
+        w = x.rearrange(("a", ("b", "c")), ("a", "c", "b"), {"c": 8})
+        assert w.shape == (6, 8, 4) and w.strides == (32, 1, 8)
+        try:
+            x.rearrange(("a", ("b", "c")), ("a", ("c", "b")), {"c": 8})     # merge of non-adjacent strides
+        except nkisim.NkiValidationError:
+            pass
+        else:
+            raise AssertionError("merge of permuted dims must be refused")
+        return o
+    out = k(x)
+    np.testing.assert_array_equal(out, x.reshape(6, 4, 8).transpose(1, 0, 2))
