@@ -496,17 +496,48 @@ class NkiTensor:
 # raw access (used by the instruction implementations)
 # ---------------------------------------------------------------------------------------------
 
-def raw(v, boffset=None):
-    """numpy view of the elements of a direct view (storage dtype of the view)."""
+def dyn_offset(v):
+    """Byte offset of a view whose start moves at run time (``.ap(scalar_offset=...)`` / ``select(dim, t)``),
+    checked against the tensor (and, on-chip, against its partition rows)."""
+    ind = v.indirect
+    idx = ind.index
     st = v.storage
-    return np.ndarray(v.shape, dtype=dtypes.storage(v.dtype), buffer=st.data,
-                      offset=v.boffset if boffset is None else boffset, strides=v.bstrides)
+    if isinstance(idx, NkiTensor):
+        check_written(idx, "dynamic offset", "scalar_offset")
+        val = int(np.ndarray((), dtype=dtypes.storage(idx.dtype), buffer=idx.storage.data, offset=idx.boffset))
+    else:
+        val = int(idx.value)
+    what = f"dynamic offset {val} (dim {ind.dim}) of {st.describe()}"
+    if ind.limit is not None and not 0 <= val < ind.limit:
+        raise OutOfBoundsError(f"{what} is outside [0, {ind.limit})")
+    off = v.boffset + val * ind.unit
+    lo, hi = _extent(off, v.shape, v.bstrides, v.itemsize)
+    if v.size and (lo < 0 or hi > st.nbytes):
+        raise OutOfBoundsError(f"{what} moves the view to bytes [{lo}, {hi}), outside the tensor ({st.nbytes} B)")
+    if st.kind in ON_CHIP and v.size:
+        R = st.row_bytes
+        p0 = v.boffset // R
+        flo, fhi = _extent(off - p0 * R, v.shape[1:], v.bstrides[1:], v.itemsize)
+        if flo < 0 or fhi > R:
+            raise OutOfBoundsError(f"{what} moves the view across a partition boundary (an on-chip dynamic offset "
+                                   f"may only move along the free dims)")
+    return off
+
+
+def raw(v, boffset=None):
+    """numpy view of the elements of a view (storage dtype of the view); a scalar dynamic offset is resolved."""
+    if boffset is None:
+        boffset = v.boffset if v.indirect is None or v.indirect.kind != "scalar" else dyn_offset(v)
+    return np.ndarray(v.shape, dtype=dtypes.storage(v.dtype), buffer=v.storage.data, offset=boffset,
+                      strides=v.bstrides)
 
 
 def mask(v, arr=None, boffset=None):
     st = v.storage
+    if boffset is None:
+        boffset = v.boffset if v.indirect is None or v.indirect.kind != "scalar" else dyn_offset(v)
     return np.ndarray(tuple(v.shape) + (v.itemsize,), dtype=np.bool_, buffer=arr if arr is not None else st.written,
-                      offset=v.boffset if boffset is None else boffset, strides=tuple(v.bstrides) + (1,))
+                      offset=boffset, strides=tuple(v.bstrides) + (1,))
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}

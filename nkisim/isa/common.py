@@ -36,8 +36,13 @@ def tensor(op, name, t, mems=ON_CHIP, eng=None, allow_indirect=False):
         raise NkiValidationError(f"{op}: {name} is in {t.buffer.value} ({t.describe()}), expected "
                                  f"{_mems(mems)}{who}")
     if t.indirect is not None and not allow_indirect:
-        raise NkiValidationError(f"{op}: {name} has a dynamic access pattern (scalar_offset/vector_offset); "
-                                 f"only nisa.dma_copy accepts indirect operands in nkisim")
+        ind = t.indirect
+        if ind.kind != "scalar" or t.buffer not in ON_CHIP:
+            raise NkiValidationError(f"{op}: {name} uses vector_offset (gather/scatter) or a dynamic HBM view; only "
+                                     f"the DMA instructions accept those (SDK-ISA dma_copy)")
+        if ind.dim == 0:
+            raise NkiValidationError(f"{op}: {name} has a dynamic offset on the partition dim; an on-chip dynamic "
+                                     f"select cannot target dim 0 (ref §3.2)")
     return t
 
 

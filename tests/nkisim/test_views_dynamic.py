@@ -249,3 +249,43 @@ def test_rearrange(rng):
         return o
     out = k(x)
     np.testing.assert_array_equal(out, x.reshape(6, 4, 8).transpose(1, 0, 2))
+
+
+def test_dynamic_offsets_on_compute_engines(rng):
+    """tensor_copy + .ap(scalar_offset=reg) replaced tensor_copy_dynamic_src/dst (SDK-MIG 0.3.0)."""
+    x = rng.standard_normal((8, 4, 16)).astype(np.float32)
+
+    @nki.jit
+    def k(x, j_in):
+        t = nl.ndarray((8, 4, 16), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        j = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=j, src=j_in)
+        r = nisa.register_alloc()
+        nisa.register_load(r, j)
+        a = nl.ndarray((8, 16), x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=a, src=t.ap(pattern=[[64, 8], [1, 16]], offset=0, scalar_offset=r, indirect_dim=1))
+        b = nl.ndarray((8, 16), x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=b, data=t.select(1, j), op0=nl.multiply, operand0=2.0)
+        outs = []
+        for v in (a, b):
+            o = nl.ndarray(v.shape, v.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(dst=o, src=v)
+            outs.append(o)
+        return tuple(outs)
+    a, b = k(x, np.array([[3]], np.int32))
+    np.testing.assert_array_equal(a, x[:, 3, :])
+    np.testing.assert_array_equal(b, x[:, 3, :] * 2)
+    with pytest.raises(nkisim.OutOfBoundsError, match="partition boundary|outside"):
+        k(x, np.array([[4]], np.int32))
+
+    @nki.jit
+    def dim0(x):
+        t = nl.ndarray((8, 16), x.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=0.0)
+        r = nisa.register_alloc(1)
+        u = nl.ndarray((1, 16), x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=u, src=t.ap(pattern=[[16, 1], [1, 16]], scalar_offset=r, indirect_dim=0))
+        return x
+    with pytest.raises(nkisim.NkiValidationError, match="cannot target dim 0"):
+        dim0(x)
