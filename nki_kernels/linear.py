@@ -1,0 +1,99 @@
+"""Dense projections that are not part of a larger family, and the feature- to token-major transpose.
+
+* :func:`column_partial_body` -- this core's slice of output columns of ``y = x W^T``, written into a
+  zero ``[T, H_out]`` float32 partial. Used for the MTP head's ``fc`` ([H, 2H]): core g of the
+  TP x LNC cores owns output columns ``[g*Nc, (g+1)*Nc)``, so the all-reduce of the partials
+  (``collectives.allreduce_partials``, the same collective every mixer uses) assembles the full
+  output. Every core reads only its own columns' weights.
+* :func:`token_major` -- feature-major ``xT [P, J, T]`` back to token-major ``[T, J*P]`` (the trunk's
+  post-norm hidden, returned to the host and fed to the next round's MTP head).
+
+Layouts (nki_kernels/README.md): ``xT [P, J, T]`` SBUF, element (p, j, t) = x[t, j*P + p]; weights
+contraction-major in HBM: ``w [P, J, Nc]`` with ``w[p, j, n] = W[col0 + n, j*P + p]``
+(:func:`column_layout`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+P = 128
+PSUM_COLS = 512  # fp32 columns of one PSUM bank (the moving free-size limit on trn2)
+
+
+def column_partial_body(xT, w, col0: int, n_out: int):
+    """y [T, n_out] float32 SBUF: columns ``[col0, col0 + Nc)`` = ``x W_c^T``, every other column 0.
+
+    xT: SBUF ``[P, J, T]`` activation dtype; w: HBM ``[P, J, Nc]`` (:func:`column_layout`), same dtype;
+    col0, n_out: compile-time ints. Weights are the moving operand, accumulated over the J contraction
+    tiles in one PSUM bank per 512-column chunk; one weight DMA.
+    """
+    _, J, T = xT.shape
+    wp, wj, nc = w.shape
+    assert wp == P and wj == J, f"column_partial: weight is {list(w.shape)}, expected [{P}, {J}, Nc]"
+    assert 0 <= col0 and col0 + nc <= n_out, f"column_partial: columns {col0}..{col0 + nc} exceed {n_out}"
+    w_sb = nl.ndarray((P, J, nc), w.dtype, buffer=nl.sbuf, name="lin_w")
+    nisa.dma_copy(dst=w_sb, src=w)
+    y = nl.ndarray((T, n_out), nl.float32, buffer=nl.sbuf, name="lin_y")
+    nisa.memset(dst=y, value=0.0)
+    for n0 in range(0, nc, PSUM_COLS):
+        n1 = min(nc, n0 + PSUM_COLS)
+        ps = nl.ndarray((T, n1 - n0), nl.float32, buffer=nl.psum, name="lin_ps")
+        for j in range(J):
+            nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=w_sb[:, j, n0:n1], accumulate=j > 0)
+        nisa.tensor_copy(dst=y[:, col0 + n0:col0 + n1], src=ps)
+    return y
+
+
+def token_major(xT):
+    """Feature-major ``xT [P, J, T]`` -> token-major ``[T, J*P]`` SBUF, same dtype, bit-exact.
+
+    J PE transposes (matmul of each ``[P, T]`` tile against a ``[P, P]`` identity: one non-zero product
+    per output, so exact) into fp32 PSUM, 512 columns per bank, then one copy per bank.
+    """
+    _, J, T = xT.shape
+    H = J * P
+    ident = nl.shared_identity_matrix(n=P, dtype=xT.dtype)
+    x = nl.ndarray((T, H), xT.dtype, buffer=nl.sbuf, name="tok_x")
+    for n0 in range(0, H, PSUM_COLS):
+        n1 = min(H, n0 + PSUM_COLS)
+        ps = nl.ndarray((T, n1 - n0), nl.float32, buffer=nl.psum, name="tok_ps")
+        for j in range(n0 // P, n1 // P):
+            nisa.nc_matmul(dst=ps[:, j * P - n0:(j + 1) * P - n0], stationary=xT[:, j, :], moving=ident,
+                           accumulate=False)
+        nisa.tensor_copy(dst=x[:, n0:n1], src=ps)
+    return x
+
+
+@nki.jit
+def column_partial_kernel(xT, w, n_out):
+    """Wrapper: xT HBM ``[P, J, T]``, w HBM ``[n_cores, P, J, Nc]`` (core c's columns ``[c*Nc, (c+1)*Nc)``)
+    -> per-core partials ``[n_cores, T, n_out]`` float32 (their sum is the full ``x W^T``)."""
+    n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
+    c = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    _, J, T = xT.shape
+    nc = w.shape[3]
+    out = nl.ndarray((n, T, n_out), nl.float32, buffer=nl.shared_hbm, name="lin_partials")
+    xs = nl.ndarray((P, J, T), xT.dtype, buffer=nl.sbuf, name="lin_xT")
+    nisa.dma_copy(dst=xs, src=xT)
+    y = column_partial_body(xs, w[c], c * nc, n_out)
+    nisa.dma_copy(dst=out[c], src=y)
+    return out
+
+
+def column_layout(weight, col0: int, n_cols: int) -> np.ndarray:
+    """Host: rows ``[col0, col0 + n_cols)`` of a PyTorch-layout weight ``[N_out, K]`` (torch or numpy)
+    -> contraction-major ``[P, K/P, n_cols]`` (same dtype)."""
+    from nki_kernels.attention import _to_numpy
+    w = _to_numpy(weight)
+    n_out, k = w.shape
+    if k % P:
+        raise ValueError(f"column_layout: contraction size {k} is not a multiple of {P}")
+    if not (0 <= col0 and col0 + n_cols <= n_out):
+        raise ValueError(f"column_layout: rows {col0}..{col0 + n_cols} outside the weight's {n_out}")
+    block = w[col0:col0 + n_cols]  # [n, K]
+    return np.ascontiguousarray(block.T.reshape(k // P, P, n_cols).transpose(1, 0, 2))
