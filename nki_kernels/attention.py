@@ -17,7 +17,7 @@ Weights in HBM (contraction-major, built once by :func:`attention_layout` from t
 
 * ``wqg``    ``[H, 2, Hq_r, D]`` act dtype: ``wqg[i, 0, h, d]`` = query weight, ``wqg[i, 1, h, d]`` = gate weight
   of the rank's head h (the checkpoint interleaves [q_h; g_h] per head in q_proj's rows; the helper
-  de-interleaves it). A core's heads [h0, h0+Hc) are one DMA with 2*KT runs of Hc*D elements per partition.
+  de-interleaves it). A core's heads [h0, h0+Hc) of one input tile are contiguous runs of Hc*D elements.
 * ``wk``, ``wv`` ``[H, D]`` act dtype (the rank's KV head).
 * ``wo``     ``[Hq_r*D, H]`` act dtype (o_proj transposed: row h*D + d is head h's dim d).
 * ``norm_w`` ``[2, D]`` float32: ``(1 + q_norm, 1 + k_norm)`` (the zero-centred offsets resolved on the host).
@@ -30,41 +30,54 @@ and loop bounds (``nl.fori_loop`` with register bounds); nothing branches on it 
 KV caches: ``k_cache``, ``v_cache`` HBM ``[1, L, D]`` act dtype (the rank's KV head, row = position); written
 in place at rows p..p+T-1 and also returned. ``L >= kv_tile`` is required (see the head tile below).
 
-On-chip layout of the work (per core, nq = T*Hc query rows, row r = t*Hc + h):
+On-chip layout of the work (per core, nq = T*Hc query rows of its own heads, row r = t*Hc + h):
 
-* projections: the stationary operand is a zero-padded replica of xT per head (``xrep[:, h, j, r]`` =
-  xT[:, j, t] iff r = t*Hc + h) so that ONE matmul per (j, head) streams that head's [query | gate] weight
-  (N = 2D = 512 columns, one PSUM bank) straight into row layout ``[(t, h), D]``; the K projection lands in
-  rows nq..nq+T-1 of the same PSUM tile (core 0). Every weight column is streamed exactly once, whatever T.
-* q and k rows share one tile ``qk [KP + T, D]`` (query rows 0..nq-1, key rows at partitions KP = 32.. so
-  that compute engines may address them: start partitions are 0/32/64/96; rows between are zero) for RMSNorm
-  (free-axis reduce) and RoPE (free-axis slices), and are transposed together (PE, matmul against an identity)
-  into ``qT [dp, DT, KP + T]`` (d on partitions, DT = D/128 d-tiles): the query columns are the QK^T
-  stationary, the key columns the new keys.
-* KV tiles of B = ``kv_tile`` keys (512): ``kv [P, B/P, 2, D]``, partition p holds rows 4p..4p+3 (one 2 KiB
-  contiguous run per partition and cache); K chunks are transposed on the PE (identity matmul) into
-  ``kT [dp, DT, B/P, P]``; **QK^T is split-K over the DT d-tiles, accumulated in one PSUM bank**
-  ``S [nq, B]`` (kernel-algorithms §4.3); PV uses P^T chunks as the stationary and V rows as the moving operand
-  (``[nq, D]`` in PSUM, no split needed).
-* online softmax (fp32): running negated max ``nm``, sum ``l``, output ``O [nq, D]``; the scale 1/sqrt(D) is
-  folded into the exp (``exp(scale*S - m)`` on ScalarE, which also emits the row sums).
+* projections: the weights stream through a 3-slot SBUF ring in chunks of 2 input tiles (chunk c+3's DMA
+  reuses chunk c's slot), so the matmuls overlap the transfer. The stationary operand is a zero-padded replica
+  of xT per head (``xrep[:, h, j, r]`` = xT[:, j, t] iff r = t*Hc + h) so that ONE matmul per (j, head) streams
+  that head's [query | gate] weight (N = 2D = 512 columns, one PSUM bank) straight into row layout
+  ``[(t, h), 2, D]``; the K projection lands in rows KP..KP+T-1 of the same PSUM tile (core 0). Every weight
+  column is streamed exactly once, whatever T.
+* q and k rows share one tile ``qk [KP + T, D]`` (query rows 0..nq-1, key rows at partition KP = 32 so that
+  compute engines may address them -- start partitions are 0/32/64/96; rows between are zero) for RMSNorm
+  (free-axis reduce) and RoPE (free-axis slices); they are transposed together on the PE (matmul against an
+  identity) into d-on-partitions columns (dp = min(D, 128) partitions, DT = D/dp d-tiles).
+* attention queries ``qa [dp, DT, QA]``: LNC=1: the nq rows; LNC=2: this core's rows at columns 0..nq-1 and the
+  other core's at KP..KP+nq-1 (QA = KP + nq; zero between), so each core attends with ALL the rank's heads.
+* KV tiles of B = ``kv_tile`` keys (512): ``k [P, B/P, D]`` / ``v [P, B/P, D+1]``, partition p holds rows
+  4p..4p+3 (one 2 KiB contiguous run per partition and cache); v's extra column is 1, so PV also yields the
+  softmax row sums. K chunks are transposed on the PE into ``kT [dp, DT, B/P, P]``; **QK^T is split-K over the
+  DT d-tiles, accumulated in one PSUM bank** ``S [QA, B]`` (kernel-algorithms §4.3); PV uses P^T chunks as the
+  stationary and V rows (+ the ones column) as the moving operand (``[QA, D+1]`` in PSUM, no split needed).
+* online softmax (fp32): running negated max ``nm`` and ``[O | l]`` ``[QA, D+1]``; the scale 1/sqrt(D) is
+  folded into the exp (``exp(scale*S - m)`` on ScalarE); P is rounded to the activation dtype for PV.
+* software pipeline: tiles alternate between two buffer sets and tile j's load / K^T / scores / softmax
+  statistics are emitted interleaved with tile j-1's P^T / PV / update, in the order that keeps each in-order
+  engine queue busy (PE: K^T(j), P^T(j-1), QK(j), PV(j-1)).
 
 LNC split
 ---------
-Core c of ``n_cores`` takes query heads [c*Hc, (c+1)*Hc) (Hc = Hq_r / n_cores: 2 of 4) and returns its own
-o_proj partial. The KV head is needed by both cores but projected ONCE: core 0 computes k (norm + RoPE) and
+Core c of ``n_cores`` projects query heads [c*Hc, (c+1)*Hc) (Hc = Hq_r / n_cores: 2 of 4) and returns the
+o_proj partial over those heads' columns. The KV head is projected ONCE: core 0 computes k (norm + RoPE) and
 writes the K rows, core n_cores-1 computes v and writes the V rows -- each cache row is written exactly once
-per call. With LNC=2 the cores then swap their new rows with one ``nisa.sendrecv`` (SBUF<->SBUF, [T, D] each),
-so neither core reads a row the other core writes: no core_barrier is needed (the new block is attended from
-SBUF; the cache is read only below row p, apart from the masked head tile below). The exchanged tiles are whole
-``[T, D]`` tiles on both sides (trn2-costs pitfall: sendrecv into a partial view silently delivers nothing).
+per call. With LNC=2 the cores then swap their transposed queries (core 0 adds the new keys^T) in ONE
+``nisa.sendrecv`` of whole tiles, and split the KV tiles instead of the heads: each core attends with all 4
+heads over every other tile (the KV cache is read once per rank, and each core runs half the tiles); core 0
+also takes the head tile, the last core the new block. A second sendrecv swaps the partial softmax states
+``[O | l | nm]`` of the other core's heads, merged with the usual max-rescaling. Neither core reads a cache
+row the other core writes in this call (the new rows are attended from SBUF), so no core_barrier is needed;
+the exchanged tiles are whole tiles on both sides (trn2-costs pitfall: a sendrecv into a partial view
+silently delivers nothing).
 
 KV tiling and how p is applied
 ------------------------------
-Keys are the cache rows 0..p-1 plus the T new rows. With r = p mod B (computed on-chip, ``bitwise_and``):
+Keys are the cache rows 0..p-1 plus the T new rows. With r = p mod B and nfull = p // B computed on-chip
+(``bitwise_and`` / ``right_shift`` on int32, then ``register_load``):
 
-* main tiles: rows [i, i+B) for i = r, r+B, ..., p-B -- a runtime ``nl.fori_loop(r, p, step=B)`` whose register
-  induction variable is the DMA row offset; no masking (every row < p is valid for every query).
+* full tiles: rows [r + jB, r + (j+1)B) for j < nfull (they end exactly at row p), no masking; core c takes
+  j = c, c + n_cores, ...: a runtime ``nl.fori_loop`` over pairs of tiles whose register induction variable is
+  the DMA row offset (``.ap(scalar_offset=reg, indirect_dim=1)``), plus 0/1-trip loops for the pipeline's
+  prologue and its even / odd epilogue.
 * head tile: rows [0, B) with keys >= r masked, run only when r > 0 (a fori_loop with a 0/1 trip count).
   When p < B this tile necessarily reads rows >= p (the cache's first B rows; ``L >= kv_tile``): those rows
   are zeroed in SBUF with a predicated copy (NaN-safe) and masked in the scores. This is the ONLY read of rows
@@ -76,10 +89,10 @@ Shape-only tracing (``max_context``)
 ------------------------------------
 nkisim's shape-only mode reads registers as 0, so the runtime loops above run 0 times. Passing the
 compile-time ``max_context = N`` specialises the loop structure to a context of N tokens: the head tile runs
-iff N mod B > 0 and the main loop is unrolled into N // B static tiles (DMA offsets still come from the
-run-time r). The instruction stream then equals that of a launch at p = N, so a shape-only trace costs
-context N. The specialised kernel is correct for every p with p // B == N // B and (p mod B > 0) ==
-(N mod B > 0) (tested); leave ``max_context=None`` for the general kernel.
+iff N mod B > 0 and the full tiles are unrolled statically (DMA offsets still come from the run-time r). The
+instruction stream then equals that of a launch at p = N (tested), so a shape-only trace costs context N.
+The specialised kernel is correct for every p with p // B == N // B and (p mod B > 0) == (N mod B > 0)
+(tested); leave ``max_context=None`` for the general kernel.
 """
 
 from __future__ import annotations
@@ -160,7 +173,7 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
         raise ValueError(f"attention: {nq} query rows per core exceed {KP} (T * heads per core)")
     dp = min(D, P)
     return dict(T=T, KT=KT, H=H, Hq=Hq, Hc=Hc, D=D, dp=dp, DT=D // dp, R=R, L=L, B=B, NC=B // P,
-                nq=nq, nr=KP + T, act=act, sc=float(D) ** -0.5)
+                nq=nq, nr=KP + T, QA=nq if n_cores == 1 else KP + nq, act=act, sc=float(D) ** -0.5)
 
 
 # ---- body ----------------------------------------------------------------------------------------
@@ -178,36 +191,30 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile)
     if not 0 <= core < n_cores:
         raise ValueError(f"attention: core {core} outside 0..{n_cores - 1}")
-    g["core"], g["do_k"], g["do_v"] = core, core == 0, core == n_cores - 1
+    g["core"], g["n_cores"] = core, n_cores
+    g["do_k"], g["do_v"] = core == 0, core == n_cores - 1       # K rows: core 0; V rows + new block: last core
+    g["head"], g["new"] = core == 0, core == n_cores - 1
     act, T, nq, nr, D = g["act"], g["T"], g["nq"], g["nr"], g["D"]
 
     w = _load_weights(g, wqg, wk, wv, wo, norm_w, cos, sin)
     rt = _runtime_scalars(g, pos)
     ident = nl.shared_identity_matrix(P, dtype=act)
 
-    qg, vnew = _project(g, xT, w)                      # qg [nr, 2, D] act (rounded), vnew [T, D] act
+    qg, vnew = _project(g, xT, w)                      # qg [nr, 2, D] act (rounded), vnew [T, D+1] act
     sg = nl.ndarray((nq, D), F32, buffer=nl.sbuf, name="att_sig_gate")
     nisa.activation(dst=sg, op=nl.sigmoid, data=qg[0:nq, 1, :])
     qk = _norm_rope(g, qg, w, eps)                      # [nr, D] act: q rows 0..nq-1, k rows KP..KP+T-1
 
-    # ---- the T new K/V rows: written once (core 0: K, last core: V), swapped between the cores in SBUF
-    p_reg = rt["p_reg"]
+    # ---- the T new K/V rows: each written exactly once (core 0: K, last core: V)
     rows = [[D, T], [1, D]]
     if g["do_k"]:
-        nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=0, scalar_offset=p_reg, indirect_dim=1), src=qk[KP:nr, :])
+        nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=0, scalar_offset=rt["p_reg"], indirect_dim=1),
+                      src=qk[KP:nr, :])
     if g["do_v"]:
-        nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=0, scalar_offset=p_reg, indirect_dim=1), src=vnew)
-    if n_cores == 2:     # whole [T, D] tiles on both sides
-        knew = nl.ndarray((T, D), act, buffer=nl.sbuf, name="att_knew")
-        if core == 0:
-            nisa.tensor_copy(dst=knew, src=qk[KP:nr, :], engine=DVE_ENG)
-            nisa.sendrecv(src=knew, dst=vnew, send_to_rank=1, recv_from_rank=1, pipe_id=0)
-        else:
-            nisa.sendrecv(src=vnew, dst=knew, send_to_rank=0, recv_from_rank=0, pipe_id=0)
-            nisa.tensor_copy(dst=qk[KP:nr, :], src=knew, engine=DVE_ENG)
-
-    qT = _transpose_rows(g, qk, nr, ident, "att_qT")    # [dp, DT, nr] act
-    o = _attend(g, qT, vnew, k_cache, v_cache, rt, ident, max_context)   # [nq, D] fp32, normalised
+        nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=0, scalar_offset=rt["p_reg"], indirect_dim=1),
+                      src=vnew[:, 0:D])
+    qa, knT = _queries(g, qk, ident)                    # all query columns [dp, DT, QA]; new keys^T (new-block core)
+    o = _attend(g, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context)   # [nq, D] act
 
     # ---- gate, back to d-on-partitions, o_proj
     og = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_gated")
@@ -217,26 +224,13 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
 
 # ---- stages --------------------------------------------------------------------------------------
 def _load_weights(g, wqg, wk, wv, wo, norm_w, cos, sin):
-    """Issue every weight / table DMA up front (the projections consume them in order; o_proj's arrive
-    meanwhile). Each core reads only its heads' columns: over the LNC pair every weight byte is read once."""
-    act, KT, Hq, Hc, D, dp, DT, H = g["act"], g["KT"], g["Hq"], g["Hc"], g["D"], g["dp"], g["DT"], g["H"]
+    """The o_proj weight (needed last, loaded meanwhile) and the small per-row tables; the projection weights
+    are streamed by :func:`_project`. Each core reads only its heads' columns: over the LNC pair every weight
+    byte is read once."""
+    act, Hc, D, dp, DT, H = g["act"], g["Hc"], g["D"], g["dp"], g["DT"], g["H"]
     T, nq, nr, R = g["T"], g["nq"], g["nr"], g["R"]
     h0 = g["core"] * Hc
-    w = {}
-    wq = nl.ndarray((P, KT, 2, Hc, D), act, buffer=nl.sbuf, name="att_wqg")
-    row = 2 * Hq * D                                   # elements of one wqg row (input feature)
-    jg = max(1, KT // 4)                               # 4 DMAs so the first matmuls start early
-    for j0 in range(0, KT, jg):
-        nj = min(jg, KT - j0)
-        nisa.dma_copy(dst=wq[:, j0:j0 + nj],
-                      src=wqg.ap(pattern=[[row, P], [P * row, nj], [Hq * D, 2], [1, Hc * D]],
-                                 offset=j0 * P * row + h0 * D))
-    w["wqg"] = wq
-    for nm, src, on in (("wk", wk, g["do_k"]), ("wv", wv, g["do_v"])):
-        if on:
-            t = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name=f"att_{nm}")
-            nisa.dma_copy(dst=t, src=src.ap(pattern=[[D, P], [P * D, KT], [1, D]], offset=0))
-            w[nm] = t
+    w = {"wqg": wqg, "wk": wk, "wv": wv}
     wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
     nisa.dma_copy(dst=wo_sb, src=wo.ap(pattern=[[H, dp], [dp * H, Hc * DT], [1, H]], offset=h0 * D * H))
     w["wo"] = wo_sb
@@ -256,33 +250,97 @@ def _load_weights(g, wqg, wk, wv, wo, norm_w, cos, sin):
     return w
 
 
+def _int_op(dst, data, op0, operand0, op1=None, operand1=None):
+    nisa.tensor_scalar(dst=dst, data=data, op0=op0, operand0=operand0, op1=op1, operand1=operand1)
+    return dst
+
+
+def _one(name, dtype=nl.int32):
+    """A [1, 1] SBUF scalar tile."""
+    return nl.ndarray((1, 1), dtype, buffer=nl.sbuf, name=name)
+
+
 def _runtime_scalars(g, pos):
-    """p on every partition (int32 DMA broadcast), r = p mod B (fp32 column for the masks) and the
-    registers: p, r and the head-tile trip count (r > 0)."""
-    B = g["B"]
-    pos_i = nl.ndarray((P, 1), nl.int32, buffer=nl.sbuf, name="att_pos")
+    """Run-time values derived from p on-chip (int32 on VectorE / GpSimd; exact below 2^24) and loaded into
+    registers (the loop bounds and DMA offsets of :func:`_tiles`).
+
+    p_reg: p (cache write offset). rem = p mod B (head-tile mask threshold: fp32 column rem_f; rem_reg;
+    head_reg = rem > 0). The nfull = p >> log2(B) full tiles end at row p and are interleaved over the cores:
+    this core's n_c = ceil((nfull - core) / n_cores) tiles start at rows start_c + j*S (S = n_cores * B,
+    start_c = rem + core*B). Pipeline registers: pro = (n_c >= 1); pairs run from start_c to pair_end =
+    start_c + 2S * max(n_c - 1, 0) // 2; even = (n_c even, >= 2) with last = start_c + (n_c - 1) * S;
+    odd = n_c & 1."""
+    B, c, nc = g["B"], g["core"], g["n_cores"]
+    S = nc * B                                          # row stride between this core's tiles
+    i32 = nl.int32
+    pos_i = nl.ndarray((P, 1), i32, buffer=nl.sbuf, name="att_pos")
     nisa.dma_copy(dst=pos_i, src=pos.ap(pattern=[[0, P], [1, 1]], offset=0))
-    rem_i = nl.ndarray((P, 1), nl.int32, buffer=nl.sbuf, name="att_rem")
-    nisa.tensor_scalar(dst=rem_i, data=pos_i, op0=nl.bitwise_and, operand0=B - 1)
+    rem_i = _int_op(nl.ndarray((P, 1), i32, buffer=nl.sbuf, name="att_rem"), pos_i, nl.bitwise_and, B - 1)
     rem_f = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="att_rem_f")
     nisa.tensor_copy(dst=rem_f, src=rem_i)
     rt = {"rem_f": rem_f}
-    rt["p_reg"] = nisa.register_alloc()
-    nisa.register_load(rt["p_reg"], pos_i[0:1, :])
-    rt["rem_reg"] = nisa.register_alloc()
-    nisa.register_load(rt["rem_reg"], rem_i[0:1, :])
-    # head-tile trip count (also computed when max_context fixes the loops, so that a shape-only trace has
-    # exactly the instruction mix of a data launch)
-    head_i = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="att_has_head")
-    nisa.tensor_scalar(dst=head_i, data=rem_i[0:1, :], op0=nl.greater, operand0=0.0)
-    rt["head_reg"] = nisa.register_alloc()
-    nisa.register_load(rt["head_reg"], head_i)
+    vals = {"p": pos_i[0:1, :], "rem": rem_i[0:1, :]}
+    vals["head"] = _int_op(nl.ndarray((1, 1), i32, buffer=nl.sbuf, name="att_has_head"), rem_i[0:1, :],
+                           nl.greater, 0.0)
+    # (computed also with max_context, so that a shape-only trace has exactly a data launch's instructions)
+    n_c = _int_op(_one("att_nfull"), pos_i[0:1, :], nl.right_shift, B.bit_length() - 1)
+    if nc == 2:
+        n_c = _int_op(_one("att_ntiles_pre"), n_c, nl.add, float(1 - c))
+        n_c = _int_op(_one("att_ntiles"), n_c, nl.right_shift, 1)
+    start_f = _one("att_start_f", F32)
+    nisa.tensor_scalar(dst=start_f, data=rem_f[0:1, :], op0=nl.add, operand0=float(c * B))
+    start_mS = _one("att_start_minus_S", F32)
+    nisa.tensor_scalar(dst=start_mS, data=start_f, op0=nl.add, operand0=float(-S))
+    vals["start"] = _int_op(_one("att_start"), start_f, nl.add, 0.0)
+    vals["pro"] = _int_op(_one("att_pro"), n_c, nl.greater_equal, 1.0)
+    m = _int_op(_one("att_m_pre"), n_c, nl.add, -1.0, nl.maximum, 0.0)
+    m = _int_op(_one("att_pairs"), m, nl.right_shift, 1)
+    vals["pair_end"] = _int_op(_one("att_pair_end"), m, nl.multiply, float(2 * S), nl.add, start_f)
+    half = _int_op(_one("att_half"), n_c, nl.right_shift, 1)
+    vals["even"] = _one("att_even")
+    nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
+    vals["odd"] = _int_op(_one("att_odd"), n_c, nl.bitwise_and, 1)
+    vals["last"] = _int_op(_one("att_last"), n_c, nl.multiply, float(S), nl.add, start_mS)
+    for k, t in vals.items():
+        rt[k + "_reg"] = nisa.register_alloc()
+        nisa.register_load(rt[k + "_reg"], t)
     return rt
 
 
 def _project(g, xT, w):
-    """q|gate (+ k on core 0) in row layout [(t, h), 2, D] and v [T, D], rounded to the activation dtype."""
-    act, KT, Hc, D, T, nq, nr = g["act"], g["KT"], g["Hc"], g["D"], g["T"], g["nq"], g["nr"]
+    """q|gate (+ k on core 0) in row layout [(t, h), 2, D] and v [T, D] (+ a ones column), rounded to the
+    activation dtype.
+
+    The weights stream through a ring of WR SBUF slots of JG input-feature tiles each (this core's heads of
+    wqg, and wk / wv where this core projects them): the DMA of chunk c + WR is issued after chunk c's
+    matmuls (it reuses that slot), so the chunks arrive in order and the matmuls of chunk c overlap the
+    transfer of the later ones instead of waiting for every weight byte."""
+    act, KT, Hc, Hq, D, T, nq, nr = g["act"], g["KT"], g["Hc"], g["Hq"], g["D"], g["T"], g["nq"], g["nr"]
+    JG = 2 if KT % 2 == 0 else 1
+    NK = KT // JG
+    WR = min(3, NK)
+    h0 = g["core"] * Hc
+    row = 2 * Hq * D                                   # elements of one wqg row (input feature)
+    kv_names = []
+    for nm, on in (("wk", g["do_k"]), ("wv", g["do_v"])):
+        if on:
+            kv_names.append(nm)
+    ring = []
+    for i in range(WR):
+        slot = {"wqg": nl.ndarray((P, JG, 2, Hc, D), act, buffer=nl.sbuf, name=f"att_wqg_ring{i}")}
+        for nm in kv_names:
+            slot[nm] = nl.ndarray((P, JG, D), act, buffer=nl.sbuf, name=f"att_{nm}_ring{i}")
+        ring.append(slot)
+
+    def load(ck):
+        slot, j0 = ring[ck % WR], ck * JG
+        nisa.dma_copy(dst=slot["wqg"], src=w["wqg"].ap(pattern=[[row, P], [P * row, JG], [Hq * D, 2], [1, Hc * D]],
+                                                       offset=j0 * P * row + h0 * D))
+        for nm in kv_names:
+            nisa.dma_copy(dst=slot[nm], src=w[nm].ap(pattern=[[D, P], [P * D, JG], [1, D]], offset=j0 * P * D))
+    for ck in range(WR):
+        load(ck)
+
     nx = Hc + (1 if g["do_k"] else 0)
     xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
     nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
@@ -291,29 +349,37 @@ def _project(g, xT, w):
     if g["do_k"]:
         nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
     ps = nl.ndarray((nr, 2, D), F32, buffer=nl.psum, name="att_qg_psum")
+    vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum") if g["do_v"] else None
     first = True
-    for j in range(KT):
-        for h in range(Hc):
-            nisa.nc_matmul(dst=ps, stationary=xrep[:, h, j, :], moving=w["wqg"][:, j, :, h, :],
-                           accumulate=not first)
-            first = False
-        if g["do_k"]:
-            nisa.nc_matmul(dst=ps[:, 0, :], stationary=xrep[:, Hc, j, :], moving=w["wk"][:, j, :], accumulate=True)
+    for ck in range(NK):
+        slot = ring[ck % WR]
+        for jj in range(JG):
+            j = ck * JG + jj
+            for h in range(Hc):
+                nisa.nc_matmul(dst=ps, stationary=xrep[:, h, j, :], moving=slot["wqg"][:, jj, :, h, :],
+                               accumulate=not first)
+                first = False
+            if g["do_k"]:
+                nisa.nc_matmul(dst=ps[:, 0, :], stationary=xrep[:, Hc, j, :], moving=slot["wk"][:, jj, :],
+                               accumulate=True)
+            if g["do_v"]:
+                nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=slot["wv"][:, jj, :], accumulate=j > 0)
+        if ck + WR < NK:
+            load(ck + WR)
     qg = nl.ndarray((nr, 2, D), act, buffer=nl.sbuf, name="att_qg")
     nisa.tensor_copy(dst=qg, src=ps, engine=ACT_ENG)
-    vnew = nl.ndarray((T, D), act, buffer=nl.sbuf, name="att_vnew")
+    vnew = None
     if g["do_v"]:
-        vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum")
-        for j in range(KT):
-            nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=w["wv"][:, j, :], accumulate=j > 0)
-        nisa.tensor_copy(dst=vnew, src=vps, engine=DVE_ENG)
+        vnew = nl.ndarray((T, D + 1), act, buffer=nl.sbuf, name="att_vnew")   # last column 1: PV also sums P
+        nisa.memset(dst=vnew[:, D:D + 1], value=1.0, engine=POOL_ENG)
+        nisa.tensor_copy(dst=vnew[:, 0:D], src=vps, engine=DVE_ENG)
     return qg, vnew
 
 
 def _norm_rope(g, qg, w, eps):
     """Zero-centred RMSNorm (fp32, weight 1 + w) then rotate-half RoPE on dims [0, R) of every row of the q|k
-    tile (zero padding rows stay zero; on the cores without k the key rows are zero until the exchange);
-    each step rounds to the activation dtype like model.functional."""
+    tile (zero padding rows stay zero; on the cores without k the key rows are zero); each step rounds to the
+    activation dtype like model.functional."""
     act, D, R, nn = g["act"], g["D"], g["R"], g["nr"]
     x = qg[0:nn, 0, :]
     sq = nl.ndarray((nn, D), F32, buffer=nl.sbuf, name="att_sq")
@@ -323,169 +389,310 @@ def _norm_rope(g, qg, w, eps):
     rstd = nl.ndarray((nn, 1), F32, buffer=nl.sbuf, name="att_rstd")
     nisa.activation(dst=rstd, op=nl.rsqrt, data=ss, scale=1.0 / D, bias=float(eps))
     qk = nl.ndarray((nn, D), act, buffer=nl.sbuf, name="att_qk")
-    nisa.scalar_tensor_tensor(dst=qk[0:nn, :], data=x, op0=nl.multiply, operand0=rstd,
-                              op1=nl.multiply, operand1=w["norm_w"])
+    nisa.scalar_tensor_tensor(dst=qk, data=x, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
+                              operand1=w["norm_w"])
     # RoPE: out = x*cos + [-x2, x1]*sin on the first R dims (pairs (i, i + R/2))
     h = R // 2
     cs = w["cos_sin"]
     c = nl.ndarray((nn, R), F32, buffer=nl.sbuf, name="att_rope_c")
-    nisa.tensor_tensor(dst=c, data1=qk[0:nn, 0:R], data2=cs[:, 0, :], op=nl.multiply)
+    nisa.tensor_tensor(dst=c, data1=qk[:, 0:R], data2=cs[:, 0, :], op=nl.multiply)
     u = nl.ndarray((nn, R), F32, buffer=nl.sbuf, name="att_rope_u")
-    nisa.tensor_tensor(dst=u[:, 0:h], data1=qk[0:nn, h:R], data2=cs[:, 1, 0:h], op=nl.multiply)
-    nisa.tensor_tensor(dst=u[:, h:R], data1=qk[0:nn, 0:h], data2=cs[:, 1, h:R], op=nl.multiply)
-    nisa.tensor_tensor(dst=qk[0:nn, 0:h], data1=c[:, 0:h], data2=u[:, 0:h], op=nl.subtract)
-    nisa.tensor_tensor(dst=qk[0:nn, h:R], data1=c[:, h:R], data2=u[:, h:R], op=nl.add)
+    nisa.tensor_tensor(dst=u[:, 0:h], data1=qk[:, h:R], data2=cs[:, 1, 0:h], op=nl.multiply)
+    nisa.tensor_tensor(dst=u[:, h:R], data1=qk[:, 0:h], data2=cs[:, 1, h:R], op=nl.multiply)
+    nisa.tensor_tensor(dst=qk[:, 0:h], data1=c[:, 0:h], data2=u[:, 0:h], op=nl.subtract)
+    nisa.tensor_tensor(dst=qk[:, h:R], data1=c[:, h:R], data2=u[:, h:R], op=nl.add)
     return qk
 
 
-def _transpose_rows(g, rows, n, ident, name):
-    """rows [n, D] (SBUF, act) -> [dp, DT, n] act with d on partitions: PE matmuls against an identity
-    (exact for bf16; fp32 PSUM, so no 2-byte sub-word PSUM writes -- trn2-costs pitfalls)."""
-    act, dp, DT = g["act"], g["dp"], g["DT"]
-    ps = nl.ndarray((dp, DT, n), F32, buffer=nl.psum, name=name + "_psum")
+def _queries(g, qk, ident):
+    """Transpose the q|k tile (PE, matmul against an identity: exact for bf16; fp32 PSUM, so no 2-byte
+    sub-word PSUM writes -- trn2-costs pitfalls) and assemble the attention queries.
+
+    Returns (qa [dp, DT, QA] act, knT [dp, DT, T] act or None). LNC=1: QA = nq (all heads). LNC=2: the two
+    cores swap their transposed queries (and core 0's new keys) with ONE sendrecv of whole tiles, so each core
+    attends with ALL the rank's heads over its share of the KV tiles: columns 0..nq-1 = this core's heads,
+    KP..KP+nq-1 = the other core's (zero between); knT (the new keys, d-major) goes to the last core, which
+    attends the new block."""
+    act, dp, DT, nq, nr, T = g["act"], g["dp"], g["DT"], g["nq"], g["nr"], g["T"]
+    ps = nl.ndarray((dp, DT, nr), F32, buffer=nl.psum, name="att_qkT_psum")
     for dh in range(DT):
-        nisa.nc_matmul(dst=ps[:, dh, :], stationary=rows[:, dh * dp:(dh + 1) * dp], moving=ident[0:n, 0:n],
+        nisa.nc_matmul(dst=ps[:, dh, :], stationary=qk[:, dh * dp:(dh + 1) * dp], moving=ident[0:nr, 0:nr],
                        accumulate=False)
-    out = nl.ndarray((dp, DT, n), act, buffer=nl.sbuf, name=name)
-    nisa.tensor_copy(dst=out, src=ps, engine=DVE_ENG)
-    return out
+    if g["n_cores"] == 1:
+        qa = nl.ndarray((dp, DT, nq), act, buffer=nl.sbuf, name="att_qT")
+        nisa.tensor_copy(dst=qa, src=ps[:, :, 0:nq], engine=DVE_ENG)
+        knT = nl.ndarray((dp, DT, T), act, buffer=nl.sbuf, name="att_knewT")
+        nisa.tensor_copy(dst=knT, src=ps[:, :, KP:nr], engine=ACT_ENG)
+        return qa, knT
+    send = nl.ndarray((dp, DT, nq + T), act, buffer=nl.sbuf, name="att_xchg_q_send")
+    nisa.tensor_copy(dst=send[:, :, 0:nq], src=ps[:, :, 0:nq], engine=DVE_ENG)
+    nisa.tensor_copy(dst=send[:, :, nq:nq + T], src=ps[:, :, KP:nr], engine=ACT_ENG)
+    recv = nl.ndarray((dp, DT, nq + T), act, buffer=nl.sbuf, name="att_xchg_q_recv")
+    c = g["core"]
+    nisa.sendrecv(src=send, dst=recv, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
+    qa = nl.ndarray((dp, DT, KP + nq), act, buffer=nl.sbuf, name="att_qT")
+    nisa.memset(dst=qa[:, :, nq:KP], value=0.0, engine=POOL_ENG)
+    nisa.tensor_copy(dst=qa[:, :, 0:nq], src=send[:, :, 0:nq], engine=POOL_ENG)
+    nisa.tensor_copy(dst=qa[:, :, KP:KP + nq], src=recv[:, :, 0:nq], engine=POOL_ENG)
+    knT = recv[:, :, nq:nq + T] if g["new"] else None
+    return qa, knT
 
 
-def _attend(g, qT, vnew, k_cache, v_cache, rt, ident, max_context):
-    """Causal online-softmax attention of the nq query rows over cache rows 0..p-1 and the new block.
-    Returns O / l as an SBUF [nq, D] act-dtype tile (the attention output, rounded like the reference)."""
-    act, nq, D, B, T, Hc = g["act"], g["nq"], g["D"], g["B"], g["T"], g["Hc"]
+def _tile_buffers(g, name):
+    """One set of per-tile buffers (two sets alternate: tile i+1's DMA / transposes overlap tile i's softmax).
+    k: [P, NC, D], v: [P, NC, D+1] act, partition p holds rows NC*p..NC*p+NC-1 (separate tiles: the two DMAs
+    stay independent); v's last column is 1 so that PV also produces the row sums l. PSUM: kT per d-tile
+    (1 bank each), scores (1 bank), P^T and PV sharing one bank."""
+    act, dp, DT, NC, QA, D = g["act"], g["dp"], g["DT"], g["NC"], g["QA"], g["D"]
+    b = {}
+    b["k"] = nl.ndarray((P, NC, D), act, buffer=nl.sbuf, name=f"att_k_{name}")
+    b["v"] = nl.ndarray((P, NC, D + 1), act, buffer=nl.sbuf, name=f"att_v_{name}")
+    nisa.memset(dst=b["v"][:, :, D:D + 1], value=1.0, engine=POOL_ENG)
+    b["kT_ps"] = []
+    for dh in range(DT):
+        b["kT_ps"].append(nl.ndarray((dp, NC, P), F32, buffer=nl.psum, name=f"att_kT_psum{dh}_{name}"))
+    b["kT"] = nl.ndarray((dp, DT, NC, P), act, buffer=nl.sbuf, name=f"att_kT_{name}")
+    b["s_ps"] = nl.ndarray((QA, NC * P), F32, buffer=nl.psum, name=f"att_scores_{name}")
+    aux = nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"att_pT_pv_{name}")
+    b["pT_ps"] = aux[:, 0:NC * QA].reshape((P, NC, QA))
+    b["pv"] = aux[0:QA, NC * QA:NC * QA + D + 1]
+    b["pT"] = nl.ndarray((P, NC, QA), act, buffer=nl.sbuf, name=f"att_pT_{name}")
+    b["p"] = nl.ndarray((QA, NC * P), act, buffer=nl.sbuf, name=f"att_probs_{name}")
+    b["s_m"] = nl.ndarray((QA, NC * P), F32, buffer=nl.sbuf, name=f"att_scores_masked_{name}")
+    for nm in ("nmx", "b", "alpha"):
+        b[nm] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name=f"att_{nm}_{name}")
+    return b
+
+
+def _attend(g, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
+    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
+    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
+    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference)."""
+    act, nq, D, B, T, Hc, NC = g["act"], g["nq"], g["D"], g["B"], g["T"], g["Hc"], g["NC"]
+    QA, c, nc = g["QA"], g["core"], g["n_cores"]
     st = {}
-    st["nm"] = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_negmax")
+    st["ol"] = nl.ndarray((QA, D + 1), F32, buffer=nl.sbuf, name="att_acc")     # [O | l]
+    nisa.memset(dst=st["ol"], value=0.0)
+    st["nm"] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name="att_negmax")       # -(running max), scaled
     nisa.memset(dst=st["nm"], value=M_INIT)
-    st["l"] = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_rowsum")
-    nisa.memset(dst=st["l"], value=0.0)
-    st["o"] = nl.ndarray((nq, D), F32, buffer=nl.sbuf, name="att_acc")
-    nisa.memset(dst=st["o"], value=0.0)
 
-    # head-tile masks (static iotas compared with the run-time r): score columns (c, p) hold key NC*p + c
-    NC = g["NC"]
-    key_s = nl.ndarray((nq, NC, P), F32, buffer=nl.sbuf, name="att_key_cols")
-    nisa.iota(dst=key_s, pattern=[[1, NC], [NC, P]], offset=0, channel_multiplier=0)
-    mask_s = nl.ndarray((nq, NC * P), F32, buffer=nl.sbuf, name="att_head_mask")
-    nisa.tensor_scalar(dst=mask_s, data=key_s, op0=nl.greater_equal, operand0=rt["rem_f"][0:nq, :],
-                       op1=nl.multiply, operand1=NEG)
-    key_r = nl.ndarray((P, NC), F32, buffer=nl.sbuf, name="att_key_rows")
-    nisa.iota(dst=key_r, pattern=[[1, NC]], offset=0, channel_multiplier=NC)
-    dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
-    nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
-    masks = {"score": mask_s, "dead": dead}
+    masks = None
+    if g["head"]:   # head-tile masks (static iotas vs the run-time r); score column (c, p) is key NC*p + c
+        key_s = nl.ndarray((QA, NC, P), F32, buffer=nl.sbuf, name="att_key_cols")
+        nisa.iota(dst=key_s, pattern=[[1, NC], [NC, P]], offset=0, channel_multiplier=0)
+        mask_s = nl.ndarray((QA, NC * P), F32, buffer=nl.sbuf, name="att_head_mask")
+        nisa.tensor_scalar(dst=mask_s, data=key_s, op0=nl.greater_equal, operand0=rt["rem_f"][0:QA, :],
+                           op1=nl.multiply, operand1=NEG)
+        key_r = nl.ndarray((P, NC), F32, buffer=nl.sbuf, name="att_key_rows")
+        nisa.iota(dst=key_r, pattern=[[1, NC]], offset=0, channel_multiplier=NC)
+        dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
+        nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
+        masks = {"score": mask_s, "dead": dead}
 
-    args = (g, st, qT, k_cache, v_cache, ident, masks)
-    if max_context is None:
-        def head_body(i):
-            _kv_tile(*args, row0=0, reg=None, masked=True)
-        nl.fori_loop(0, rt["head_reg"], head_body)
+    _tiles(g, st, qa, k_cache, v_cache, rt, ident, masks, max_context)
 
-        def main_body(i):
-            _kv_tile(*args, row0=0, reg=i, masked=False)
-        nl.fori_loop(rt["rem_reg"], rt["p_reg"], main_body, step=B)
-    else:
-        if max_context % B:
-            _kv_tile(*args, row0=0, reg=None, masked=True)
-        for k in range(max_context // B):
-            _kv_tile(*args, row0=k * B, reg=rt["rem_reg"], masked=False)
+    if g["new"]:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
+        s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
+        for dh in range(g["DT"]):
+            nisa.nc_matmul(dst=s_ps, stationary=qa[:, dh, :], moving=knT[:, dh, :], accumulate=dh > 0)
+        zero = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_zero")
+        nisa.memset(dst=zero, value=0.0, engine=POOL_ENG)
+        causal = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_causal")
+        nisa.memset(dst=causal, value=0.0, engine=POOL_ENG)     # (zero padding rows between the blocks)
+        for r0 in range(0, QA, KP):      # each core's block of rows has the same (t, h) order
+            n = min(nq, QA - r0)
+            nisa.affine_select(dst=causal[r0:r0 + n], pattern=[[-Hc, T]], channel_multiplier=1,
+                               on_true_tile=zero[r0:r0 + n], on_false_value=NEG, cmp_op=nl.greater_equal, offset=0)
+        s = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_new_scores_masked")
+        nisa.tensor_tensor(dst=s, data1=s_ps, data2=causal, op=nl.add)
+        tmp = {}
+        for nm in ("nmx", "b", "alpha"):
+            tmp[nm] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name=f"att_new_{nm}")
+        p_t = nl.ndarray((QA, T), act, buffer=nl.sbuf, name="att_new_probs")
+        _softmax_stats(g, st, tmp, s=s)
+        _softmax_exp(g, st, tmp, s=s, p_t=p_t)
+        pT_ps = nl.ndarray((T, QA), F32, buffer=nl.psum, name="att_new_pT_psum")
+        nisa.nc_matmul(dst=pT_ps, stationary=p_t, moving=ident[0:QA, 0:QA], accumulate=False)
+        pT = nl.ndarray((T, QA), act, buffer=nl.sbuf, name="att_new_pT")
+        nisa.tensor_copy(dst=pT, src=pT_ps, engine=ACT_ENG)
+        pv = nl.ndarray((QA, D + 1), F32, buffer=nl.psum, name="att_new_pv")
+        nisa.nc_matmul(dst=pv, stationary=pT, moving=vnew, accumulate=False)
+        nisa.scalar_tensor_tensor(dst=st["ol"], data=st["ol"], op0=nl.multiply, operand0=tmp["alpha"],
+                                  op1=nl.add, operand1=pv)
 
-    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
-    s_ps = nl.ndarray((nq, T), F32, buffer=nl.psum, name="att_new_scores")
-    for dh in range(g["DT"]):
-        nisa.nc_matmul(dst=s_ps, stationary=qT[:, dh, 0:nq], moving=qT[:, dh, KP:KP + T], accumulate=dh > 0)
-    zero = nl.ndarray((nq, T), F32, buffer=nl.sbuf, name="att_zero")
-    nisa.memset(dst=zero, value=0.0, engine=POOL_ENG)
-    causal = nl.ndarray((nq, T), F32, buffer=nl.sbuf, name="att_causal")
-    nisa.affine_select(dst=causal, pattern=[[-Hc, T]], channel_multiplier=1, on_true_tile=zero,
-                       on_false_value=NEG, cmp_op=nl.greater_equal, offset=0)
-    s = nl.ndarray((nq, T), F32, buffer=nl.sbuf, name="att_new_scores_masked")
-    nisa.tensor_tensor(dst=s, data1=s_ps, data2=causal, op=nl.add)
-    p_t, alpha = _softmax_update(g, st, s, T)
-    pT_ps = nl.ndarray((T, nq), F32, buffer=nl.psum, name="att_new_pT_psum")
-    nisa.nc_matmul(dst=pT_ps, stationary=p_t, moving=ident[0:nq, 0:nq], accumulate=False)
-    pT = nl.ndarray((T, nq), act, buffer=nl.sbuf, name="att_new_pT")
-    nisa.tensor_copy(dst=pT, src=pT_ps, engine=ACT_ENG)
-    pv = nl.ndarray((nq, D), F32, buffer=nl.psum, name="att_new_pv")
-    nisa.nc_matmul(dst=pv, stationary=pT, moving=vnew, accumulate=False)
-    nisa.scalar_tensor_tensor(dst=st["o"], data=st["o"], op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv)
-
+    ol, nm = st["ol"], st["nm"]
+    if nc == 2:     # merge with the other core's partial state for this core's heads (rows KP.. over there)
+        send = nl.ndarray((nq, D + 2), F32, buffer=nl.sbuf, name="att_xchg_state_send")
+        nisa.tensor_copy(dst=send[:, 0:D + 1], src=ol[KP:KP + nq, :], engine=DVE_ENG)
+        nisa.tensor_copy(dst=send[:, D + 1:D + 2], src=nm[KP:KP + nq, :], engine=POOL_ENG)
+        recv = nl.ndarray((nq, D + 2), F32, buffer=nl.sbuf, name="att_xchg_state_recv")
+        nisa.sendrecv(src=send, dst=recv, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=1)
+        bm = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_negmax")
+        nisa.tensor_tensor(dst=bm, data1=nm[0:nq, :], data2=recv[:, D + 1:D + 2], op=nl.minimum)
+        a_own = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_own")
+        nisa.activation(dst=a_own, op=nl.exp, data=nm[0:nq, :], scale=-1.0, bias=bm)
+        a_oth = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_other")
+        nisa.activation(dst=a_oth, op=nl.exp, data=recv[:, D + 1:D + 2], scale=-1.0, bias=bm)
+        oth = nl.ndarray((nq, D + 1), F32, buffer=nl.sbuf, name="att_merge_other")
+        nisa.tensor_scalar(dst=oth, data=recv[:, 0:D + 1], op0=nl.multiply, operand0=a_oth)
+        nisa.scalar_tensor_tensor(dst=ol[0:nq, :], data=ol[0:nq, :], op0=nl.multiply, operand0=a_own,
+                                  op1=nl.add, operand1=oth)
     rl = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_inv_rowsum")
-    nisa.reciprocal(dst=rl, data=st["l"])
+    nisa.reciprocal(dst=rl, data=ol[0:nq, D:D + 1])
     o = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_out")
-    nisa.tensor_scalar(dst=o, data=st["o"], op0=nl.multiply, operand0=rl)
+    nisa.tensor_scalar(dst=o, data=ol[0:nq, 0:D], op0=nl.multiply, operand0=rl)
     return o
 
 
-def _kv_tile(g, st, qT, k_cache, v_cache, ident, masks, row0, reg, masked):
-    """One tile of B cache rows starting at row0 (+ the run-time register ``reg`` when given)."""
-    act, nq, D, dp, DT, NC = g["act"], g["nq"], g["D"], g["dp"], g["DT"], g["NC"]
-    kv = nl.ndarray((P, NC, 2, D), act, buffer=nl.sbuf, name="att_kv_tile")
+def _tiles(g, st, qa, k_cache, v_cache, rt, ident, masks, max_context):
+    """This core's KV tiles, software-pipelined two deep (tile j's load / K^T / scores overlap tile j-1's
+    softmax / P^T / PV; tiles alternate between two buffer sets): prologue, a runtime loop over pairs of
+    steps, and a 0/1-trip epilogue for an even or odd tile count. The head tile (core 0, iff r > 0) runs on
+    its own first. With max_context the same sequence is emitted unrolled (shape-only costing)."""
+    B, nc, c = g["B"], g["n_cores"], g["core"]
+    S = nc * B
+    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
+    A_, B_ = bufs
+    x = (g, qa, k_cache, v_cache, ident, masks)
+
+    def first(b, row0, reg, masked=False):         # stage 1: load, K^T, scores, softmax statistics and exp
+        _tile_load(*x, b, row0, reg, masked)
+        _tile_evict(g, b)
+        _tile_scores(g, qa, masks, b, masked)
+        _softmax_stats(g, st, b)
+        _softmax_exp(g, st, b)
+
+    def step(b, row0, reg, prev):
+        # stage 1 of tile j interleaved with stage 2 (P^T, PV, [O | l] update) of tile j-1, in the order that
+        # keeps every in-order engine queue busy: PE T(j) P^T(j-1) QK(j) PV(j-1); ACT evict(j) evictP^T(j-1)
+        # exp(j); DVE evict(j) stats(j) update(j-1)
+        _tile_load(*x, b, row0, reg, False)
+        _tile_evict(g, b)
+        _tile_pT(g, ident, prev)
+        _tile_scores(g, qa, masks, b, False)
+        _softmax_stats(g, st, b)
+        _tile_pv(g, st, prev)
+        _softmax_exp(g, st, b)
+
+    def last(prev):                                # stage 2 of the final tile
+        _tile_pT(g, ident, prev)
+        _tile_pv(g, st, prev)
+
+    if max_context is not None:
+        if g["head"] and max_context % B:
+            first(B_, 0, None, True)
+            last(B_)
+        mine = list(range(c, max_context // B, nc))
+        for j, t in enumerate(mine):
+            if j == 0:
+                first(bufs[0], t * B, rt["rem_reg"])
+            else:
+                step(bufs[j % 2], t * B, rt["rem_reg"], bufs[(j - 1) % 2])
+        if mine:
+            last(bufs[(len(mine) - 1) % 2])
+        return
+
+    if g["head"]:
+        def head_body(i):
+            first(B_, 0, None, True)
+            last(B_)
+        nl.fori_loop(0, rt["head_reg"], head_body)
+
+    def prologue(i):                               # tile 0 at start_c (iff n_c >= 1)
+        first(A_, 0, rt["start_reg"])
+    nl.fori_loop(0, rt["pro_reg"], prologue)
+
+    def pair_body(i):                              # i = start_c + 2m*S: tiles 2m+1 (B) and 2m+2 (A) loaded
+        step(B_, S, i, A_)
+        step(A_, 2 * S, i, B_)
+    nl.fori_loop(rt["start_reg"], rt["pair_end_reg"], pair_body, step=2 * S)
+
+    def even_tail(i):                              # n_c even: load the last tile (B), finish both
+        step(B_, 0, rt["last_reg"], A_)
+        last(B_)
+    nl.fori_loop(0, rt["even_reg"], even_tail)
+
+    def odd_tail(i):                               # n_c odd: the last tile (A) is loaded, finish it
+        last(A_)
+    nl.fori_loop(0, rt["odd_reg"], odd_tail)
+
+
+def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
+    """DMA B cache rows starting at row0 (+ the run-time register ``reg`` when given) into buffers b and
+    transpose the K chunks on the PE: [P keys, dp] -> [dp, P keys] per (d-tile, chunk)."""
+    D, dp, DT, NC = g["D"], g["dp"], g["DT"], g["NC"]
+    kt, vt = b["k"], b["v"]
     pattern = [[NC * D, P], [D, NC], [1, D]]           # partition p <- rows NC*p .. NC*p + NC-1
-    for s, cache in ((0, k_cache), (1, v_cache)):
+    for dst, cache in ((kt, k_cache), (vt[:, :, 0:D], v_cache)):
         if reg is None:
             src = cache.ap(pattern=pattern, offset=row0 * D)
         else:
             src = cache.ap(pattern=pattern, offset=row0 * D, scalar_offset=reg, indirect_dim=1)
-        nisa.dma_copy(dst=kv[:, :, s, :], src=src)
-    if masked:   # rows >= r: possibly beyond the valid prefix -> zero them (NaN-safe select)
-        dead = masks["dead"]
-        nisa.tensor_copy_predicated(dst=kv, src=0.0, predicate=dead.ap(pattern=[[NC, P], [1, NC], [0, 2 * D]],
-                                                                        offset=0))
-    # K^T chunks: [P keys, dp] -> [dp, P keys] per (chunk, d-tile)
-    kT_ps = nl.ndarray((dp, DT, NC, P), F32, buffer=nl.psum, name="att_kT_psum")
-    for c in range(NC):
-        for dh in range(DT):
-            nisa.nc_matmul(dst=kT_ps[:, dh, c, :], stationary=kv[:, c, 0, dh * dp:(dh + 1) * dp], moving=ident,
-                           accumulate=False)
-    kT = nl.ndarray((dp, DT, NC, P), act, buffer=nl.sbuf, name="att_kT")
+        nisa.dma_copy(dst=dst, src=src)
+    if masked:   # rows >= r: possibly beyond the valid prefix -> zero their data (NaN-safe select; v's
+        # ones column stays: the buffer set is reused by unmasked tiles)
+        dead = masks["dead"].ap(pattern=[[NC, P], [1, NC], [0, D]], offset=0)
+        nisa.tensor_copy_predicated(dst=kt, src=0.0, predicate=dead)
+        nisa.tensor_copy_predicated(dst=vt[:, :, 0:D], src=0.0, predicate=dead)
     for dh in range(DT):
-        nisa.tensor_copy(dst=kT[:, dh], src=kT_ps[:, dh], engine=ACT_ENG if dh % 2 == 0 else DVE_ENG)
-    # S = sum over d-tiles of q_dh^T k_dh (split-K, one PSUM bank)
-    s_ps = nl.ndarray((nq, NC * P), F32, buffer=nl.psum, name="att_scores")
+        for ci in range(NC):
+            nisa.nc_matmul(dst=b["kT_ps"][dh][:, ci, :], stationary=kt[:, ci, dh * dp:(dh + 1) * dp],
+                           moving=ident, accumulate=False)
+
+
+def _tile_evict(g, b):
+    """K^T PSUM -> SBUF (activation dtype), d-tiles alternating between ScalarE and VectorE."""
+    for dh in range(g["DT"]):
+        nisa.tensor_copy(dst=b["kT"][:, dh], src=b["kT_ps"][dh], engine=ACT_ENG if dh % 2 == 0 else DVE_ENG)
+
+
+def _tile_scores(g, qa, masks, b, masked):
+    """S = sum over d-tiles of q_dh^T k_dh (split-K accumulated in one PSUM bank); the raw scores [QA, B]
+    are left in b["s"] (PSUM; SBUF with the head mask added)."""
+    DT = g["DT"]
     for dh in range(DT):
-        nisa.nc_matmul(dst=s_ps, stationary=qT[:, dh, 0:nq], moving=kT[:, dh], accumulate=dh > 0)
-    s = s_ps
+        nisa.nc_matmul(dst=b["s_ps"], stationary=qa[:, dh, :], moving=b["kT"][:, dh], accumulate=dh > 0)
+    b["s"] = b["s_ps"]
     if masked:
-        s = nl.ndarray((nq, NC * P), F32, buffer=nl.sbuf, name="att_scores_masked")
-        nisa.tensor_tensor(dst=s, data1=s_ps, data2=masks["score"], op=nl.add)
-    p_t, alpha = _softmax_update(g, st, s, NC * P)
-    # P^T chunks (keys on partitions) -> PV
-    pT_ps = nl.ndarray((P, NC, nq), F32, buffer=nl.psum, name="att_pT_psum")
-    for c in range(NC):
-        nisa.nc_matmul(dst=pT_ps[:, c, :], stationary=p_t[:, c * P:(c + 1) * P], moving=ident[0:nq, 0:nq],
-                       accumulate=False)
-    pT = nl.ndarray((P, NC, nq), act, buffer=nl.sbuf, name="att_pT")
-    nisa.tensor_copy(dst=pT, src=pT_ps, engine=ACT_ENG)
-    pv = nl.ndarray((nq, D), F32, buffer=nl.psum, name="att_pv")
-    for c in range(NC):
-        nisa.nc_matmul(dst=pv, stationary=pT[:, c, :], moving=kv[:, c, 1, :], accumulate=c > 0)
-    nisa.scalar_tensor_tensor(dst=st["o"], data=st["o"], op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=pv)
+        b["s"] = b["s_m"]
+        nisa.tensor_tensor(dst=b["s_m"], data1=b["s_ps"], data2=masks["score"], op=nl.add)
 
 
-def _softmax_update(g, st, s, width):
-    """Online-softmax step on raw scores s [nq, width] (PSUM or SBUF, fp32; scale not applied).
+def _tile_pT(g, ident, b):
+    """P^T chunks (keys on partitions) of one tile, after its softmax step."""
+    QA, NC = g["QA"], g["NC"]
+    for ci in range(NC):
+        nisa.nc_matmul(dst=b["pT_ps"][:, ci, :], stationary=b["p"][:, ci * P:(ci + 1) * P],
+                       moving=ident[0:QA, 0:QA], accumulate=False)
+    nisa.tensor_copy(dst=b["pT"], src=b["pT_ps"], engine=ACT_ENG)
 
-    b = -max(running max, scale*rowmax(s)); alpha = exp(b - nm) rescales the old sum/output;
-    P = exp(scale*s + b) in the activation dtype with its fp32 row sum from the same ScalarE instruction.
-    Returns (P [nq, width] act, alpha [nq, 1] fp32); updates nm and l in place."""
-    nq = g["nq"]
-    nmx = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_tile_negmax")
-    nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=s, axis=1, negate=True)
-    b = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_new_negmax")
-    nisa.scalar_tensor_tensor(dst=b, data=nmx, op0=nl.multiply, operand0=g["sc"], op1=nl.minimum,
+
+def _tile_pv(g, st, b):
+    """PV of one tile (its last column, V's ones, is the row sum of P) into the running [O | l]."""
+    for ci in range(g["NC"]):
+        nisa.nc_matmul(dst=b["pv"], stationary=b["pT"][:, ci, :], moving=b["v"][:, ci, :], accumulate=ci > 0)
+    nisa.scalar_tensor_tensor(dst=st["ol"], data=st["ol"], op0=nl.multiply, operand0=b["alpha"], op1=nl.add,
+                              operand1=b["pv"])
+
+
+def _softmax_stats(g, st, b, s=None):
+    """Online-softmax statistics (VectorE) of raw scores s [QA, w] (default b["s"]; PSUM or SBUF fp32, the
+    1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s))."""
+    s = b["s"] if s is None else s
+    nisa.tensor_reduce(dst=b["nmx"], op=nl.maximum, data=s, axis=1, negate=True)
+    nisa.scalar_tensor_tensor(dst=b["b"], data=b["nmx"], op0=nl.multiply, operand0=g["sc"], op1=nl.minimum,
                               operand1=st["nm"])
-    alpha = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_alpha")
-    nisa.activation(dst=alpha, op=nl.exp, data=st["nm"], scale=-1.0, bias=b)
-    p_t = nl.ndarray((nq, width), g["act"], buffer=nl.sbuf, name="att_probs")
-    rs = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_tile_rowsum")
-    nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g["sc"], bias=b, reduce_op=nl.add, reduce_res=rs,
-                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    nisa.scalar_tensor_tensor(dst=st["l"], data=st["l"], op0=nl.multiply, operand0=alpha, op1=nl.add,
-                              operand1=rs)
-    nisa.tensor_copy(dst=st["nm"], src=b, engine=POOL_ENG)
-    return p_t, alpha
+
+
+def _softmax_exp(g, st, b, s=None, p_t=None):
+    """ScalarE half of the step: alpha = exp(b - nm) (rescales the old [O | l] at this tile's update),
+    P = exp(scale*s + b) into p_t (default b["p"], activation dtype; its row sum comes out of the PV matmul);
+    then nm <- b."""
+    s = b["s"] if s is None else s
+    p_t = b["p"] if p_t is None else p_t
+    nisa.activation(dst=b["alpha"], op=nl.exp, data=st["nm"], scale=-1.0, bias=b["b"])
+    nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g["sc"], bias=b["b"])
+    nisa.tensor_copy(dst=st["nm"], src=b["b"], engine=POOL_ENG)
 
 
 def _o_proj(g, og, wo, ident):
