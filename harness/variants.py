@@ -72,6 +72,11 @@ class Variant:
         """Keep the first `accepted` (1 or 2) verified tokens' state."""
         self.state.commit(accepted)
 
+    def committed(self, length: int) -> dict[str, torch.Tensor]:
+        """The committed decode state after `length` trunk tokens, in the reference layout (for the
+        decode-state invariant: it must equal plain token-by-token decoding's)."""
+        return self.state.committed(length)
+
 
 class XlaVariant(Variant):
     """The plain model: every round is the PyTorch reference, no custom kernels."""
@@ -90,4 +95,15 @@ class XlaVariant(Variant):
         return RoundOutput(draft, (int(targets[0]), int(targets[1])), hv)
 
 
-VARIANTS: dict[str, type[Variant]] = {"xla": XlaVariant}
+VARIANT_NAMES = ("xla", "layerwise", "megakernel")
+
+
+def make_variant(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2) -> Variant:
+    """A variant by name; the kernel variants (run under nkisim) shard over ``tp`` ranks x ``lnc`` cores."""
+    if name == "xla":
+        return XlaVariant(cfg, params)
+    from harness.kernel_variants import LayerwiseVariant, MegakernelVariant
+    kinds = {"layerwise": LayerwiseVariant, "megakernel": MegakernelVariant}
+    if name not in kinds:
+        raise ValueError(f"unknown variant {name!r}; expected one of {VARIANT_NAMES}")
+    return kinds[name](cfg, params, tp=tp, lnc=lnc)

@@ -1,10 +1,9 @@
 """Dense projections that are not part of a larger family, and the feature- to token-major transpose.
 
-* :func:`column_partial_body` -- this core's slice of output columns of ``y = x W^T``, written into a
-  zero ``[T, H_out]`` float32 partial. Used for the MTP head's ``fc`` ([H, 2H]): core g of the
-  TP x LNC cores owns output columns ``[g*Nc, (g+1)*Nc)``, so the all-reduce of the partials
-  (``collectives.allreduce_partials``, the same collective every mixer uses) assembles the full
-  output. Every core reads only its own columns' weights.
+* :func:`columns_body` -- this core's slice of output columns of ``y = x W^T``. Used for the MTP
+  head's ``fc`` ([H, 2H]): core g of the TP x LNC cores owns output columns ``[g*Nc, (g+1)*Nc)`` and
+  reads only their weights; ``collectives.allgather_cores`` assembles the full output in global core
+  order, so the kernel code is the same on every rank (the rank is in the data, not the code).
 * :func:`token_major` -- feature-major ``xT [P, J, T]`` back to token-major ``[T, J*P]`` (the trunk's
   post-norm hidden, returned to the host and fed to the next round's MTP head).
 
@@ -25,27 +24,25 @@ P = 128
 PSUM_COLS = 512  # fp32 columns of one PSUM bank (the moving free-size limit on trn2)
 
 
-def column_partial_body(xT, w, col0: int, n_out: int):
-    """y [T, n_out] float32 SBUF: columns ``[col0, col0 + Nc)`` = ``x W_c^T``, every other column 0.
+def columns_body(xT, w):
+    """y [T, Nc] float32 SBUF = x W_c^T for this core's Nc output columns.
 
-    xT: SBUF ``[P, J, T]`` activation dtype; w: HBM ``[P, J, Nc]`` (:func:`column_layout`), same dtype;
-    col0, n_out: compile-time ints. Weights are the moving operand, accumulated over the J contraction
-    tiles in one PSUM bank per 512-column chunk; one weight DMA.
+    xT: SBUF ``[P, J, T]`` activation dtype; w: HBM ``[P, J, Nc]`` (:func:`column_layout`), same dtype.
+    Weights are the moving operand, accumulated over the J contraction tiles in one PSUM bank per
+    512-column chunk; one weight DMA.
     """
     _, J, T = xT.shape
     wp, wj, nc = w.shape
-    assert wp == P and wj == J, f"column_partial: weight is {list(w.shape)}, expected [{P}, {J}, Nc]"
-    assert 0 <= col0 and col0 + nc <= n_out, f"column_partial: columns {col0}..{col0 + nc} exceed {n_out}"
+    assert wp == P and wj == J, f"columns_body: weight is {list(w.shape)}, expected [{P}, {J}, Nc]"
     w_sb = nl.ndarray((P, J, nc), w.dtype, buffer=nl.sbuf, name="lin_w")
     nisa.dma_copy(dst=w_sb, src=w)
-    y = nl.ndarray((T, n_out), nl.float32, buffer=nl.sbuf, name="lin_y")
-    nisa.memset(dst=y, value=0.0)
+    y = nl.ndarray((T, nc), nl.float32, buffer=nl.sbuf, name="lin_y")
     for n0 in range(0, nc, PSUM_COLS):
         n1 = min(nc, n0 + PSUM_COLS)
         ps = nl.ndarray((T, n1 - n0), nl.float32, buffer=nl.psum, name="lin_ps")
         for j in range(J):
             nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=w_sb[:, j, n0:n1], accumulate=j > 0)
-        nisa.tensor_copy(dst=y[:, col0 + n0:col0 + n1], src=ps)
+        nisa.tensor_copy(dst=y[:, n0:n1], src=ps)
     return y
 
 
@@ -70,17 +67,16 @@ def token_major(xT):
 
 
 @nki.jit
-def column_partial_kernel(xT, w, n_out):
+def columns_kernel(xT, w):
     """Wrapper: xT HBM ``[P, J, T]``, w HBM ``[n_cores, P, J, Nc]`` (core c's columns ``[c*Nc, (c+1)*Nc)``)
-    -> per-core partials ``[n_cores, T, n_out]`` float32 (their sum is the full ``x W^T``)."""
+    -> ``[n_cores, T, Nc]`` float32; concatenated over cores it is the full ``x W^T``."""
     n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
     c = nl.program_id(0) if nl.program_ndim() != 0 else 0
     _, J, T = xT.shape
-    nc = w.shape[3]
-    out = nl.ndarray((n, T, n_out), nl.float32, buffer=nl.shared_hbm, name="lin_partials")
+    out = nl.ndarray((n, T, w.shape[3]), nl.float32, buffer=nl.shared_hbm, name="lin_cols")
     xs = nl.ndarray((P, J, T), xT.dtype, buffer=nl.sbuf, name="lin_xT")
     nisa.dma_copy(dst=xs, src=xT)
-    y = column_partial_body(xs, w[c], c * nc, n_out)
+    y = columns_body(xs, w[c])
     nisa.dma_copy(dst=out[c], src=y)
     return out
 

@@ -1,4 +1,4 @@
-"""column_partial (MTP fc) and token_major against torch.
+"""columns_body (MTP fc) and token_major against torch.
 
 Tolerances: float32 weights/activations -> 1e-5 relative to the output scale (only the summation
 order differs from torch's); bfloat16 -> both sides accumulate bf16 products in fp32, so the same
@@ -15,7 +15,7 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.linear import column_layout, column_partial_kernel, token_major
+from nki_kernels.linear import column_layout, columns_kernel, token_major
 
 P = 128
 
@@ -27,7 +27,7 @@ def feature_major(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lnc,T,K,N", [(1, 1, 256, 128), (2, 2, 256, 128), (2, 4, 4096, 2048)])
-def test_column_partial_sums_to_linear(dtype, lnc, T, K, N):
+def test_columns_concatenate_to_linear(dtype, lnc, T, K, N):
     rng = np.random.default_rng(K + T)
     x = rng.standard_normal((T, K)).astype(np.float32)
     w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
@@ -35,14 +35,11 @@ def test_column_partial_sums_to_linear(dtype, lnc, T, K, N):
     x, w = x.astype(npdt), w.astype(npdt)
     nc = N // lnc
     wl = np.stack([column_layout(w, c * nc, nc) for c in range(lnc)])
-    kern = column_partial_kernel[lnc] if lnc > 1 else column_partial_kernel
-    parts = np.asarray(kern(feature_major(x), wl, N))
-    assert parts.shape == (lnc, T, N)
-    for c in range(lnc):  # each core fills only its columns
-        others = np.delete(parts[c], np.s_[c * nc:(c + 1) * nc], axis=1)
-        assert not others.any()
+    kern = columns_kernel[lnc] if lnc > 1 else columns_kernel
+    cols = np.asarray(kern(feature_major(x), wl))
+    assert cols.shape == (lnc, T, nc)
+    got = np.concatenate(list(cols), axis=1)
     want = (torch.from_numpy(x.astype(np.float32)) @ torch.from_numpy(w.astype(np.float32)).T).numpy()
-    got = parts.sum(0)
     assert np.isfinite(got).all() and np.abs(got).max() > 0.1
     tol = 1e-5 if dtype == "float32" else 1e-4
     assert np.abs(got - want).max() <= tol * np.abs(want).max()

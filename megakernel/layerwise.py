@@ -1,0 +1,106 @@
+"""The layerwise variant's stage kernels: the same subkernel bodies, one launch per layer stage.
+
+Each stage is an ``@nki.jit`` kernel launched on every TP rank (``kernel[lnc]`` per rank); activations
+go through HBM and the cross-rank/cross-core reductions happen on the host between launches
+(``megakernel.variant.LayerwiseRunner``). A decoder layer is two stages: [input norm + mixer] and
+[post-attention norm + MoE]; the head is [final norm + LM head + per-core argmax]. Outputs are per-core
+partials ``[n_cores, T, ...]`` (core c writes row c), like the subkernel wrappers.
+"""
+
+from __future__ import annotations
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from nki_kernels.attention import attention_body
+from nki_kernels.gdn import gdn_body
+from nki_kernels.linear import columns_body, token_major
+from nki_kernels.lm_head import lm_head_argmax_body
+from nki_kernels.moe import moe_tkg_body
+from nki_kernels.rmsnorm import rmsnorm_body
+
+
+def _cores():
+    if nl.program_ndim() == 0:
+        return 1, 0
+    return nl.num_programs(0), nl.program_id(0)
+
+
+def _load(x):
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf, name="stage_in")
+    nisa.dma_copy(dst=t, src=x)
+    return t
+
+
+def _partials(T, H):
+    n, c = _cores()
+    return nl.ndarray((n, T, H), nl.float32, buffer=nl.shared_hbm, name="stage_partials"), c
+
+
+@nki.jit
+def gdn_stage(x, norm_w, w_in, conv_w, A_log, dt_bias, gnorm_w, w_out, window, state, read_slot, eps):
+    """x [T, H] residual -> (partials [n, T, H], window, state): input norm + GDN mixer."""
+    T, H = x.shape
+    out, c = _partials(T, H)
+    xT = rmsnorm_body(_load(x), norm_w, eps)
+    y = gdn_body(xT, w_in, conv_w, A_log, dt_bias, gnorm_w, w_out, window, state, read_slot, eps)
+    nisa.dma_copy(dst=out[c], src=y)
+    return out, window, state
+
+
+@nki.jit
+def attention_stage(x, norm_w, wqg, wk, wv, wo, qk_norm, cos, sin, k_cache, v_cache, pos, eps):
+    """x [T, H] residual -> (partials [n, T, H], k_cache, v_cache): input norm + one KV-head group's
+    gated attention."""
+    T, H = x.shape
+    out, c = _partials(T, H)
+    n, _ = _cores()
+    xT = rmsnorm_body(_load(x), norm_w, eps)
+    y = attention_body(xT, wqg, wk, wv, wo, qk_norm, cos, sin, k_cache, v_cache, pos, eps=eps, core=c, n_cores=n)
+    nisa.dma_copy(dst=out[c], src=y)
+    return out, k_cache, v_cache
+
+
+@nki.jit
+def moe_stage(x, norm_w, router, experts, shared, top_k, layer, eps):
+    """x [T, H] residual -> partials [n, T, H]: post-attention norm + MoE (``layer``: index into
+    stacked weights, or None for unstacked ones)."""
+    T, H = x.shape
+    out, c = _partials(T, H)
+    xT = rmsnorm_body(_load(x), norm_w, eps)
+    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer)
+    nisa.dma_copy(dst=out[c], src=y)
+    return out
+
+
+@nki.jit
+def head_stage(x, norm_w, lm_head, eps):
+    """x [T, H] residual -> (best [n, T, 2] float32 per-core (value, local index), hidden [T, H]):
+    final norm, the post-norm hidden, and this core's LM-head shard argmax."""
+    T, H = x.shape
+    n, c = _cores()
+    best_out = nl.ndarray((n, T, 2), nl.float32, buffer=nl.shared_hbm, name="stage_best")
+    hidden_out = nl.ndarray((T, H), x.dtype, buffer=nl.shared_hbm, name="stage_hidden")
+    xT = rmsnorm_body(_load(x), norm_w, eps)
+    nisa.dma_copy(dst=best_out[c], src=lm_head_argmax_body(xT, lm_head[c]))
+    if c == 0:
+        nisa.dma_copy(dst=hidden_out, src=token_major(xT))
+    return best_out, hidden_out
+
+
+@nki.jit
+def mtp_fc_stage(e, h, norm_emb, norm_hidden, fc, eps):
+    """MTP input: embedding row e [1, H] and trunk hidden h [1, H] -> this core's fc output columns
+    ``[n, 1, Nc]`` float32 (concatenated over the cores in global order = the fc output)."""
+    n, c = _cores()
+    nc = fc.shape[3]
+    out = nl.ndarray((n, 1, nc), nl.float32, buffer=nl.shared_hbm, name="stage_fc")
+    eT = rmsnorm_body(_load(e), norm_emb, eps)
+    hT = rmsnorm_body(_load(h), norm_hidden, eps)
+    P, J, _ = eT.shape
+    uT = nl.ndarray((P, 2 * J, 1), eT.dtype, buffer=nl.sbuf, name="stage_fc_in")
+    nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
+    nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
+    nisa.dma_copy(dst=out[c], src=columns_body(uT, fc[c]))
+    return out

@@ -1,0 +1,259 @@
+"""The round megakernel: MTP draft, 2-token verify of the trunk and draft replay in ONE launch per rank.
+
+One ``kernel[lnc]`` launch per TP rank per decode round, composed of the subkernel bodies of
+``nki_kernels`` (no copies of them). With the pending token x_{t+1} at position p = t+1 and h_t the
+trunk's post-norm hidden at position t:
+
+* D1 (MTP at position p-1): embed(x_{t+1}), the two MTP pre-fc norms, ``mtp.fc`` (columns split over
+  the cores, gathered), one gated-attention + MoE layer with the MTP KV cache, ``mtp.norm``, LM head
+  and global argmax -> draft d (or the host's forced draft, for tests; selected arithmetically).
+* V (trunk at positions p, p+1 on [x_{t+1}, d]): the residual ``x [2, H]`` stays in SBUF across all
+  layers; after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores;
+  KV rows are written in place; every GDN layer writes its per-token checkpoints; final norm; LM head
+  and argmax for both positions -> targets; the post-norm hidden goes back to the host.
+* D2 (MTP at position p on (d, h_{t+1})): writes the MTP KV row that the next round needs if d is
+  accepted; no LM head.
+
+``mode="step"`` builds the plain-decode kernel instead: V on the single pending token, no MTP.
+
+Arguments are individual top-level HBM tensors (NKI binds no lists): the names of
+``megakernel.sharded`` plus the run-time inputs of :data:`RUNTIME_INPUTS`. The kernel function is
+generated as Python source with one named parameter per tensor and imported from a file, so the real
+NKI front end (which parses the kernel's source) sees an ordinary function. Mutated caches and
+checkpoints are returned with the outputs so the compiler keeps the writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from nki_kernels.attention import attention_body
+from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
+from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
+from nki_kernels.gdn import gdn_body
+from nki_kernels.linear import columns_body, token_major
+from nki_kernels.lm_head import lm_head_argmax_body
+from nki_kernels.moe import moe_tkg_body
+from nki_kernels.rmsnorm import rmsnorm_body
+
+FULL = "full_attention"
+MOE_PREFETCH = 8  # expert ring depth of moe_tkg_body (its default); the register pool holds 2x that
+
+# Run-time inputs of a round (host-built, see megakernel.variant): token ids and positions are int32
+# [1, 1]; cos/sin are float32 [T, rotary_dim] rows of the positions; force = (flag, token) int32 [1, 2].
+RUNTIME_INPUTS = {
+    "round": ("pending", "hidden", "read_slot", "force", "pos_d1", "pos", "cos_d1", "sin_d1", "cos_v",
+              "sin_v"),
+    "step": ("pending", "read_slot", "pos", "cos_v", "sin_v"),
+}
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """Compile-time constants of the round kernel (everything else is a tensor argument)."""
+
+    layer_types: tuple[str, ...]
+    kv_groups: int  # KV heads per rank: attention bodies per attention layer
+    tp: int
+    lnc: int
+    eps: float
+    top_k: int
+    vocab_per_core: int
+    mode: str  # "round" or "step"
+
+    @property
+    def tokens(self) -> int:
+        return 2 if self.mode == "round" else 1
+
+
+def _add_into(x, y):
+    """Residual update: x (activation dtype) + y (fp32 sum of the partials), rounded once."""
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf, name="residual")
+    nisa.tensor_tensor(dst=out, data1=x, data2=y, op=nl.add)
+    return out
+
+
+def _attention(a, s, prefix, xT, pos, cos, sin, core):
+    """The rank's attention partial: one attention body per KV-head group, partials added."""
+    y = None
+    for g in range(s.kv_groups):
+        p = prefix + "_g" + str(g) + "_"
+        yg = attention_body(xT, a[p + "wqg"], a[p + "wk"], a[p + "wv"], a[p + "wo"], a[p + "norm_w"], cos, sin,
+                            a[p + "k"], a[p + "v"], pos, eps=s.eps, core=core, n_cores=s.lnc)
+        if g == 0:
+            y = yg
+        else:
+            nisa.tensor_tensor(dst=y, data1=y, data2=yg, op=nl.add)
+    return y
+
+
+def _moe(a, s, prefix, xT, regs, layer):
+    return moe_tkg_body(xT, a[prefix + "router"], a[prefix + "experts"], a[prefix + "shared"], s.top_k,
+                        prefetch=MOE_PREFETCH, regs=regs, layer=layer)
+
+
+def _trunk_layer(a, s, x, i, rg, regs, pos, cos, sin, core):
+    xT = rmsnorm_body(x, a["l" + str(i) + "_in_norm"], s.eps)
+    pre = "l" + str(i)
+    if s.layer_types[i] == FULL:
+        y = _attention(a, s, pre, xT, pos, cos, sin, core)
+    else:
+        g = pre + "_gdn_"
+        y = gdn_body(xT, a[g + "w_in"], a[g + "conv_w"], a[g + "A_log"], a[g + "dt_bias"], a[g + "norm_w"],
+                     a[g + "w_out"], a[pre + "_window"], a[pre + "_state"], a["read_slot"], s.eps)
+    x = _add_into(x, allreduce_partials(y, rg))
+    xT = rmsnorm_body(x, a[pre + "_post_norm"], s.eps)
+    return _add_into(x, allreduce_partials(_moe(a, s, "moe_", xT, regs, i), rg))
+
+
+def _mtp_layer(a, s, ids, h, rg, regs, pos, cos, sin, core):
+    """MTP head up to its final norm: ids SBUF [1, 1] int32 (token p+1), h SBUF [1, H] (trunk hidden
+    at p) -> feature-major ``mtp.norm`` output [P, J, 1]. Writes the MTP KV row p."""
+    e = embedding_body(a["embed"], ids)
+    eT = rmsnorm_body(e, a["mtp_norm_emb"], s.eps)
+    hT = rmsnorm_body(h, a["mtp_norm_hidden"], s.eps)
+    P, J, _ = eT.shape
+    uT = nl.ndarray((P, 2 * J, 1), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
+    nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
+    nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
+    fc = allgather_cores(columns_body(uT, a["mtp_fc"][core]), rg)
+    x = nl.ndarray((1, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
+    nisa.tensor_copy(dst=x, src=fc)
+    xT = rmsnorm_body(x, a["mtp_in_norm"], s.eps)
+    x = _add_into(x, allreduce_partials(_attention(a, s, "mtp", xT, pos, cos, sin, core), rg))
+    xT = rmsnorm_body(x, a["mtp_post_norm"], s.eps)
+    x = _add_into(x, allreduce_partials(_moe(a, s, "mtp_moe_", xT, regs, None), rg))
+    return rmsnorm_body(x, a["mtp_norm"], s.eps)
+
+
+def _greedy(a, s, xT, rg, core):
+    """Global argmax over the vocabulary (split over every core): SBUF [T, 2] float32 (value, index)."""
+    return argmax_combine(lm_head_argmax_body(xT, a["lm_head"][core]), s.vocab_per_core, rg)
+
+
+def _forced(best, force):
+    """Replace the draft index by the host's when force[0] = 1: idx + flag * (token - idx), in fp32
+    (exact for token ids < 2^24). No data-dependent branch."""
+    f = nl.ndarray((1, 2), nl.float32, buffer=nl.sbuf, name="force_f32")
+    nisa.tensor_copy(dst=f, src=force)
+    d = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf, name="force_delta")
+    nisa.tensor_tensor(dst=d, data1=f[:, 1:2], data2=best[:, 1:2], op=nl.subtract)
+    nisa.tensor_tensor(dst=d, data1=d, data2=f[:, 0:1], op=nl.multiply)
+    out = nl.ndarray((1, 2), nl.float32, buffer=nl.sbuf, name="draft_best")
+    nisa.tensor_copy(dst=out, src=best)
+    nisa.tensor_tensor(dst=out[:, 1:2], data1=best[:, 1:2], data2=d, op=nl.add)
+    return out
+
+
+def _regs():
+    pool = []
+    for _ in range(2 * MOE_PREFETCH):
+        pool.append(nisa.register_alloc())
+    return tuple(pool)
+
+
+def round_body(s: RoundSpec, a: dict):
+    """The whole launch on one core. ``a`` maps argument names to the kernel's HBM tensors."""
+    n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
+    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    assert n == s.lnc, f"round kernel built for LNC={s.lnc}, launched with {n} cores"
+    T = s.tokens
+    H = a["embed"].shape[1]
+    dtype = a["embed"].dtype
+    # outputs first, before any program_id-dependent code (LNC=2 aliases shared-HBM allocations by order)
+    targets_out = nl.ndarray((T, 1), nl.int32, buffer=nl.shared_hbm, name="targets")
+    hidden_out = nl.ndarray((T, H), dtype, buffer=nl.shared_hbm, name="hidden_out")
+    draft_out = nl.ndarray((1, 1), nl.int32, buffer=nl.shared_hbm, name="draft")
+    rg = tp_group(s.tp)
+    regs = _regs()
+    pending = load_token_ids(a["pending"])
+
+    if s.mode == "round":
+        h_prev = nl.ndarray((1, H), dtype, buffer=nl.sbuf, name="h_prev")
+        nisa.dma_copy(dst=h_prev, src=a["hidden"])
+        hm = _mtp_layer(a, s, pending, h_prev, rg, regs, a["pos_d1"], a["cos_d1"], a["sin_d1"], core)
+        force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
+        nisa.dma_copy(dst=force, src=a["force"])
+        draft = token_ids_from_best(_forced(_greedy(a, s, hm, rg, core), force))
+        ids = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf, name="verify_ids")
+        nisa.dma_copy(dst=ids[0:1, :], src=pending)
+        nisa.dma_copy(dst=ids[1:2, :], src=draft)
+    else:
+        ids = pending
+
+    x = embedding_body(a["embed"], ids)
+    for i in range(len(s.layer_types)):
+        x = _trunk_layer(a, s, x, i, rg, regs, a["pos"], a["cos_v"], a["sin_v"], core)
+    xT = rmsnorm_body(x, a["final_norm"], s.eps)
+    hidden = token_major(xT)
+    targets = token_ids_from_best(_greedy(a, s, xT, rg, core))
+
+    if s.mode == "round":
+        _mtp_layer(a, s, draft, hidden[0:1, :], rg, regs, a["pos"], a["cos_v"][0:1, :], a["sin_v"][0:1, :],
+                   core)
+    if core == 0:  # every core holds the same values; one writes them
+        nisa.dma_copy(dst=targets_out, src=targets)
+        nisa.dma_copy(dst=hidden_out, src=hidden)
+        if s.mode == "round":
+            nisa.dma_copy(dst=draft_out, src=draft)
+        else:
+            nisa.dma_copy(dst=draft_out, src=pending)
+    return (draft_out, targets_out, hidden_out) + tuple(a[k] for k in mutated_names(s))
+
+
+def mutated_names(s: RoundSpec) -> list[str]:
+    """Decode-state arguments the launch writes in place (returned after the outputs)."""
+    out = []
+    for i in range(len(s.layer_types)):
+        if s.layer_types[i] == FULL:
+            for g in range(s.kv_groups):
+                out.append("l" + str(i) + "_g" + str(g) + "_k")
+                out.append("l" + str(i) + "_g" + str(g) + "_v")
+        else:
+            out.append("l" + str(i) + "_window")
+            out.append("l" + str(i) + "_state")
+    if s.mode == "round":
+        for g in range(s.kv_groups):
+            out.append("mtp_g" + str(g) + "_k")
+            out.append("mtp_g" + str(g) + "_v")
+    return out
+
+
+_KERNELS: dict = {}
+
+
+def build_kernel(spec: RoundSpec, names: list[str]):
+    """The @nki.jit round kernel for ``spec`` taking exactly the tensors ``names`` (sorted) as named
+    parameters. Generated once per (spec, names), written to a source file and imported."""
+    key = (spec, tuple(names))
+    if key in _KERNELS:
+        return _KERNELS[key]
+    params = ", ".join(names)
+    entries = ", ".join(f"{n!r}: {n}" for n in names)
+    src = (f'"""Generated by megakernel.round.build_kernel: one named parameter per HBM tensor."""\n'
+           f"from megakernel.round import RoundSpec, round_body\n\n"
+           f"SPEC = {spec!r}\n\n\n"
+           f"def round_kernel({params}):\n"
+           f"    return round_body(SPEC, {{{entries}}})\n")
+    digest = hashlib.sha1(src.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / "megakernel_generated" / f"round_{digest}.py"
+    path.parent.mkdir(exist_ok=True)
+    if not path.exists() or path.read_text() != src:
+        path.write_text(src)
+    mod_name = f"megakernel_generated_round_{digest}"
+    spec_obj = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec_obj)
+    sys.modules[mod_name] = module
+    spec_obj.loader.exec_module(module)
+    kernel = nki.jit(module.round_kernel)
+    _KERNELS[key] = kernel
+    return kernel
