@@ -225,7 +225,7 @@ def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False):
     xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf, name="xT")
     nisa.dma_copy(dst=xs, src=xT)
     best = lm_head_argmax_body(xs, w[core], index_base=vocab_base + core * vc,
-                               logits_out=None if logits is None else logits[core])
+                               logits_out=logits[core] if with_logits else None)
     nisa.dma_copy(dst=best_out[core], src=best)
     if with_logits:
         return best_out, logits
