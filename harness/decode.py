@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.speculative import DecodeResult, generate  # noqa: E402
-from harness.variants import VARIANTS  # noqa: E402
+from harness.variants import VARIANT_NAMES, make_variant  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "embedded" / "tiny"
@@ -40,8 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="decode.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Variants: xla = the plain PyTorch model; layerwise = one NKI kernel per layer; "
-               "megakernel = one NKI launch per round (kernels run under nkisim without Trainium).")
+        epilog="Variants: xla = the plain PyTorch model; layerwise = one NKI launch per layer stage with "
+               "host-side reductions; megakernel = one NKI launch per round (draft + verify + replay). "
+               "Without Trainium the NKI variants run under nkisim, the CPU interpreter: correct but slow "
+               "(seconds per round even for the tiny model).")
     ap.add_argument("--model-path", type=Path, default=EMBEDDED_MODEL,
                     help="Hugging Face checkpoint directory (config.json + safetensors [+ tokenizer]); "
                          "default: the embedded tiny model")
@@ -49,8 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer files)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    ap.add_argument("--variant", default="all", choices=[*VARIANTS, "all"],
+    ap.add_argument("--variant", default="all", choices=[*VARIANT_NAMES, "all"],
                     help="which implementation runs the rounds; 'all' runs each and compares (default)")
+    ap.add_argument("--tp", type=int, default=4, choices=[1, 2, 4],
+                    help="simulated tensor-parallel degree of the kernel variants (LNC=2 cores per rank; "
+                         "default 4 = one trn2 chip)")
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight/activation dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -97,15 +102,26 @@ def prompt_ids(args, cfg, tokenizer) -> list[int]:
     return ids
 
 
-def run_variant(name, cfg, params, ids, args) -> tuple[DecodeResult, float]:
-    variant = VARIANTS[name](cfg, params)
+def build_variants(names, cfg, params, args) -> dict:
+    """Every requested variant, built before any decoding so that an unsupported config fails first."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = make_variant(name, cfg, params, tp=args.tp)
+        except ValueError as e:
+            raise UsageError(f"--variant {name}: {e}") from None
+    return out
+
+
+def run_variant(name, variant, ids, args, cfg) -> tuple[DecodeResult, float, int | None]:
+    """Decode with one variant: (result, seconds, kernel launches or None for xla)."""
     bar = tqdm(total=args.max_new_tokens, desc=f"{name:>10}", unit="tok", leave=False,
                disable=args.json or not sys.stderr.isatty())
     t0 = time.perf_counter()
     res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec,
                    on_tokens=lambda toks: bar.update(len(toks)))
     bar.close()
-    return res, time.perf_counter() - t0
+    return res, time.perf_counter() - t0, getattr(variant, "launches", None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,19 +138,21 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"{args.model_path}: the checkpoint has no MTP head; use --no-spec")
         tokenizer = load_tokenizer(args.model_path, required=args.prompt is not None)
         ids = prompt_ids(args, cfg, tokenizer)
+        names = list(VARIANT_NAMES) if args.variant == "all" else [args.variant]
+        variants = build_variants(names, cfg, params, args)
     except UsageError as e:
         print(f"decode.py: error: {e}", file=sys.stderr)
         return 2
 
-    names = list(VARIANTS) if args.variant == "all" else [args.variant]
-    results = {name: run_variant(name, cfg, params, ids, args) for name in names}
+    results = {name: run_variant(name, v, ids, args, cfg) for name, v in variants.items()}
     first = results[names[0]][0]
-    identical = all(r.tokens == first.tokens for r, _ in results.values())
+    identical = all(r.tokens == first.tokens for r, _, _ in results.values())
 
     if args.json:
         out = first.to_dict()
         out["variant"] = names[0]
-        out["variants"] = {n: {**r.to_dict(), "seconds": round(s, 3)} for n, (r, s) in results.items()}
+        out["variants"] = {n: {**r.to_dict(), "seconds": round(s, 3), "launches": k}
+                           for n, (r, s, k) in results.items()}
         out["identical_tokens"] = identical
         if tokenizer is not None:
             out["text"] = tokenizer.decode(first.tokens)
@@ -148,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
               if sys.stdout.isatty() else f"\n{tokenizer.decode(ids)}{tokenizer.decode(first.tokens)}\n")
     else:
         print(f"tokens: {first.tokens}")
-    print(f"{'variant':<12}{'tokens':>8}{'rounds':>8}{'accept':>9}{'tok/round':>11}{'seconds':>9}")
-    for n, (r, s) in results.items():
+    print(f"{'variant':<12}{'tokens':>8}{'rounds':>8}{'accept':>9}{'tok/round':>11}{'launches':>10}{'seconds':>9}")
+    for n, (r, s, k) in results.items():
         acc = "-" if args.no_spec else f"{100 * r.acceptance_rate:.1f}%"
         tpr = "-" if args.no_spec else f"{r.tokens_per_round:.2f}"
-        print(f"{n:<12}{len(r.tokens):>8}{r.rounds:>8}{acc:>9}{tpr:>11}{s:>9.2f}")
+        launches = "-" if k is None else str(k)
+        print(f"{n:<12}{len(r.tokens):>8}{r.rounds:>8}{acc:>9}{tpr:>11}{launches:>10}{s:>9.2f}")
     if len(results) > 1:
         print("all variants produced identical tokens" if identical else "WARNING: variants disagree")
     return 0 if identical else 1

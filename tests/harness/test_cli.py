@@ -45,8 +45,15 @@ def test_json_schema(ckpt, capsys):
 
 def test_no_spec_text_output(ckpt, capsys):
     code, out, _ = run(capsys, "--model-path", ckpt, "--prompt-ids", "4,5", "--max-new-tokens", 5,
-                       "--no-spec", "--dtype", "float32")
+                       "--no-spec", "--dtype", "float32", "--variant", "xla")
     assert code == 0 and "tokens: [" in out and "xla" in out
+
+
+def test_kernel_variant_refuses_unsupported_config(ckpt, capsys):
+    """The small test config's hidden size (96) is not a multiple of 128: the NKI variants refuse it
+    before decoding, with one line."""
+    code, out, err = run(capsys, "--model-path", ckpt, "--prompt-ids", "4,5", "--variant", "megakernel")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--variant megakernel" in err
 
 
 @pytest.mark.parametrize("argv,needle", [
