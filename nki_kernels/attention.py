@@ -196,16 +196,33 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     g["head"], g["new"] = core == 0, core == n_cores - 1
     act, T, nq, nr, D = g["act"], g["T"], g["nq"], g["nr"], g["D"]
 
-    w = _load_weights(g, wqg, wk, wv, wo, norm_w, cos, sin)
+    # ScalarE runs only exp (and table-free copies) in this kernel: load the exp table now, while the weights
+    # stream, instead of on the critical path (ACT table switches cost ~1.3 us, trn2-costs)
+    warm = nl.ndarray((1, 1), F32, buffer=nl.sbuf, name="att_act_warm")
+    nisa.memset(dst=warm, value=0.0, engine=POOL_ENG)
+    nisa.activation(dst=warm, op=nl.exp, data=warm)
+    w = {"wqg": wqg, "wk": wk, "wv": wv, "wo_hbm": wo}
+    ps = _project(g, xT, w)                            # PE work first: the weight stream is the long pole
+    # independent set-up, emitted after the projection so that it runs on the idle engines meanwhile
+    _load_tables(g, w, norm_w, cos, sin)
     rt = _runtime_scalars(g, pos)
     ident = nl.shared_identity_matrix(P, dtype=act)
-
-    qg, vnew = _project(g, xT, w)                      # qg [nr, 2, D] act (rounded), vnew [T, D+1] act
-    sg = nl.ndarray((nq, D), F32, buffer=nl.sbuf, name="att_sig_gate")
-    nisa.activation(dst=sg, op=nl.sigmoid, data=qg[0:nq, 1, :])
+    at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
+    _load_wo(g, w)
+    qg, vnew = _project_out(g, ps)                     # qg [nr, 2, D] act (rounded), vnew [T, D+1] act
+    del ps                                             # (PSUM banks free for the KV tiles)
     qk = _norm_rope(g, qg, w, eps)                      # [nr, D] act: q rows 0..nq-1, k rows KP..KP+T-1
+    qa, knT = _queries(g, qk, ident)                    # all query columns [dp, DT, QA]; new keys^T (new-block core)
+    # sigmoid(gate) = 1 / (1 + exp(-gate)): exp keeps ScalarE on one activation table
+    sg = nl.ndarray((nq, D), F32, buffer=nl.sbuf, name="att_sig_gate")
+    nisa.activation(dst=sg, op=nl.exp, data=qg[0:nq, 1, :], scale=-1.0)
+    nisa.tensor_scalar(dst=sg, data=sg, op0=nl.add, operand0=1.0)
+    nisa.reciprocal(dst=sg, data=sg)
+    o = _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context)   # [nq, D] act
 
-    # ---- the T new K/V rows: each written exactly once (core 0: K, last core: V)
+    # ---- the T new K/V rows: each written exactly once (core 0: K, last core: V). Issued after this core's
+    # cache reads: a dynamic-offset write and dynamic-offset reads of one tensor cannot be proven disjoint, so
+    # an earlier write would hold the reads back (the new rows themselves are attended from SBUF).
     rows = [[D, T], [1, D]]
     if g["do_k"]:
         nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=0, scalar_offset=rt["p_reg"], indirect_dim=1),
@@ -213,8 +230,6 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     if g["do_v"]:
         nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=0, scalar_offset=rt["p_reg"], indirect_dim=1),
                       src=vnew[:, 0:D])
-    qa, knT = _queries(g, qk, ident)                    # all query columns [dp, DT, QA]; new keys^T (new-block core)
-    o = _attend(g, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context)   # [nq, D] act
 
     # ---- gate, back to d-on-partitions, o_proj
     og = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_gated")
@@ -223,17 +238,13 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
 
 
 # ---- stages --------------------------------------------------------------------------------------
-def _load_weights(g, wqg, wk, wv, wo, norm_w, cos, sin):
-    """The o_proj weight (needed last, loaded meanwhile) and the small per-row tables; the projection weights
-    are streamed by :func:`_project`. Each core reads only its heads' columns: over the LNC pair every weight
-    byte is read once."""
+def _load_tables(g, w, norm_w, cos, sin):
+    """The small per-row tables; the projection weights are streamed by :func:`_project`, the o_proj weight
+    is loaded by :func:`_load_wo` once the projection chunks are queued. Each core reads only its heads'
+    columns: over the LNC pair every weight byte is read once."""
     act, Hc, D, dp, DT, H = g["act"], g["Hc"], g["D"], g["dp"], g["DT"], g["H"]
     T, nq, nr, R = g["T"], g["nq"], g["nr"], g["R"]
     h0 = g["core"] * Hc
-    w = {"wqg": wqg, "wk": wk, "wv": wv}
-    wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
-    nisa.dma_copy(dst=wo_sb, src=wo.ap(pattern=[[H, dp], [dp * H, Hc * DT], [1, H]], offset=h0 * D * H))
-    w["wo"] = wo_sb
     # norm weights and rope tables per row of the q|k tile (padding rows between nq and KP are zero)
     nw = nl.ndarray((nr, D), F32, buffer=nl.sbuf, name="att_norm_w")
     cs = nl.ndarray((nr, 2, R), F32, buffer=nl.sbuf, name="att_cos_sin")
@@ -246,8 +257,19 @@ def _load_weights(g, wqg, wk, wv, wo, norm_w, cos, sin):
         nisa.dma_copy(dst=nw[KP:nr, :], src=norm_w.ap(pattern=[[0, T], [1, D]], offset=D))
         for s, tab in ((0, cos), (1, sin)):
             nisa.dma_copy(dst=cs[KP:nr, s, :], src=tab)
+    nisa.tensor_scalar(dst=cs[:, 1, 0:R // 2], data=cs[:, 1, 0:R // 2], op0=nl.multiply, operand0=-1.0)
     w["norm_w"], w["cos_sin"] = nw, cs
-    return w
+
+
+def _load_wo(g, w):
+    """o_proj weight rows of this core's heads -> SBUF [dp, Hc*DT, H]: one DMA per (head, d-tile) block, issued
+    after the projection chunks so that it neither delays them nor blocks a DMA queue for long."""
+    act, Hc, D, dp, DT, H = g["act"], g["Hc"], g["D"], g["dp"], g["DT"], g["H"]
+    wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
+    r0 = g["core"] * Hc * D
+    for bk in range(Hc * DT):
+        nisa.dma_copy(dst=wo_sb[:, bk, :], src=w["wo_hbm"][r0 + bk * dp:r0 + (bk + 1) * dp, :])
+    w["wo"] = wo_sb
 
 
 def _int_op(dst, data, op0, operand0, op1=None, operand1=None):
@@ -308,8 +330,8 @@ def _runtime_scalars(g, pos):
 
 
 def _project(g, xT, w):
-    """q|gate (+ k on core 0) in row layout [(t, h), 2, D] and v [T, D] (+ a ones column), rounded to the
-    activation dtype.
+    """q|gate (+ k on core 0) in row layout [(t, h), 2, D] and v [T, D], accumulated in PSUM (fp32);
+    returns (qg_psum [nr, 2, D], v_psum [T, D] or None) for :func:`_project_out`.
 
     The weights stream through a ring of WR SBUF slots of JG input-feature tiles each (this core's heads of
     wqg, and wk / wv where this core projects them): the DMA of chunk c + WR is issued after chunk c's
@@ -325,6 +347,13 @@ def _project(g, xT, w):
     for nm, on in (("wk", g["do_k"]), ("wv", g["do_v"])):
         if on:
             kv_names.append(nm)
+    nx = Hc + (1 if g["do_k"] else 0)
+    xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
+    nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
+    for h in range(Hc):
+        nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
+    if g["do_k"]:
+        nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
     ring = []
     for i in range(WR):
         slot = {"wqg": nl.ndarray((P, JG, 2, Hc, D), act, buffer=nl.sbuf, name=f"att_wqg_ring{i}")}
@@ -340,14 +369,6 @@ def _project(g, xT, w):
             nisa.dma_copy(dst=slot[nm], src=w[nm].ap(pattern=[[D, P], [P * D, JG], [1, D]], offset=j0 * P * D))
     for ck in range(WR):
         load(ck)
-
-    nx = Hc + (1 if g["do_k"] else 0)
-    xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
-    nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
-    for h in range(Hc):
-        nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
-    if g["do_k"]:
-        nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
     ps = nl.ndarray((nr, 2, D), F32, buffer=nl.psum, name="att_qg_psum")
     vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum") if g["do_v"] else None
     first = True
@@ -366,6 +387,14 @@ def _project(g, xT, w):
                 nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=slot["wv"][:, jj, :], accumulate=j > 0)
         if ck + WR < NK:
             load(ck + WR)
+    return ps, vps
+
+
+def _project_out(g, psums):
+    """Evict the projections rounded to the activation dtype: qg [nr, 2, D], vnew [T, D+1] (last column 1,
+    so that PV of the new block also sums its P) on the V core, else None."""
+    act, D, T, nr = g["act"], g["D"], g["T"], g["nr"]
+    ps, vps = psums
     qg = nl.ndarray((nr, 2, D), act, buffer=nl.sbuf, name="att_qg")
     nisa.tensor_copy(dst=qg, src=ps, engine=ACT_ENG)
     vnew = None
@@ -386,21 +415,22 @@ def _norm_rope(g, qg, w, eps):
     nisa.tensor_tensor(dst=sq, data1=x, data2=x, op=nl.multiply)
     ss = nl.ndarray((nn, 1), F32, buffer=nl.sbuf, name="att_sumsq")
     nisa.tensor_reduce(dst=ss, op=nl.add, data=sq, axis=1)
-    rstd = nl.ndarray((nn, 1), F32, buffer=nl.sbuf, name="att_rstd")
-    nisa.activation(dst=rstd, op=nl.rsqrt, data=ss, scale=1.0 / D, bias=float(eps))
+    rstd = nl.ndarray((nn, 1), F32, buffer=nl.sbuf, name="att_rstd")       # rsqrt(mean + eps) on GpSimd (precise,
+    nisa.tensor_scalar(dst=rstd, data=ss, op0=nl.multiply, operand0=1.0 / D, op1=nl.add, operand1=float(eps))
+    nisa.tensor_scalar(dst=rstd, data=rstd, op0=nl.rsqrt, operand0=None, engine=POOL_ENG)   # no ACT table)
     qk = nl.ndarray((nn, D), act, buffer=nl.sbuf, name="att_qk")
     nisa.scalar_tensor_tensor(dst=qk, data=x, op0=nl.multiply, operand0=rstd, op1=nl.multiply,
                               operand1=w["norm_w"])
-    # RoPE: out = x*cos + [-x2, x1]*sin on the first R dims (pairs (i, i + R/2))
+    # RoPE on the first R dims: out = x*cos + [x2, x1]*[-sin_lo, sin_hi] (the sin table's first half was negated
+    # at load time); [x2, x1] is a view of x with the two halves swapped (a negative-stride access pattern)
     h = R // 2
     cs = w["cos_sin"]
     c = nl.ndarray((nn, R), F32, buffer=nl.sbuf, name="att_rope_c")
     nisa.tensor_tensor(dst=c, data1=qk[:, 0:R], data2=cs[:, 0, :], op=nl.multiply)
     u = nl.ndarray((nn, R), F32, buffer=nl.sbuf, name="att_rope_u")
-    nisa.tensor_tensor(dst=u[:, 0:h], data1=qk[:, h:R], data2=cs[:, 1, 0:h], op=nl.multiply)
-    nisa.tensor_tensor(dst=u[:, h:R], data1=qk[:, 0:h], data2=cs[:, 1, h:R], op=nl.multiply)
-    nisa.tensor_tensor(dst=qk[:, 0:h], data1=c[:, 0:h], data2=u[:, 0:h], op=nl.subtract)
-    nisa.tensor_tensor(dst=qk[:, h:R], data1=c[:, h:R], data2=u[:, h:R], op=nl.add)
+    swapped = qk.ap(pattern=[[D, nn], [-h, 2], [1, h]], offset=h)
+    nisa.tensor_tensor(dst=u, data1=swapped, data2=cs[:, 1, :], op=nl.multiply)
+    nisa.tensor_tensor(dst=qk[:, 0:R], data1=c, data2=u, op=nl.add)
     return qk
 
 
@@ -441,35 +471,45 @@ def _queries(g, qk, ident):
 def _tile_buffers(g, name):
     """One set of per-tile buffers (two sets alternate: tile i+1's DMA / transposes overlap tile i's softmax).
     k: [P, NC, D], v: [P, NC, D+1] act, partition p holds rows NC*p..NC*p+NC-1 (separate tiles: the two DMAs
-    stay independent); v's last column is 1 so that PV also produces the row sums l. PSUM: kT per d-tile
-    (1 bank each), scores (1 bank), P^T and PV sharing one bank."""
+    stay independent); v's last column is 1 so that PV also produces the row sums l. The SBUF part is
+    allocated early (:func:`_attend_setup`); the PSUM part (kT per d-tile: 1 bank each, scores: 1 bank, P^T
+    and PV sharing one bank -- 4 banks per set) by :func:`_tile_psum` once the projections' PSUM is free."""
     act, dp, DT, NC, QA, D = g["act"], g["dp"], g["DT"], g["NC"], g["QA"], g["D"]
     b = {}
     b["k"] = nl.ndarray((P, NC, D), act, buffer=nl.sbuf, name=f"att_k_{name}")
     b["v"] = nl.ndarray((P, NC, D + 1), act, buffer=nl.sbuf, name=f"att_v_{name}")
     nisa.memset(dst=b["v"][:, :, D:D + 1], value=1.0, engine=POOL_ENG)
-    b["kT_ps"] = []
-    for dh in range(DT):
-        b["kT_ps"].append(nl.ndarray((dp, NC, P), F32, buffer=nl.psum, name=f"att_kT_psum{dh}_{name}"))
     b["kT"] = nl.ndarray((dp, DT, NC, P), act, buffer=nl.sbuf, name=f"att_kT_{name}")
-    b["s_ps"] = nl.ndarray((QA, NC * P), F32, buffer=nl.psum, name=f"att_scores_{name}")
-    aux = nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"att_pT_pv_{name}")
-    b["pT_ps"] = aux[:, 0:NC * QA].reshape((P, NC, QA))
-    b["pv"] = aux[0:QA, NC * QA:NC * QA + D + 1]
     b["pT"] = nl.ndarray((P, NC, QA), act, buffer=nl.sbuf, name=f"att_pT_{name}")
     b["p"] = nl.ndarray((QA, NC * P), act, buffer=nl.sbuf, name=f"att_probs_{name}")
     b["s_m"] = nl.ndarray((QA, NC * P), F32, buffer=nl.sbuf, name=f"att_scores_masked_{name}")
     for nm in ("nmx", "b", "alpha"):
         b[nm] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name=f"att_{nm}_{name}")
+    b["name"] = name
     return b
 
 
-def _attend(g, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
-    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
-    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
-    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference)."""
-    act, nq, D, B, T, Hc, NC = g["act"], g["nq"], g["D"], g["B"], g["T"], g["Hc"], g["NC"]
-    QA, c, nc = g["QA"], g["core"], g["n_cores"]
+def _tile_psum(g, b):
+    """The PSUM tiles of a buffer set (see :func:`_tile_buffers`)."""
+    dp, DT, NC, QA, D, name = g["dp"], g["DT"], g["NC"], g["QA"], g["D"], b["name"]
+    b["kT_ps"] = []
+    for dh in range(DT):
+        b["kT_ps"].append(nl.ndarray((dp, NC, P), F32, buffer=nl.psum, name=f"att_kT_psum{dh}_{name}"))
+    b["s_ps"] = nl.ndarray((QA, NC * P), F32, buffer=nl.psum, name=f"att_scores_{name}")
+    aux = nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"att_pT_pv_{name}")
+    b["pT_ps"] = aux[:, 0:NC * QA].reshape((P, NC, QA))
+    b["pv"] = aux[0:QA, NC * QA:NC * QA + D + 1]
+
+
+def _tile_psum_free(b):
+    for k in ("kT_ps", "s_ps", "pT_ps", "pv", "s"):
+        b.pop(k, None)
+
+
+def _attend_setup(g, rt):
+    """Everything of the attention that does not depend on the projections (emitted early so that it runs
+    while the weights stream): the softmax state, the head-tile masks and the two KV tile buffer sets."""
+    D, NC, QA = g["D"], g["NC"], g["QA"]
     st = {}
     st["ol"] = nl.ndarray((QA, D + 1), F32, buffer=nl.sbuf, name="att_acc")     # [O | l]
     nisa.memset(dst=st["ol"], value=0.0)
@@ -488,8 +528,22 @@ def _attend(g, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
         dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
         nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
         masks = {"score": mask_s, "dead": dead}
+    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
+    return {"st": st, "masks": masks, "bufs": bufs}
 
-    _tiles(g, st, qa, k_cache, v_cache, rt, ident, masks, max_context)
+
+def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
+    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
+    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
+    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference)."""
+    act, nq, D, B, T, Hc, NC = g["act"], g["nq"], g["D"], g["B"], g["T"], g["Hc"], g["NC"]
+    QA, c, nc = g["QA"], g["core"], g["n_cores"]
+    st = at["st"]
+    for b in at["bufs"]:
+        _tile_psum(g, b)
+    _tiles(g, st, at["bufs"], qa, k_cache, v_cache, rt, ident, at["masks"], max_context)
+    for b in at["bufs"]:
+        _tile_psum_free(b)
 
     if g["new"]:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
         s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
@@ -544,14 +598,13 @@ def _attend(g, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
     return o
 
 
-def _tiles(g, st, qa, k_cache, v_cache, rt, ident, masks, max_context):
+def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     """This core's KV tiles, software-pipelined two deep (tile j's load / K^T / scores overlap tile j-1's
     softmax / P^T / PV; tiles alternate between two buffer sets): prologue, a runtime loop over pairs of
     steps, and a 0/1-trip epilogue for an even or odd tile count. The head tile (core 0, iff r > 0) runs on
     its own first. With max_context the same sequence is emitted unrolled (shape-only costing)."""
     B, nc, c = g["B"], g["n_cores"], g["core"]
     S = nc * B
-    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
     A_, B_ = bufs
     x = (g, qa, k_cache, v_cache, ident, masks)
 
