@@ -3,20 +3,23 @@
 Every case runs the twin and the kernel on the same rank weights, normed input and caches, and compares the
 sum of the kernel's per-core partials with the twin's fp32 partial, plus the caches.
 
-Tolerances (|kernel - twin| <= tol * max|twin|, elementwise):
+Tolerances (|kernel - twin| <= tol * max|twin|, elementwise; mean error bounded too):
 
-* float32: tol = 1e-4. Both sides compute the same math in fp32; only summation orders differ (2048-term
-  projections, up to 4096-key softmax sums and PV, 1024-term o_proj) plus the order of the scale fold
-  (exp(scale*s - m) vs softmax(scale*s)). Measured <= 1.2e-5 at the real shapes; 1e-4 leaves ~8x margin while
-  an error of one lost key (>= 1/4096 of the mass) or a dropped d-tile is far larger.
-* bfloat16: tol = 1.5e-2 (2^-6) and mean error <= 2e-3. The kernel rounds the softmax probabilities to bf16
-  for the PV matmul (2^-9 relative each, the twin keeps fp32), and a projection or normed value can land one
-  bf16 ulp (2^-8) away when its fp32 accumulation order differs, which then propagates through norm, RoPE,
-  softmax and the bf16 rounding of o before the 1024-term o_proj. Measured max 5.5e-3, mean ~5e-4.
-* KV rows: the new rows are bit-identical in bf16 (the same bf16 roundings of the same values; 1-ulp flips
-  would show up here and are allowed for, see above, but none occur at these seeds); in fp32 within
-  1e-4 * max|row| (a 2048-term fp32 projection summed in another order: worst case ~n*2^-24 = 1.2e-4 relative,
-  measured 3.5e-5); every other row is bit-identical (never written).
+* float32: tol = 1e-5, mean 2e-6. Both sides compute the same math in fp32; only summation orders differ
+  (2048-term projections, up to 4096-key softmax sums and PV, 1024-term o_proj), plus where the 1/sqrt(D)
+  scale is applied (exp(scale*s - m) vs softmax(scale*s)). Measured max 8.6e-7 (mean 1.6e-7) over tiny and
+  real shapes; 1e-5 leaves 10x margin while one lost key (>= 1/4096 of the mass) or a dropped d-tile is
+  orders of magnitude larger.
+* bfloat16: tol = 1.5e-2 (2^-6), mean 2e-3. The kernel rounds the softmax probabilities to bf16 for the PV
+  matmul (2^-9 relative each; the twin keeps fp32 probabilities), and a projection or normed value can land
+  one bf16 ulp (2^-8) away when its fp32 accumulation order differs, which then propagates through norm,
+  RoPE, softmax and the bf16 rounding of o before the 1024-term o_proj. Measured max 5.7e-3, mean <= 8.7e-4.
+* KV rows: every row outside p..p+T-1 is bit-identical (never written). The new rows carry the same
+  roundings as the twin's (bf16 projection, bf16 norm output, bf16 RoPE output); they may differ by one
+  final ulp where the fp32 projection sum, taken in another order, straddles a rounding boundary: bf16 rows
+  within 2^-7 * max|row| with >= 99% of the elements bit-identical (measured: all identical at these seeds),
+  fp32 rows within 1e-4 * max|row| (a 2048-term fp32 sum in another order: worst case ~n*2^-24 = 1.2e-4
+  relative, measured 3.5e-5).
 
 Default suite: tiny shapes over T, positions and LNC, a few real per-rank shapes; the long sweep is slow.
 """
@@ -37,8 +40,8 @@ from model.tp.attention import attention_rank, shard_attention
 from nki_kernels import attention as att
 
 TINY, REAL = "tiny", "qwen3.6-35b-a3b"
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}
-MEAN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+MEAN_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-3}
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,7 +112,8 @@ def _check_caches(dtype, p, T, before, twin, kern):
         assert torch.equal(rest_k, rest_b)
         new_k, new_t = k[:, p:p + T].float(), t[:, p:p + T].float()
         if dtype == torch.bfloat16:
-            assert torch.equal(new_k, new_t)
+            assert ((new_k - new_t).abs() <= 2 ** -7 * new_t.abs().max()).all()
+            assert (new_k == new_t).float().mean() >= 0.99
         else:
             assert ((new_k - new_t).abs() <= 1e-4 * new_t.abs().max()).all()
 
