@@ -24,7 +24,6 @@ group; the groups' o_proj partials add up.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from model.config import FULL, ModelConfig
@@ -102,7 +101,7 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
         fc = params["mtp.fc.weight"]
         w["mtp_norm_emb"] = rmsnorm_weight_layout(params["mtp.pre_fc_norm_embedding.weight"])
         w["mtp_norm_hidden"] = rmsnorm_weight_layout(params["mtp.pre_fc_norm_hidden.weight"])
-        w["mtp_fc"] = np.stack([column_layout(fc, (rank * lnc + c) * nc, nc) for c in range(lnc)])
+        w["mtp_fc"] = torch.stack([column_layout(fc, (rank * lnc + c) * nc, nc) for c in range(lnc)])
         w["mtp_in_norm"] = rmsnorm_weight_layout(params["mtp.layers.0.input_layernorm.weight"])
         w["mtp_post_norm"] = rmsnorm_weight_layout(params["mtp.layers.0.post_attention_layernorm.weight"])
         w.update(_attention(params, "mtp.layers.0", cfg, rank, tp, "mtp"))

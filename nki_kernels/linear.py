@@ -14,11 +14,12 @@ contraction-major in HBM: ``w [P, J, Nc]`` with ``w[p, j, n] = W[col0 + n, j*P +
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.host import as_torch
 
 P = 128
 PSUM_COLS = 512  # fp32 columns of one PSUM bank (the moving free-size limit on trn2)
@@ -81,15 +82,13 @@ def columns_kernel(xT, w):
     return out
 
 
-def column_layout(weight, col0: int, n_cols: int) -> np.ndarray:
+def column_layout(weight, col0: int, n_cols: int) -> torch.Tensor:
     """Host: rows ``[col0, col0 + n_cols)`` of a PyTorch-layout weight ``[N_out, K]`` (torch or numpy)
-    -> contraction-major ``[P, K/P, n_cols]`` (same dtype)."""
-    from nki_kernels.attention import _to_numpy
-    w = _to_numpy(weight)
+    -> contraction-major ``[P, K/P, n_cols]`` (torch, same dtype)."""
+    w = as_torch(weight)
     n_out, k = w.shape
     if k % P:
         raise ValueError(f"column_layout: contraction size {k} is not a multiple of {P}")
     if not (0 <= col0 and col0 + n_cols <= n_out):
         raise ValueError(f"column_layout: rows {col0}..{col0 + n_cols} outside the weight's {n_out}")
-    block = w[col0:col0 + n_cols]  # [n, K]
-    return np.ascontiguousarray(block.T.reshape(k // P, P, n_cols).transpose(1, 0, 2))
+    return w[col0:col0 + n_cols].t().reshape(k // P, P, n_cols).permute(1, 0, 2).contiguous()

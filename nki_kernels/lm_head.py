@@ -58,10 +58,12 @@ streaming the weight as the moving operand (the weight-stationary alternative ne
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.host import as_torch, to_numpy
 
 P = 128                  # partitions (nkisim.hw.PMAX / nl.tile_size.pmax; a Python int is needed for shapes)
 NB = 512                 # vocab columns per matmul: gemm_moving_fmax = one PSUM bank of fp32
@@ -233,39 +235,27 @@ def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False):
 
 
 # ---- host-side layout helpers (plain numpy/torch, run once per checkpoint) -------------------------
-def _to_numpy(w):
-    if hasattr(w, "detach"):
-        import torch
-        t = w.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-    return np.asarray(w)
-
-
-def lm_head_layout(w_shard) -> np.ndarray:
-    """One core's shard ``[Vc, H]`` (PyTorch layout, numpy or torch) -> block-packed ``[P, KT*Vc]``."""
-    w = _to_numpy(w_shard)
+def lm_head_layout(w_shard) -> torch.Tensor:
+    """One core's shard ``[Vc, H]`` (PyTorch layout, numpy or torch) -> block-packed ``[P, KT*Vc]`` (torch)."""
+    w = as_torch(w_shard)
     vc, H = w.shape
     if H % P:
         raise ValueError(f"lm_head: hidden size {H} is not a multiple of {P}")
     KT = H // P
-    out = np.empty((P, KT * vc), dtype=w.dtype)
-    for b0, nb in vocab_blocks(vc):
-        blk = w[b0:b0 + nb].T.reshape(KT, P, nb)              # [j, p, n] = W[b0+n, j*P+p]
-        out[:, KT * b0:KT * (b0 + nb)] = blk.transpose(1, 0, 2).reshape(P, KT * nb)
-    return out
+    blocks = []
+    for b0, nb in vocab_blocks(vc):                       # block [p, j*nb + n] = W[b0+n, j*P+p]
+        blocks.append(w[b0:b0 + nb].t().reshape(KT, P, nb).permute(1, 0, 2).reshape(P, KT * nb))
+    return torch.cat(blocks, dim=1).contiguous()
 
 
-def rank_lm_head_layout(shards) -> np.ndarray:
+def rank_lm_head_layout(shards) -> torch.Tensor:
     """Tuple of a rank's per-core shards ``[Vc, H]`` -> ``[n_cores, P, KT*Vc]`` (the wrapper's ``w``)."""
-    return np.stack([lm_head_layout(s) for s in shards])
+    return torch.stack([lm_head_layout(s) for s in shards])
 
 
 def xT_layout(h) -> np.ndarray:
     """Post-norm hidden ``[T, H]`` -> feature-major ``[P, KT, T]`` (host side, for tests/layerwise)."""
-    a = _to_numpy(h)
+    a = to_numpy(h)
     T, H = a.shape
     return np.ascontiguousarray(a.T.reshape(H // P, P, T).transpose(1, 0, 2))
 

@@ -34,7 +34,7 @@ def test_columns_concatenate_to_linear(dtype, lnc, T, K, N):
     npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     x, w = x.astype(npdt), w.astype(npdt)
     nc = N // lnc
-    wl = np.stack([column_layout(w, c * nc, nc) for c in range(lnc)])
+    wl = torch.stack([column_layout(w, c * nc, nc) for c in range(lnc)])
     kern = columns_kernel[lnc] if lnc > 1 else columns_kernel
     cols = np.asarray(kern(feature_major(x), wl))
     assert cols.shape == (lnc, T, nc)

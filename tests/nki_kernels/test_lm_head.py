@@ -180,7 +180,7 @@ def test_argument_checks():
     xT = np.zeros((128, 2, 1), np.float32)
     w = lm.lm_head_layout(np.zeros((64, 256), np.float32))[None]
     with pytest.raises(TypeError, match="weight dtype bfloat16 differs from activation dtype float32"):
-        lm.lm_head_argmax_kernel(xT, w.astype(ml_dtypes.bfloat16))
+        lm.lm_head_argmax_kernel(xT, w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="weight holds 1 core shards, launched on 2 cores"):
         lm.lm_head_argmax_kernel[2](xT, w)
     with pytest.raises(ValueError, match="xT has 64 partitions"):
