@@ -202,15 +202,8 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     nisa.memset(dst=warm, value=0.0, engine=POOL_ENG)
     nisa.activation(dst=warm, op=nl.exp, data=warm)
     w = {"wqg": wqg, "wk": wk, "wv": wv, "wo_hbm": wo}
-    ps = _project(g, xT, w)                            # PE work first: the weight stream is the long pole
-    # independent set-up, emitted after the projection so that it runs on the idle engines meanwhile
-    _load_tables(g, w, norm_w, cos, sin)
-    rt = _runtime_scalars(g, pos)
-    ident = nl.shared_identity_matrix(P, dtype=act)
-    at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
-    _load_wo(g, w)
-    qg, vnew = _project_out(g, ps)                     # qg [nr, 2, D] act (rounded), vnew [T, D+1] act
-    del ps                                             # (PSUM banks free for the KV tiles)
+    # qg [nr, 2, D] act (rounded), vnew [T, D+1] act, and the set-up of everything else
+    qg, vnew, rt, ident, at = _project_and_setup(g, xT, w, norm_w, cos, sin, pos)
     qk = _norm_rope(g, qg, w, eps)                      # [nr, D] act: q rows 0..nq-1, k rows KP..KP+T-1
     qa, knT = _queries(g, qk, ident)                    # all query columns [dp, DT, QA]; new keys^T (new-block core)
     # sigmoid(gate) = 1 / (1 + exp(-gate)): exp keeps ScalarE on one activation table
@@ -238,6 +231,20 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
 
 
 # ---- stages --------------------------------------------------------------------------------------
+def _project_and_setup(g, xT, w, norm_w, cos, sin, pos):
+    """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted
+    in between so that it runs on the idle engines meanwhile, then the projections' evictions (their PSUM
+    tiles die with this scope, leaving the banks to the KV tiles)."""
+    ps = _project(g, xT, w)
+    _load_tables(g, w, norm_w, cos, sin)
+    rt = _runtime_scalars(g, pos)
+    ident = nl.shared_identity_matrix(P, dtype=g["act"])
+    at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
+    _load_wo(g, w)
+    qg, vnew = _project_out(g, ps)
+    return qg, vnew, rt, ident, at
+
+
 def _load_tables(g, w, norm_w, cos, sin):
     """The small per-row tables; the projection weights are streamed by :func:`_project`, the o_proj weight
     is loaded by :func:`_load_wo` once the projection chunks are queued. Each core reads only its heads'
@@ -501,11 +508,6 @@ def _tile_psum(g, b):
     b["pv"] = aux[0:QA, NC * QA:NC * QA + D + 1]
 
 
-def _tile_psum_free(b):
-    for k in ("kT_ps", "s_ps", "pT_ps", "pv", "s"):
-        b.pop(k, None)
-
-
 def _attend_setup(g, rt):
     """Everything of the attention that does not depend on the projections (emitted early so that it runs
     while the weights stream): the softmax state, the head-tile masks and the two KV tile buffer sets."""
@@ -539,11 +541,7 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
     act, nq, D, B, T, Hc, NC = g["act"], g["nq"], g["D"], g["B"], g["T"], g["Hc"], g["NC"]
     QA, c, nc = g["QA"], g["core"], g["n_cores"]
     st = at["st"]
-    for b in at["bufs"]:
-        _tile_psum(g, b)
-    _tiles(g, st, at["bufs"], qa, k_cache, v_cache, rt, ident, at["masks"], max_context)
-    for b in at["bufs"]:
-        _tile_psum_free(b)
+    _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
 
     if g["new"]:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
         s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
@@ -596,6 +594,17 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
     o = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_out")
     nisa.tensor_scalar(dst=o, data=ol[0:nq, 0:D], op0=nl.multiply, operand0=rl)
     return o
+
+
+def _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context):
+    """The KV tiles with per-set copies of the buffer dicts that also hold the PSUM tiles (allocated here, once
+    the projections' PSUM is free; they die with this scope)."""
+    sets = []
+    for b in at["bufs"]:
+        c = dict(b)
+        _tile_psum(g, c)
+        sets.append(c)
+    _tiles(g, st, sets, qa, k_cache, v_cache, rt, ident, at["masks"], max_context)
 
 
 def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):

@@ -139,6 +139,22 @@ def test_tiny_small_tiles(T, p, kv_tile):
     _check_caches(torch.float32, p, T, before, twin, kern)
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_tiny_32k_context(lnc):
+    """A 32K-token cache (63 full tiles + a head tile + the new block), both LNC degrees."""
+    cfg, got, want, before, twin, kern = _case(TINY, torch.bfloat16, 2, 32_700, lnc, L=32_768)
+    _check(torch.bfloat16, got, want, 2, cfg.hidden_size, lnc)
+    _check_caches(torch.bfloat16, 32_700, 2, before, twin, kern)
+
+
+def test_positions_past_the_cache_fault():
+    """p + T > L: the run-time cache write is out of bounds and the DMA faults (oob_mode=error)."""
+    cfg, sh = _shard(TINY, torch.float32, 0)
+    kc = np.zeros((1, 512, cfg.head_dim), np.float32)
+    with pytest.raises(nkisim.OutOfBoundsError):
+        att.run_attention(att.attention_layout(sh), torch.randn(2, cfg.hidden_size), kc, kc.copy(), 511, cfg, lnc=1)
+
+
 @pytest.mark.parametrize("p", [0, 5, 700])
 def test_poisoned_rows_beyond_prefix(p):
     """NaN in every cache row >= p+T (the head tile reads some of them when p < kv_tile): output finite and
