@@ -69,6 +69,7 @@ class RoundSpec:
     top_k: int
     vocab_per_core: int
     mode: str  # "round" or "step"
+    max_context: int | None = None  # attention loop specialisation for shape-only traces (None: general)
 
     @property
     def tokens(self) -> int:
@@ -88,7 +89,8 @@ def _attention(a, s, prefix, xT, pos, cos, sin, core):
     for g in range(s.kv_groups):
         p = prefix + "_g" + str(g) + "_"
         yg = attention_body(xT, a[p + "wqg"], a[p + "wk"], a[p + "wv"], a[p + "wo"], a[p + "norm_w"], cos, sin,
-                            a[p + "k"], a[p + "v"], pos, eps=s.eps, core=core, n_cores=s.lnc)
+                            a[p + "k"], a[p + "v"], pos, eps=s.eps, core=core, n_cores=s.lnc,
+                            max_context=s.max_context)
         if g == 0:
             y = yg
         else:
@@ -161,6 +163,31 @@ def _regs():
     return tuple(pool)
 
 
+def _draft(a, s, pending, rg, regs, core):
+    """D1: the MTP head on (x_{t+1}, h_t) at position p-1 -> draft ids SBUF [1, 1] int32."""
+    H = a["embed"].shape[1]
+    h_prev = nl.ndarray((1, H), a["embed"].dtype, buffer=nl.sbuf, name="h_prev")
+    nisa.dma_copy(dst=h_prev, src=a["hidden"])
+    hm = _mtp_layer(a, s, pending, h_prev, rg, regs, a["pos_d1"], a["cos_d1"], a["sin_d1"], core)
+    force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
+    nisa.dma_copy(dst=force, src=a["force"])
+    return token_ids_from_best(_forced(_greedy(a, s, hm, rg, core), force))
+
+
+def _verify(a, s, ids, rg, regs, core):
+    """V: the trunk on ids SBUF [T, 1] at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H])."""
+    x = embedding_body(a["embed"], ids)
+    for i in range(len(s.layer_types)):
+        x = _trunk_layer(a, s, x, i, rg, regs, a["pos"], a["cos_v"], a["sin_v"], core)
+    xT = rmsnorm_body(x, a["final_norm"], s.eps)
+    return token_ids_from_best(_greedy(a, s, xT, rg, core)), token_major(xT)
+
+
+def _replay(a, s, draft, h, rg, regs, core):
+    """D2: the MTP head on (d, h_{t+1}) at position p: writes its KV row; no LM head."""
+    _mtp_layer(a, s, draft, h, rg, regs, a["pos"], a["cos_v"][0:1, :], a["sin_v"][0:1, :], core)
+
+
 def round_body(s: RoundSpec, a: dict):
     """The whole launch on one core. ``a`` maps argument names to the kernel's HBM tensors."""
     n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
@@ -168,45 +195,28 @@ def round_body(s: RoundSpec, a: dict):
     assert n == s.lnc, f"round kernel built for LNC={s.lnc}, launched with {n} cores"
     T = s.tokens
     H = a["embed"].shape[1]
-    dtype = a["embed"].dtype
     # outputs first, before any program_id-dependent code (LNC=2 aliases shared-HBM allocations by order)
     targets_out = nl.ndarray((T, 1), nl.int32, buffer=nl.shared_hbm, name="targets")
-    hidden_out = nl.ndarray((T, H), dtype, buffer=nl.shared_hbm, name="hidden_out")
+    hidden_out = nl.ndarray((T, H), a["embed"].dtype, buffer=nl.shared_hbm, name="hidden_out")
     draft_out = nl.ndarray((1, 1), nl.int32, buffer=nl.shared_hbm, name="draft")
     rg = tp_group(s.tp)
     regs = _regs()
     pending = load_token_ids(a["pending"])
-
     if s.mode == "round":
-        h_prev = nl.ndarray((1, H), dtype, buffer=nl.sbuf, name="h_prev")
-        nisa.dma_copy(dst=h_prev, src=a["hidden"])
-        hm = _mtp_layer(a, s, pending, h_prev, rg, regs, a["pos_d1"], a["cos_d1"], a["sin_d1"], core)
-        force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
-        nisa.dma_copy(dst=force, src=a["force"])
-        draft = token_ids_from_best(_forced(_greedy(a, s, hm, rg, core), force))
+        draft = _draft(a, s, pending, rg, regs, core)
         ids = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf, name="verify_ids")
         nisa.dma_copy(dst=ids[0:1, :], src=pending)
         nisa.dma_copy(dst=ids[1:2, :], src=draft)
     else:
+        draft = pending
         ids = pending
-
-    x = embedding_body(a["embed"], ids)
-    for i in range(len(s.layer_types)):
-        x = _trunk_layer(a, s, x, i, rg, regs, a["pos"], a["cos_v"], a["sin_v"], core)
-    xT = rmsnorm_body(x, a["final_norm"], s.eps)
-    hidden = token_major(xT)
-    targets = token_ids_from_best(_greedy(a, s, xT, rg, core))
-
+    targets, hidden = _verify(a, s, ids, rg, regs, core)
     if s.mode == "round":
-        _mtp_layer(a, s, draft, hidden[0:1, :], rg, regs, a["pos"], a["cos_v"][0:1, :], a["sin_v"][0:1, :],
-                   core)
+        _replay(a, s, draft, hidden[0:1, :], rg, regs, core)
     if core == 0:  # every core holds the same values; one writes them
         nisa.dma_copy(dst=targets_out, src=targets)
         nisa.dma_copy(dst=hidden_out, src=hidden)
-        if s.mode == "round":
-            nisa.dma_copy(dst=draft_out, src=draft)
-        else:
-            nisa.dma_copy(dst=draft_out, src=pending)
+        nisa.dma_copy(dst=draft_out, src=draft)
     return (draft_out, targets_out, hidden_out) + tuple(a[k] for k in mutated_names(s))
 
 
@@ -257,3 +267,47 @@ def build_kernel(spec: RoundSpec, names: list[str]):
     kernel = nki.jit(module.round_kernel)
     _KERNELS[key] = kernel
     return kernel
+
+
+def _shape_dtype(t):
+    import nkisim
+    names = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.int32": "int32"}
+    return nkisim.ShapeDtype(tuple(t.shape), names[str(t.dtype)])
+
+
+def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only: bool = True, context: int = 4096,
+              lnc: int = 2):
+    """(kernel, per-rank keyword arguments) of one full decode round at the config's shapes.
+
+    Shape-only (the only mode at full size: 70 GB of weights are never allocated): the per-rank weight
+    shapes come from running the real layout helpers on ``meta`` tensors, the decode state is that of a
+    ``context``-token sequence, and the attention loops are specialised to that context (``max_context``)
+    so the trace costs it. Launch with ``nkisim.launch(kernel, args, tp=len(args), lnc=lnc)``. T must be 2
+    (the verify of [pending, draft]). Used by ``python -m harness.bench predict``.
+    """
+    import torch
+
+    from megakernel.sharded import kv_groups, rank_state, rank_weights
+    from model.params import expected_shapes, is_fp32_param
+    from model.state import DecodeState
+    from model.tp.embed_head import vocab_per_core
+    if T != 2 or not shape_only:
+        raise ValueError("megakernel.demo_args: only the shape-only trace of a T=2 round is supported")
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    params = {k: torch.empty(s, dtype=torch.float32 if is_fp32_param(k) else act, device="meta")
+              for k, s in expected_shapes(cfg).items()}
+    state = DecodeState.empty(cfg, max_len=context + 2, slots=2, dtype=act)
+    spec = RoundSpec(tuple(cfg.layer_types), len(kv_groups(cfg, 0, tp)), tp, lnc, float(cfg.rms_norm_eps),
+                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), "round", max_context=context)
+    runtime = {"pending": ((1, 1), "int32"), "hidden": ((1, cfg.hidden_size), dtype), "read_slot": ((1, 1), "int32"),
+               "force": ((1, 2), "int32"), "pos_d1": ((1, 1), "int32"), "pos": ((1, 1), "int32"),
+               "cos_d1": ((1, cfg.rotary_dim), "float32"), "sin_d1": ((1, cfg.rotary_dim), "float32"),
+               "cos_v": ((2, cfg.rotary_dim), "float32"), "sin_v": ((2, cfg.rotary_dim), "float32")}
+    import nkisim
+    per_rank = []
+    for r in range(tp):
+        tensors = {**rank_weights(cfg, params, r, tp, lnc), **rank_state(cfg, state, r, tp)}
+        args = {k: _shape_dtype(v) for k, v in tensors.items()}
+        args.update({k: nkisim.ShapeDtype(sh, dt) for k, (sh, dt) in runtime.items()})
+        per_rank.append(args)
+    return build_kernel(spec, sorted(per_rank[0])), per_rank
