@@ -109,6 +109,8 @@ PSUM_COLS = 512         # fp32 columns of one PSUM bank (psum_bank_fmax)
 KP = 32                 # partition of the first key row in the q|k tile (a legal compute-engine start)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
 M_INIT = 1.0e30         # initial negated running max ("-inf"), finite
+REGISTER_NAMES = ("p", "head", "start", "pro", "pair_end", "even", "odd")
+ATTENTION_REGISTERS = len(REGISTER_NAMES)   # registers one body call loads (pass ``regs`` to reuse them)
 F32 = nl.float32
 ACT_ENG = nisa.engine.scalar
 DVE_ENG = nisa.engine.vector
@@ -178,7 +180,7 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
 
 # ---- body ----------------------------------------------------------------------------------------
 def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6,
-                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None):
+                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None):
     """Body: this core's gated-attention partial for T tokens (see the module docstring for every layout).
 
     xT: SBUF ``[P, KT, T]`` act dtype (normed hidden, feature-major). wqg, wk, wv, wo, norm_w: HBM, the rank's
@@ -186,6 +188,8 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     (rows p..p+T-1 written in place). pos: HBM ``[1, 1]`` int32 (p, run time). eps: rms_norm_eps.
     core / n_cores: this core and the LNC degree (compile time). kv_tile: keys per KV tile. max_context:
     compile-time context specialisation for shape-only traces (module docstring), None = general.
+    regs: optional tuple of ``ATTENTION_REGISTERS`` VirtualRegisters to reuse (a megakernel composing many
+    layers passes the same ones to every call; each call reloads them), else they are allocated here.
     Returns ``y`` SBUF ``[T, H]`` float32: the o_proj partial over this core's query heads.
     """
     g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile)
@@ -203,7 +207,7 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     nisa.activation(dst=warm, op=nl.exp, data=warm)
     w = {"wqg": wqg, "wk": wk, "wv": wv, "wo_hbm": wo}
     # qg [nr, 2, D] act (rounded), vnew [T, D+1] act, and the set-up of everything else
-    qg, vnew, rt, ident, at = _project_and_setup(g, xT, w, norm_w, cos, sin, pos)
+    qg, vnew, rt, ident, at = _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs)
     qk = _norm_rope(g, qg, w, eps)                      # [nr, D] act: q rows 0..nq-1, k rows KP..KP+T-1
     qa, knT = _queries(g, qk, ident)                    # all query columns [dp, DT, QA]; new keys^T (new-block core)
     # sigmoid(gate) = 1 / (1 + exp(-gate)): exp keeps ScalarE on one activation table
@@ -231,13 +235,13 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
 
 
 # ---- stages --------------------------------------------------------------------------------------
-def _project_and_setup(g, xT, w, norm_w, cos, sin, pos):
+def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted
     in between so that it runs on the idle engines meanwhile, then the projections' evictions (their PSUM
     tiles die with this scope, leaving the banks to the KV tiles)."""
     ps = _project(g, xT, w)
     _load_tables(g, w, norm_w, cos, sin)
-    rt = _runtime_scalars(g, pos)
+    rt = _runtime_scalars(g, pos, regs)
     ident = nl.shared_identity_matrix(P, dtype=g["act"])
     at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
     _load_wo(g, w)
@@ -289,16 +293,16 @@ def _one(name, dtype=nl.int32):
     return nl.ndarray((1, 1), dtype, buffer=nl.sbuf, name=name)
 
 
-def _runtime_scalars(g, pos):
+def _runtime_scalars(g, pos, regs=None):
     """Run-time values derived from p on-chip (int32 on VectorE / GpSimd; exact below 2^24) and loaded into
     registers (the loop bounds and DMA offsets of :func:`_tiles`).
 
-    p_reg: p (cache write offset). rem = p mod B (head-tile mask threshold: fp32 column rem_f; rem_reg;
-    head_reg = rem > 0). The nfull = p >> log2(B) full tiles end at row p and are interleaved over the cores:
-    this core's n_c = ceil((nfull - core) / n_cores) tiles start at rows start_c + j*S (S = n_cores * B,
-    start_c = rem + core*B). Pipeline registers: pro = (n_c >= 1); pairs run from start_c to pair_end =
-    start_c + 2S * max(n_c - 1, 0) // 2; even = (n_c even, >= 2) with last = start_c + (n_c - 1) * S;
-    odd = n_c & 1."""
+    p_reg: p (cache write offset). rem = p mod B (head-tile mask threshold: fp32 column rem_f; head_reg =
+    rem > 0). The nfull = p >> log2(B) full tiles end at row p and are interleaved over the cores: this core's
+    n_c = ceil((nfull - core) / n_cores) tiles start at rows start_c + j*S (S = n_cores * B, start_c = rem +
+    core*B; start_reg). Pipeline registers: pro = (n_c >= 1); pairs run from start_c to pair_end = start_c +
+    2S * (max(n_c - 1, 0) // 2); even = (n_c even, >= 2; the last tile is then at pair_end + S); odd = n_c & 1.
+    ``ATTENTION_REGISTERS`` registers in all (``regs`` reuses the caller's)."""
     B, c, nc = g["B"], g["core"], g["n_cores"]
     S = nc * B                                          # row stride between this core's tiles
     i32 = nl.int32
@@ -308,7 +312,7 @@ def _runtime_scalars(g, pos):
     rem_f = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="att_rem_f")
     nisa.tensor_copy(dst=rem_f, src=rem_i)
     rt = {"rem_f": rem_f}
-    vals = {"p": pos_i[0:1, :], "rem": rem_i[0:1, :]}
+    vals = {"p": pos_i[0:1, :]}
     vals["head"] = _int_op(nl.ndarray((1, 1), i32, buffer=nl.sbuf, name="att_has_head"), rem_i[0:1, :],
                            nl.greater, 0.0)
     # (computed also with max_context, so that a shape-only trace has exactly a data launch's instructions)
@@ -318,8 +322,6 @@ def _runtime_scalars(g, pos):
         n_c = _int_op(_one("att_ntiles"), n_c, nl.right_shift, 1)
     start_f = _one("att_start_f", F32)
     nisa.tensor_scalar(dst=start_f, data=rem_f[0:1, :], op0=nl.add, operand0=float(c * B))
-    start_mS = _one("att_start_minus_S", F32)
-    nisa.tensor_scalar(dst=start_mS, data=start_f, op0=nl.add, operand0=float(-S))
     vals["start"] = _int_op(_one("att_start"), start_f, nl.add, 0.0)
     vals["pro"] = _int_op(_one("att_pro"), n_c, nl.greater_equal, 1.0)
     m = _int_op(_one("att_m_pre"), n_c, nl.add, -1.0, nl.maximum, 0.0)
@@ -329,10 +331,11 @@ def _runtime_scalars(g, pos):
     vals["even"] = _one("att_even")
     nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
     vals["odd"] = _int_op(_one("att_odd"), n_c, nl.bitwise_and, 1)
-    vals["last"] = _int_op(_one("att_last"), n_c, nl.multiply, float(S), nl.add, start_mS)
-    for k, t in vals.items():
-        rt[k + "_reg"] = nisa.register_alloc()
-        nisa.register_load(rt[k + "_reg"], t)
+    if regs is not None and len(regs) < len(REGISTER_NAMES):
+        raise ValueError(f"attention: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
+    for i, k in enumerate(REGISTER_NAMES):
+        rt[k + "_reg"] = nisa.register_alloc() if regs is None else regs[i]
+        nisa.register_load(rt[k + "_reg"], vals[k])
     return rt
 
 
@@ -644,12 +647,12 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         if g["head"] and max_context % B:
             first(B_, 0, None, True)
             last(B_)
-        mine = list(range(c, max_context // B, nc))
+        mine = list(range(c, max_context // B, nc))       # tile t starts at row r + t*B = start_c + (t - c)*B
         for j, t in enumerate(mine):
             if j == 0:
-                first(bufs[0], t * B, rt["rem_reg"])
+                first(bufs[0], (t - c) * B, rt["start_reg"])
             else:
-                step(bufs[j % 2], t * B, rt["rem_reg"], bufs[(j - 1) % 2])
+                step(bufs[j % 2], (t - c) * B, rt["start_reg"], bufs[(j - 1) % 2])
         if mine:
             last(bufs[(len(mine) - 1) % 2])
         return
@@ -669,8 +672,8 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         step(A_, 2 * S, i, B_)
     nl.fori_loop(rt["start_reg"], rt["pair_end_reg"], pair_body, step=2 * S)
 
-    def even_tail(i):                              # n_c even: load the last tile (B), finish both
-        step(B_, 0, rt["last_reg"], A_)
+    def even_tail(i):                              # n_c even: load the last tile (B, at pair_end + S), finish both
+        step(B_, S, rt["pair_end_reg"], A_)
         last(B_)
     nl.fori_loop(0, rt["even_reg"], even_tail)
 

@@ -320,3 +320,36 @@ def test_argument_errors():
         att.run_attention(bad, x, kc, kc.copy(), 0, cfg, lnc=1)
     with pytest.raises(ValueError, match="one KV head"):
         att.attention_layout(dict(sh, num_kv_heads=2))
+
+
+def test_body_reuses_caller_registers():
+    """A megakernel composing many attention layers passes the same registers to every body call (64 per
+    engine sequencer): eight calls in one launch with ATTENTION_REGISTERS registers give eight correct
+    partials and allocate nothing more."""
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+
+    @nki.jit
+    def eight(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps):
+        out = nl.ndarray((8, xT.shape[2], xT.shape[0] * xT.shape[1]), nl.float32, buffer=nl.shared_hbm)
+        xs = nl.ndarray(xT.shape, xT.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xs, src=xT)
+        regs = []
+        for _ in range(att.ATTENTION_REGISTERS):
+            regs.append(nisa.register_alloc())
+        for i in range(8):
+            y = att.attention_body(xs, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=eps,
+                                   regs=tuple(regs))
+            nisa.dma_copy(dst=out[i], src=y)
+        return out
+
+    cfg, sh = _shard(TINY, torch.float32, 0)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, cfg.hidden_size, generator=g)
+    kc, vc = torch.randn(1, 512, cfg.head_dim, generator=g), torch.randn(1, 512, cfg.head_dim, generator=g)
+    want = attention_rank(sh, x, (kc.clone(), vc.clone()), 40, cfg)
+    args = att.kernel_args(att.attention_layout(sh), x, kc.numpy(), vc.numpy(), 40, cfg)[:12]
+    got = eight(*args)
+    for i in range(8):
+        np.testing.assert_allclose(got[i], want.numpy(), rtol=0, atol=1e-5 * want.abs().max().item())
