@@ -36,7 +36,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from nki_kernels.attention import attention_body
+from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
 from nki_kernels.gdn import gdn_body
@@ -83,14 +83,14 @@ def _add_into(x, y):
     return out
 
 
-def _attention(a, s, prefix, xT, pos, cos, sin, core):
+def _attention(a, s, prefix, xT, pos, cos, sin, core, regs):
     """The rank's attention partial: one attention body per KV-head group, partials added."""
     y = None
     for g in range(s.kv_groups):
         p = prefix + "_g" + str(g) + "_"
         yg = attention_body(xT, a[p + "wqg"], a[p + "wk"], a[p + "wv"], a[p + "wo"], a[p + "norm_w"], cos, sin,
                             a[p + "k"], a[p + "v"], pos, eps=s.eps, core=core, n_cores=s.lnc,
-                            max_context=s.max_context)
+                            max_context=s.max_context, regs=regs["attention"])
         if g == 0:
             y = yg
         else:
@@ -100,14 +100,14 @@ def _attention(a, s, prefix, xT, pos, cos, sin, core):
 
 def _moe(a, s, prefix, xT, regs, layer):
     return moe_tkg_body(xT, a[prefix + "router"], a[prefix + "experts"], a[prefix + "shared"], s.top_k,
-                        prefetch=MOE_PREFETCH, regs=regs, layer=layer)
+                        prefetch=MOE_PREFETCH, regs=regs["moe"], layer=layer)
 
 
 def _trunk_layer(a, s, x, i, rg, regs, pos, cos, sin, core):
     xT = rmsnorm_body(x, a["l" + str(i) + "_in_norm"], s.eps)
     pre = "l" + str(i)
     if s.layer_types[i] == FULL:
-        y = _attention(a, s, pre, xT, pos, cos, sin, core)
+        y = _attention(a, s, pre, xT, pos, cos, sin, core, regs)
     else:
         g = pre + "_gdn_"
         y = gdn_body(xT, a[g + "w_in"], a[g + "conv_w"], a[g + "A_log"], a[g + "dt_bias"], a[g + "norm_w"],
@@ -131,7 +131,7 @@ def _mtp_layer(a, s, ids, h, rg, regs, pos, cos, sin, core):
     x = nl.ndarray((1, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
     nisa.tensor_copy(dst=x, src=fc)
     xT = rmsnorm_body(x, a["mtp_in_norm"], s.eps)
-    x = _add_into(x, allreduce_partials(_attention(a, s, "mtp", xT, pos, cos, sin, core), rg))
+    x = _add_into(x, allreduce_partials(_attention(a, s, "mtp", xT, pos, cos, sin, core, regs), rg))
     xT = rmsnorm_body(x, a["mtp_post_norm"], s.eps)
     x = _add_into(x, allreduce_partials(_moe(a, s, "mtp_moe_", xT, regs, None), rg))
     return rmsnorm_body(x, a["mtp_norm"], s.eps)
@@ -156,11 +156,17 @@ def _forced(best, force):
     return out
 
 
-def _regs():
+def _registers(n):
     pool = []
-    for _ in range(2 * MOE_PREFETCH):
+    for _ in range(n):
         pool.append(nisa.register_alloc())
     return tuple(pool)
+
+
+def _regs():
+    """One register pool per launch, reused by every layer's bodies (registers are a per-engine
+    resource: 64 per sequencer)."""
+    return {"moe": _registers(2 * MOE_PREFETCH), "attention": _registers(ATTENTION_REGISTERS)}
 
 
 def _draft(a, s, pending, rg, regs, core):
