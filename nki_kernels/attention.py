@@ -98,10 +98,12 @@ The specialised kernel is correct for every p with p // B == N // B and (p mod B
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.host import as_torch, to_numpy
 
 P = 128                 # partitions (nkisim.hw.PMAX); a Python int is needed for shapes
 KV_TILE = 512           # keys per KV tile: one PSUM bank of fp32 scores (gemm_moving_fmax)
@@ -809,40 +811,29 @@ def attention_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, po
 
 
 # ---- host-side helpers (plain numpy / torch, run once per checkpoint or per launch) ----------------
-def _to_numpy(w):
-    if hasattr(w, "detach"):
-        import torch
-        t = w.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            import ml_dtypes
-            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
-    return np.asarray(w)
-
-
 def attention_layout(shard) -> dict:
     """A rank's attention weights in PyTorch layout (``model.tp.attention.shard_attention``: q_proj
     ``[Hq_r*2*D, H]`` interleaved [q_h; g_h] per head, k_proj/v_proj ``[D, H]``, o_proj ``[H, Hq_r*D]``,
-    q_norm/k_norm ``[D]``) -> the kernel's HBM arrays ``{wqg, wk, wv, wo, norm_w}`` (module docstring)."""
+    q_norm/k_norm ``[D]``) -> the kernel's HBM tensors ``{wqg, wk, wv, wo, norm_w}`` (torch; module
+    docstring). Torch ops only, so it also runs on ``meta`` tensors."""
     if shard.get("num_kv_heads", 1) != 1:
         raise ValueError(f"attention_layout: the kernel takes one KV head per rank, the shard has "
                          f"{shard['num_kv_heads']}")
-    q = _to_numpy(shard["q_proj"])
+    q = as_torch(shard["q_proj"])
     hq = shard["num_heads"]
     D = q.shape[0] // (2 * hq)
     H = q.shape[1]
-    wqg = np.ascontiguousarray(q.reshape(hq, 2, D, H).transpose(3, 1, 0, 2))      # [H, 2, Hq_r, D]
-    wk = np.ascontiguousarray(_to_numpy(shard["k_proj"]).T)
-    wv = np.ascontiguousarray(_to_numpy(shard["v_proj"]).T)
-    wo = np.ascontiguousarray(_to_numpy(shard["o_proj"]).T)
-    norm = np.stack([1.0 + _to_numpy(shard["q_norm"]).astype(np.float32),
-                     1.0 + _to_numpy(shard["k_norm"]).astype(np.float32)]).astype(np.float32)
-    return {"wqg": wqg, "wk": wk, "wv": wv, "wo": wo, "norm_w": norm}
+    wqg = q.reshape(hq, 2, D, H).permute(3, 1, 0, 2).contiguous()        # [H, 2, Hq_r, D]
+    wk = as_torch(shard["k_proj"]).t().contiguous()
+    wv = as_torch(shard["v_proj"]).t().contiguous()
+    wo = as_torch(shard["o_proj"]).t().contiguous()
+    norm = torch.stack([1.0 + as_torch(shard["q_norm"]).float(), 1.0 + as_torch(shard["k_norm"]).float()])
+    return {"wqg": wqg, "wk": wk, "wv": wv, "wo": wo, "norm_w": norm.contiguous()}
 
 
 def xT_layout(x) -> np.ndarray:
     """Normed hidden ``[T, H]`` -> feature-major ``[P, H/P, T]`` (host side, for tests / layerwise)."""
-    a = _to_numpy(x)
+    a = to_numpy(x)
     T, H = a.shape
     if H % P:
         raise ValueError(f"attention: hidden size {H} is not a multiple of {P}")

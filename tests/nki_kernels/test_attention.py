@@ -315,7 +315,7 @@ def test_argument_errors():
         att.run_attention(lay, x, kc, kc.copy(), 0, cfg, lnc=1, kv_tile=384)
     with pytest.raises(ValueError, match="1..4"):
         att.run_attention(lay, torch.randn(5, cfg.hidden_size), kc, kc.copy(), 0, cfg, lnc=1)
-    bad = dict(lay, norm_w=lay["norm_w"].astype(np.float16))
+    bad = dict(lay, norm_w=lay["norm_w"].to(torch.float16))
     with pytest.raises(ValueError, match="norm_w"):
         att.run_attention(bad, x, kc, kc.copy(), 0, cfg, lnc=1)
     with pytest.raises(ValueError, match="one KV head"):
