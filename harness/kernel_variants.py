@@ -13,18 +13,15 @@ import numpy as np
 import torch
 
 import nkisim
+from harness.nxdi.assembly import i32 as _i32
+from harness.nxdi.assembly import round_inputs, rope_rows, step_inputs
 from harness.variants import RoundOutput, Variant
 from megakernel import layerwise as lw  # importing nki_kernels installs nkisim where the SDK is absent
-from megakernel.round import RUNTIME_INPUTS, RoundSpec, build_kernel, mutated_names
+from megakernel.round import RoundSpec, build_kernel, mutated_names
 from megakernel.sharded import gather_state, kv_groups, rank_state, rank_weights
 from model.config import FULL, ModelConfig
 from model.tp.embed_head import vocab_per_core
-from nki_kernels.attention import rope_tables
 from nki_kernels.embedding import embedding_kernel
-
-
-def _i32(*values: int) -> np.ndarray:
-    return np.array([values], dtype=np.int32)
 
 
 class KernelVariant(Variant):
@@ -60,7 +57,7 @@ class KernelVariant(Variant):
         return nkisim.launch(kernel, per_rank, tp=self.tp, lnc=self.lnc)
 
     def rope(self, start: int, T: int):
-        return rope_tables(start, T, self.cfg.rotary_dim, self.cfg.rope_theta)
+        return rope_rows(self.cfg, start, T)
 
 
 class MegakernelVariant(KernelVariant):
@@ -80,21 +77,12 @@ class MegakernelVariant(KernelVariant):
         return int(draft.reshape(-1)[0]), [int(t) for t in targets.reshape(-1)], hidden
 
     def round(self, pending, hidden, pos, forced_draft=None):
-        cos_d1, sin_d1 = self.rope(pos - 1, 1)
-        cos_v, sin_v = self.rope(pos, 2)
-        runtime = {"pending": _i32(pending), "hidden": hidden.reshape(1, -1).to(self.ref.dtype),
-                   "read_slot": _i32(self.read_slot),
-                   "force": _i32(0 if forced_draft is None else 1, forced_draft or 0),
-                   "pos_d1": _i32(pos - 1), "pos": _i32(pos), "cos_d1": cos_d1, "sin_d1": sin_d1,
-                   "cos_v": cos_v, "sin_v": sin_v}
-        assert set(runtime) == set(RUNTIME_INPUTS["round"])
+        runtime = round_inputs(self.cfg, self.ref.dtype, pending, hidden, pos, self.read_slot, forced_draft)
         draft, targets, hv = self._run("round", runtime)
         return RoundOutput(draft, (targets[0], targets[1]), hv)
 
     def step(self, token, pos):
-        cos, sin = self.rope(pos, 1)
-        _, targets, hv = self._run("step", {"pending": _i32(token), "read_slot": _i32(self.read_slot),
-                                            "pos": _i32(pos), "cos_v": cos, "sin_v": sin})
+        _, targets, hv = self._run("step", step_inputs(self.cfg, token, pos, self.read_slot))
         self.commit(1)
         return targets[0], hv[0]
 

@@ -1,0 +1,29 @@
+"""NxD Inference (NxDI) adapter: the speculative round of Qwen3.6-35B-A3B as an NxDI application on one
+trn2.3xlarge (TP=4, LNC=2), token generation either plain PyTorch traced by XLA (``backend="xla"``) or
+one megakernel launch per rank per round (``backend="megakernel"``). See harness/nxdi/README.md.
+
+Plain modules (importable and tested everywhere):
+    assembly   kernel arguments, run-time inputs, per-rank weights/state, NxDI state dict, aliasing
+    xla_math   one rank's round as traceable PyTorch (the xla backend's forward)
+    host       slot bookkeeping, teacher-forced prefill schedule, NxdiVariant (the host loop's view)
+    config     ModelConfig <-> NxDI InferenceConfig/NeuronConfig, compiler arguments
+    cpu        CPU executors of the per-rank work (thread-per-rank xla, nkisim megakernel)
+    convert    HF checkpoint -> converted NxDI checkpoint (per-rank weights concatenated by rank)
+
+trn2-only (needs neuronx-distributed-inference; NEVER EXECUTED in this repository):
+    modeling   Qwen36InferenceConfig, Qwen36NeuronModel, Qwen36ForCausalLM, NeuronEngine
+Those names are importable from here lazily: on a machine without the Neuron SDK, touching one raises
+an ImportError that says what is missing.
+"""
+
+from __future__ import annotations
+
+TRN2_ONLY = ("Qwen36InferenceConfig", "Qwen36NeuronModel", "Qwen36ForCausalLM", "NeuronEngine")
+
+
+def __getattr__(name: str):
+    if name in TRN2_ONLY:
+        import importlib
+        modeling = importlib.import_module("harness.nxdi.modeling")  # ImportError with the reason without the SDK
+        return getattr(modeling, name)
+    raise AttributeError(f"module 'harness.nxdi' has no attribute {name!r}")
