@@ -1,0 +1,186 @@
+"""The NxDI path from the command line: convert a checkpoint, compile, decode.
+
+    python -m harness.nxdi.run convert --model-path HF_DIR --out CONVERTED --backend megakernel --max-len 4096
+    python -m harness.nxdi.run compile --converted CONVERTED --compiled COMPILED            # trn2 only
+    python -m harness.nxdi.run decode --converted CONVERTED --compiled COMPILED --prompt-ids 1,2,3  # trn2 only
+    python -m harness.nxdi.run decode --executor cpu --model-path HF_DIR --backend xla --prompt-ids 1,2,3
+
+``decode --executor neuron`` (default) drives the compiled NxDI application; ``--executor cpu`` runs the
+same per-rank work on this machine (``harness.nxdi.cpu``: the xla backend over one thread per rank, the
+megakernel under nkisim) behind the same host loop -- what the tests run. Bad input prints one line to
+stderr and exits with status 2; so does a neuron command on a machine without the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m harness.nxdi.run", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="HF checkpoint -> converted NxDI checkpoint (any machine)")
+    c.add_argument("--model-path", type=Path, required=True, help="Hugging Face checkpoint directory")
+    c.add_argument("--out", type=Path, required=True, help="output directory")
+    c.add_argument("--backend", choices=["xla", "megakernel"], default="megakernel")
+    c.add_argument("--max-len", type=int, default=4096, help="positions the decode state holds (default 4096)")
+    c.add_argument("--tp", type=int, default=4)
+    c.add_argument("--lnc", type=int, default=2)
+    c.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+
+    k = sub.add_parser("compile", help="trace and compile the application (trn2 only)")
+    k.add_argument("--converted", type=Path, required=True)
+    k.add_argument("--compiled", type=Path, required=True)
+
+    d = sub.add_parser("decode", help="speculative (or --no-spec) greedy decoding")
+    d.add_argument("--executor", choices=["neuron", "cpu"], default="neuron")
+    d.add_argument("--converted", type=Path, help="converted directory (neuron executor)")
+    d.add_argument("--compiled", type=Path, help="compiled directory (neuron executor)")
+    d.add_argument("--model-path", type=Path, help="Hugging Face checkpoint (cpu executor; tokenizer for --prompt)")
+    d.add_argument("--backend", choices=["xla", "megakernel"], default="xla", help="cpu executor's backend")
+    d.add_argument("--tp", type=int, default=4, help="cpu executor's tensor-parallel ranks")
+    d.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="cpu executor's dtype")
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer: --model-path)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap.parse_args(argv)
+
+
+def _neuron():
+    try:
+        from harness.nxdi import modeling
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    return modeling
+
+
+def cmd_convert(args) -> int:
+    from harness.nxdi.assembly import AssemblyError
+    from harness.nxdi.convert import write_converted
+    from model.config import ConfigError
+    from model.weights import CheckpointError, load_checkpoint
+    try:
+        cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype])
+        write_converted(args.out, cfg, params, args.backend, args.max_len, args.tp, args.lnc,
+                        progress=lambda s: print(s, file=sys.stderr))
+    except (CheckpointError, ConfigError, AssemblyError) as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def cmd_compile(args) -> int:
+    modeling = _neuron()
+    modeling.NeuronEngine.compile(args.converted, args.compiled)
+    return 0
+
+
+def _engine(args, max_len: int):
+    """(engine, cfg) for the chosen executor."""
+    if args.executor == "cpu":
+        from harness.nxdi.assembly import AssemblyError
+        from harness.nxdi.cpu import CpuEngine
+        from model.config import ConfigError
+        from model.weights import CheckpointError, load_checkpoint
+        if args.model_path is None:
+            raise UsageError("--executor cpu needs --model-path (a Hugging Face checkpoint)")
+        try:
+            cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype])
+            return CpuEngine(cfg, params, args.backend, max_len=max_len, tp=args.tp), cfg
+        except (CheckpointError, ConfigError, AssemblyError) as e:
+            raise UsageError(str(e)) from None
+    if args.converted is None or args.compiled is None:
+        raise UsageError("--executor neuron needs --converted and --compiled")
+    modeling = _neuron()
+    engine = modeling.NeuronEngine.load(args.converted, args.compiled)
+    return engine, engine.cfg
+
+
+def _prompt(args, cfg, tokenizer) -> list[int]:
+    from harness.decode import UsageError as DecodeUsage
+    from harness.decode import prompt_ids
+    if args.prompt is None and args.prompt_ids is None:
+        raise UsageError("give --prompt-ids (or --prompt with a tokenizer)")
+    ns = argparse.Namespace(prompt=args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
+                            model_path=args.model_path)
+    try:
+        return prompt_ids(ns, cfg, tokenizer)
+    except DecodeUsage as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_decode(args) -> int:
+    from harness.decode import UsageError as DecodeUsage
+    from harness.decode import load_tokenizer
+    from harness.nxdi.host import NxdiVariant
+    from harness.speculative import generate
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
+    if args.prompt_ids is not None:
+        n_prompt = len([x for x in args.prompt_ids.split(",") if x.strip()])
+    else:
+        n_prompt = None
+    tokenizer = None
+    if args.prompt is not None:
+        if args.model_path is None:
+            raise UsageError("--prompt needs --model-path for the tokenizer; or give --prompt-ids")
+        try:
+            tokenizer = load_tokenizer(args.model_path, required=True)
+        except DecodeUsage as e:
+            raise UsageError(str(e)) from None
+        n_prompt = len(tokenizer.encode(args.prompt, add_special_tokens=False))
+    if n_prompt is None:
+        raise UsageError("give --prompt-ids (or --prompt with a tokenizer)")
+    engine, cfg = _engine(args, max_len=n_prompt + args.max_new_tokens + 1)
+    ids = _prompt(args, cfg, tokenizer)
+    if not args.no_spec and not cfg.mtp_num_hidden_layers:
+        raise UsageError("the checkpoint has no MTP head; use --no-spec")
+    variant = NxdiVariant(engine, name=f"nxdi-{args.executor}")
+    t0 = time.perf_counter()
+    try:
+        res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    seconds = time.perf_counter() - t0
+    out = {**res.to_dict(), "executor": args.executor, "launches": engine.launches, "seconds": round(seconds, 3)}
+    if args.executor == "cpu":
+        out["backend"] = args.backend
+    if args.json:
+        print(json.dumps(out))
+    else:
+        text = f"\n{tokenizer.decode(res.tokens)}\n" if tokenizer is not None else f"tokens: {res.tokens}"
+        print(text)
+        mode = "plain greedy" if args.no_spec else f"{res.rounds} rounds, {res.tokens_per_round:.2f} tokens/round"
+        print(f"{len(res.tokens)} tokens, {mode}, {engine.launches} launches (prefill included), {seconds:.2f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return {"convert": cmd_convert, "compile": cmd_compile, "decode": cmd_decode}[args.command](args)
+    except UsageError as e:
+        print(f"harness.nxdi.run: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
