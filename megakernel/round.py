@@ -317,3 +317,21 @@ def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only:
         args.update({k: nkisim.ShapeDtype(sh, dt) for k, (sh, dt) in runtime.items()})
         per_rank.append(args)
     return build_kernel(spec, sorted(per_rank[0])), per_rank
+
+
+STAGE_FUNCTIONS = {"_draft": "D1", "_verify": "V", "_replay": "D2"}
+
+
+def stage_of(rec: dict) -> str:
+    """Stage of a traced instruction (D1 draft, V verify split by layer type, D2 replay) from the kernel
+    call stack nkisim records (``stack``: innermost-last ``file:line:function`` frames)."""
+    frames = rec.get("stack") or []
+    stage = "other"
+    for frame in frames:
+        fn = frame.rsplit(":", 1)[-1]
+        if fn in STAGE_FUNCTIONS:
+            stage = STAGE_FUNCTIONS[fn]
+        elif stage == "V" and fn in ("gdn_body", "attention_body", "moe_tkg_body", "lm_head_argmax_body"):
+            return "V " + {"gdn_body": "GDN", "attention_body": "attention", "moe_tkg_body": "MoE",
+                           "lm_head_argmax_body": "LM head"}[fn]
+    return stage
