@@ -78,7 +78,8 @@ def round_plan(cfg):
               ("attention", 2, n_full, True), ("rmsnorm", 2, L, False), ("moe", 2, L, True),
               ("rmsnorm", 2, 1, False), ("lm_head", 2, 1, False)]
     out = []
-    for stage, calls in (("D1", mtp), ("V", verify), ("D2", mtp)):
+    replay = mtp[:-2]  # D2 only writes the MTP KV row: no final MTP norm, no LM head (DESIGN.md §1)
+    for stage, calls in (("D1", mtp), ("V", verify), ("D2", replay)):
         for fam, T, n, red in calls:
             if n:
                 out.append(Call(stage, fam, T, n, red))
