@@ -93,6 +93,27 @@ def generate(variant: Variant, prompt: list[int], max_new_tokens: int, eos_ids: 
     return result
 
 
+def forced_rounds(variant: Variant, prompt: list[int], plain: list[int], accepts: list[bool],
+                  vocab_size: int) -> tuple[list[int], int]:
+    """Prefill, then one round per entry of ``accepts`` with the draft forced to be right (the plain
+    greedy token ``plain`` predicts) or wrong (that token + 1). Checks each round accepted exactly as
+    forced and returns (prompt + committed tokens including the pending one, position of the pending
+    token). For the decode-state invariant tests of every variant."""
+    pending, hidden = variant.prefill(prompt, max_len=len(prompt) + 2 * len(accepts) + 3)
+    seq, pos = prompt + [pending], len(prompt)
+    for accept in accepts:
+        truth = plain[len(seq) - len(prompt)]
+        r = variant.round(pending, hidden, pos, truth if accept else (truth + 1) % vocab_size)
+        n = 2 if r.draft == r.targets[0] else 1
+        if n != (2 if accept else 1):
+            raise AssertionError(f"round at position {pos}: forced {'accept' if accept else 'reject'}, "
+                                 f"got {n} tokens")
+        variant.commit(n)
+        seq += list(r.targets[:n])
+        pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
+    return seq, pos
+
+
 def token_by_token_state(variant: Variant, tokens: list[int]) -> dict[str, torch.Tensor]:
     """State after plain decoding of `tokens` (prefill of the first, then one trunk step
     each), with the MTP cache filled the way speculative decoding fills it (rows

@@ -12,10 +12,10 @@ import torch
 
 
 def as_torch(x) -> torch.Tensor:
-    """A torch tensor view of x (torch as is; numpy, including ml_dtypes bfloat16, without a copy)."""
+    """A torch tensor of x: torch as is; numpy (including ml_dtypes bfloat16) without a copy when contiguous."""
     if isinstance(x, torch.Tensor):
         return x
-    a = np.asarray(x)
+    a = np.ascontiguousarray(x)
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)

@@ -42,6 +42,7 @@ from model.config import FULL, LINEAR, ModelConfig
 from model.tp.embed_head import vocab_per_core
 from model.tp.gdn import GdnDims
 from nki_kernels.attention import rope_tables
+from nki_kernels.host import as_torch
 
 BACKENDS = ("xla", "megakernel")
 MODES = ("round", "step")
@@ -66,16 +67,6 @@ class AssemblyError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # Small host-side conversions
 # --------------------------------------------------------------------------------------------------
-def as_torch(x) -> torch.Tensor:
-    """A torch tensor of x: torch as is, numpy (including ml_dtypes bfloat16) without a copy."""
-    if isinstance(x, torch.Tensor):
-        return x
-    a = np.ascontiguousarray(x)
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
 def i32(*values: int) -> np.ndarray:
     """A [1, len(values)] int32 run-time input (token ids, positions, slot, force flag)."""
     return np.array([values], dtype=np.int32)

@@ -22,6 +22,7 @@ from megakernel.round import mutated_names
 from megakernel.sharded import gather_state
 from model.config import ModelConfig
 from model.state import DecodeState
+from nki_kernels.host import as_torch
 
 
 class ThreadWorld:
@@ -112,7 +113,7 @@ class CpuEngine:
         else:
             outs = self._run_xla(spec, runtime)
         for st, out in zip(self.states, outs):
-            st.update(zip(mutated_names(spec), (asm.as_torch(t) for t in out[3:])))
+            st.update(zip(mutated_names(spec), (as_torch(t) for t in out[3:])))
         return asm.read_outputs(*outs[0][:3])
 
     def _run_kernel(self, spec, runtime):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.speculative import generate, token_by_token_state
+from harness.speculative import forced_rounds, generate, token_by_token_state
 from harness.variants import XlaVariant, make_variant
 from model.params import random_params
 
@@ -87,16 +87,7 @@ def test_state_invariant_after_forced_rounds(tiny):
     pattern = [True, False, False, True, True, False]
     plain = plain_tokens(cfg, params, PROMPT, 2 * len(pattern) + 2)
     v = make_variant("megakernel", cfg, params, tp=4)
-    pending, hidden = v.prefill(PROMPT, max_len=len(PROMPT) + len(plain) + 2)
-    seq, pos = PROMPT + [pending], len(PROMPT)
-    for accept in pattern:
-        truth = plain[len(seq) - len(PROMPT)]
-        r = v.round(pending, hidden, pos, truth if accept else (truth + 1) % cfg.vocab_size)
-        n = 2 if r.draft == r.targets[0] else 1
-        assert n == (2 if accept else 1)
-        v.commit(n)
-        seq += list(r.targets[:n])
-        pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
+    seq, pos = forced_rounds(v, PROMPT, plain, pattern, cfg.vocab_size)
     assert seq[len(PROMPT):] == plain[:len(seq) - len(PROMPT)]
     want = token_by_token_state(XlaVariant(cfg, params), seq[:-1])
     got = v.committed(pos)
@@ -120,15 +111,7 @@ def test_state_invariant_after_20_rounds(tiny):
     plain = plain_tokens(cfg, params, PROMPT, 44)
     for name in ("layerwise", "megakernel"):
         v = make_variant(name, cfg, params, tp=4)
-        pending, hidden = v.prefill(PROMPT, max_len=len(PROMPT) + 46)
-        seq, pos = PROMPT + [pending], len(PROMPT)
-        for i in range(20):
-            truth = plain[len(seq) - len(PROMPT)]
-            r = v.round(pending, hidden, pos, truth if i % 3 else (truth + 1) % cfg.vocab_size)
-            n = 2 if r.draft == r.targets[0] else 1
-            v.commit(n)
-            seq += list(r.targets[:n])
-            pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
+        seq, pos = forced_rounds(v, PROMPT, plain, [i % 3 > 0 for i in range(20)], cfg.vocab_size)
         want = token_by_token_state(XlaVariant(cfg, params), seq[:-1])
         got = v.committed(pos)
         for key in want:

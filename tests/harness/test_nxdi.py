@@ -36,7 +36,7 @@ from harness.nxdi import convert as nxconv
 from harness.nxdi import xla_math
 from harness.nxdi.cpu import CpuEngine, ThreadWorld
 from harness.nxdi.host import NxdiVariant, PrefillLaunch, SlotBook, accepted_count, prefill_plan
-from harness.speculative import generate, token_by_token_state
+from harness.speculative import forced_rounds, generate, token_by_token_state
 from harness.variants import XlaVariant
 from megakernel.round import RUNTIME_INPUTS, build_kernel, mutated_names
 from megakernel.sharded import rank_state, rank_weights
@@ -360,16 +360,7 @@ def test_xla_tokens_equal_plain_greedy(tiny, plain):
 def test_xla_state_invariant_after_forced_rounds(tiny, plain):
     cfg, params = tiny
     v = NxdiVariant(CpuEngine(cfg, params, "xla", max_len=32, tp=4))
-    pending, hidden = v.prefill(PROMPT, max_len=32)
-    seq, pos = PROMPT + [pending], len(PROMPT)
-    for accept in [True, False, False, True, True]:
-        truth = plain[len(seq) - len(PROMPT)]
-        r = v.round(pending, hidden, pos, truth if accept else (truth + 1) % cfg.vocab_size)
-        n = accepted_count(r.draft, list(r.targets))
-        assert n == (2 if accept else 1)
-        v.commit(n)
-        seq += list(r.targets[:n])
-        pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
+    seq, pos = forced_rounds(v, PROMPT, plain, [True, False, False, True, True], cfg.vocab_size)
     assert seq[len(PROMPT):] == plain[:len(seq) - len(PROMPT)]
     want = token_by_token_state(XlaVariant(cfg, params), seq[:-1])
     got = v.committed(pos)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.speculative import generate, token_by_token_state
+from harness.speculative import forced_rounds, generate, token_by_token_state
 from harness.variants import XlaVariant
 from model.params import random_params
 
@@ -74,17 +74,7 @@ def test_eos_stops_inside_a_round(setup):
 def test_state_after_rounds_equals_plain_decoding(setup, accepts):
     cfg, params, prompt, plain = setup
     v = XlaVariant(cfg, params)
-    pending, hidden = v.prefill(prompt, max_len=len(prompt) + N_NEW + 2)
-    seq = prompt + [pending]
-    pos = len(prompt)
-    for accept in accepts:
-        truth = plain[len(seq) - len(prompt)]
-        r = v.round(pending, hidden, pos, truth if accept else (truth + 1) % cfg.vocab_size)
-        n = 2 if r.draft == r.targets[0] else 1
-        assert n == (2 if accept else 1)
-        v.commit(n)
-        seq += list(r.targets[:n])
-        pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
+    seq, pos = forced_rounds(v, prompt, plain, accepts, cfg.vocab_size)
     assert seq[len(prompt):] == plain[:len(seq) - len(prompt)]
     got = v.state.committed(pos)
     want = token_by_token_state(XlaVariant(cfg, params), seq[:-1])
