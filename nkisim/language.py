@@ -83,9 +83,16 @@ def _buffer(buffer, op):
 
 
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    return _current("nl.ndarray").allocate(shape, _dt.normalize(dtype, "nl.ndarray"), _buffer(buffer, "nl.ndarray"),
-                                           name or "", address)
+    if type(shape) is not tuple:
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if type(dtype) is not str or dtype not in _DTYPE_NAMES:
+        dtype = _dt.normalize(dtype, "nl.ndarray")
+    if type(buffer) is not MemoryRegion:
+        _buffer(buffer, "nl.ndarray")
+    return _current("nl.ndarray").allocate(shape, dtype, buffer, name or "", address)
+
+
+_DTYPE_NAMES = frozenset(_dt.ALL)
 
 
 def zeros(shape, dtype, buffer=sbuf, name=""):
@@ -121,8 +128,11 @@ def shared_constant(constant):
     t = ndarray(arr.shape, _dt.normalize(arr.dtype), shared_hbm, "shared_constant")
     st = t.storage
     if st.data is not None:
+        st.fresh = False
         st.data[...] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
-        st.written[...] = True
+        if st.written is not None:
+            st.written[...] = True
+        st.full = True
     return t
 
 

@@ -6,10 +6,10 @@ a placement ``(partition_offset, byte_offset)`` from a per-instance allocator so
 boundaries and start partitions can be checked. Allocations are released when the last Python
 reference to the tensor goes away (the interpreter's stand-in for the compiler's liveness analysis).
 """
+import bisect
 import enum
 import itertools
 import threading
-import weakref
 
 import numpy as np
 
@@ -36,29 +36,33 @@ ON_CHIP = (SBUF, PSUM)
 HBM = (PRIVATE_HBM, SHARED_HBM)
 
 _ids = itertools.count(1)
-_id_lock = threading.Lock()
 
 
 def _next_id():
-    with _id_lock:
-        return next(_ids)
+    return next(_ids)          # itertools.count is atomic under the GIL
 
 
 class Storage:
     """One allocation. ``data``/``written`` are None in shape-only mode."""
     __slots__ = ("id", "kind", "name", "shape", "dtype", "nbytes", "row_bytes", "partitions", "address",
-                 "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "full", "__weakref__")
+                 "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "full", "release",
+                 "onchip", "nelems", "cstrides", "mm_state", "fresh", "psum", "__weakref__")
 
     def __init__(self, kind, shape, dtype, name="", with_data=True, owner=None, fill=True):
         self.id = _next_id()
         self.kind = kind
         self.name = name or f"t{self.id}"
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = shape if type(shape) is tuple else tuple(int(s) for s in shape)
         self.dtype = dtype
         n = 1
         for s in self.shape:
             n *= s
+        self.nelems = n
         self.nbytes = n * dtypes.itemsize(dtype)
+        self.onchip = kind in ON_CHIP
+        self.psum = kind is PSUM
+        self.cstrides = None          # row-major byte strides (NkiTensor.whole)
+        self.mm_state = False         # PSUM "last written by nc_matmul": True/False everywhere, None = mixed
         if kind in ON_CHIP:
             self.partitions = self.shape[0]
             self.row_bytes = self.nbytes // max(self.partitions, 1)
@@ -72,18 +76,21 @@ class Storage:
         self.named = False            # an explicit name= (collective HBM operands need one, see collectives.py)
         self.cc = False               # operand of a collective (may then not be a kernel output)
         self.full = False             # every byte written (monotonic: written bits are never cleared)
+        # PSUM "last written by nc_matmul" per byte; allocated (mm_array) and meaningful only while mm_state is
+        # None (mixed); uniform states live in mm_state alone.
         self.mm = None
+        self.release = None
+        # New memory holds the "never written" sentinel and an all-False written mask. Both are materialised
+        # lazily (``fresh``, see materialize()): a first write that covers the whole tensor needs neither, and
+        # a storage written whole (``full``) may have no mask array at all (``written`` None; written_array()).
+        self.fresh = False
         if with_data:
             self.data = np.empty(self.nbytes, dtype=np.uint8)
             if fill:
-                typed = self.data.view(dtypes.storage(dtype)) if self.nbytes else self.data
-                if dtypes.is_float(dtype) and dtype not in dtypes.PACKED:
-                    typed[...] = np.nan
-                else:
-                    typed[...] = hw.INT_SENTINEL
-            self.written = np.zeros(self.nbytes, dtype=np.bool_)
-            if kind == PSUM:
-                self.mm = np.zeros(self.nbytes, dtype=np.bool_)   # "last written by nc_matmul"
+                self.written = None
+                self.fresh = True
+            else:
+                self.written = np.zeros(self.nbytes, dtype=np.bool_)
         else:
             self.data = None
             self.written = None
@@ -91,36 +98,123 @@ class Storage:
     def describe(self):
         return f"'{self.name}' ({self.kind.value} {self.dtype}{list(self.shape)})"
 
+    def __del__(self):
+        # the allocation is released when the last Python reference goes (cheaper than weakref.finalize)
+        r = self.release
+        if r is not None:
+            self.release = None
+            try:
+                r[0](*r[1:])
+            except Exception:       # noqa: BLE001 -- interpreter shutdown
+                pass
+
+
+_TEMPLATES = {}       # dtype -> uint8 bytes of the "never written" sentinel (NaN / 4), grown on demand
+
+
+def materialize(st):
+    """Give a fresh storage its initial content: the sentinel (NaN for floats, 4 for ints and packed types,
+    as the official simulator, SDK-SIM) and an all-False written mask. Every access to ``data`` / ``written``
+    of a storage that may be fresh goes through tensor.raw / tensor.mask (or calls this first)."""
+    if st.fresh:
+        st.fresh = False
+        st.data[...] = _template(st.dtype, st.nbytes)
+        st.written = np.zeros(st.nbytes, dtype=np.bool_)
+
+
+def written_array(st):
+    """The per-byte written mask of a storage with data, allocated on demand (all True for a full storage)."""
+    w = st.written
+    if w is None:
+        if st.fresh:
+            materialize(st)
+        else:
+            st.written = np.ones(st.nbytes, dtype=np.bool_) if st.full else np.zeros(st.nbytes, dtype=np.bool_)
+        w = st.written
+    return w
+
+
+def mm_array(st):
+    """The PSUM per-byte matmul mask, allocated on demand and filled with the current uniform state."""
+    if st.mm is None:
+        st.mm = np.empty(st.nbytes, dtype=np.bool_)
+    if st.mm_state is not None:
+        st.mm.fill(st.mm_state)
+    return st.mm
+
+
+def _template(dtype, nbytes):
+    t = _TEMPLATES.get(dtype)
+    if t is None or t.size < nbytes:
+        n = max(nbytes, 1 << 16, 0 if t is None else 2 * t.size)
+        isz = dtypes.itemsize(dtype)
+        n = -(-n // isz) * isz
+        t = np.empty(n, dtype=np.uint8)
+        typed = t.view(dtypes.storage(dtype))
+        if dtypes.is_float(dtype) and dtype not in dtypes.PACKED:
+            typed[...] = np.nan
+        else:
+            typed[...] = hw.INT_SENTINEL
+        _TEMPLATES[dtype] = t
+    return t[:nbytes]
+
 
 class RangeAllocator:
     """First-fit allocator over the per-partition byte range of SBUF or PSUM (all partitions share
     one byte range per tensor; tensors are placed at partition offset 0 unless ``address=`` says
-    otherwise)."""
+    otherwise).
+
+    First fit = the lowest candidate start (0 or the end of a live tensor, aligned, PSUM bank rules applied)
+    whose range overlaps no live tensor sharing a partition. It is found by one sweep over the live tensors
+    sorted by start (``_order``): the candidate moves past every conflicting tensor; the sweep result equals
+    the lowest fitting candidate because the adjustment (align up, move to the next bank) is monotonic and
+    idempotent."""
 
     def __init__(self, kind, capacity, align=1, bank=None):
         self.kind, self.capacity, self.align, self.bank = kind, capacity, align, bank
-        self.live = {}     # start -> (end, name, partition range)
+        self.live = {}     # (start, first partition) -> (end, name, partition range)
+        self._order = []   # sorted (start, end, p0, p1) of the live tensors
         self.lock = threading.Lock()
         self.peak = 0
 
+    def _adjust(self, s, size):
+        a, b = self.align, self.bank
+        if a > 1:
+            s = -(-s // a) * a
+        if b:
+            if size <= b:
+                if s // b != (s + size - 1) // b:      # keep a <= 1-bank tensor inside one bank
+                    s = -(-s // b) * b
+            else:
+                s = -(-s // b) * b
+        return s
+
     def _fits(self, lo, hi, prange):
-        for s, (e, _, pr) in self.live.items():
+        for (s, _), (e, _, pr) in self.live.items():
             if lo < e and s < hi and prange[0] < pr[1] and pr[0] < prange[1]:
                 return False
         return True
 
-    def _candidates(self, size):
-        a, b = self.align, self.bank
-        starts = [0] + sorted(e for e, _, _ in self.live.values())
-        for s in starts:
-            s = -(-s // a) * a
-            if b:
-                if size <= b:
-                    if s // b != (s + size - 1) // b:      # keep a <= 1-bank tensor inside one bank
-                        s = -(-s // b) * b
-                else:
-                    s = -(-s // b) * b
-            yield s
+    def _first_fit(self, size, prange):
+        q0, q1 = prange
+        if self.align == 1 and not self.bank:          # SBUF: no adjustment
+            cand = 0
+            for s, e, p0, p1 in self._order:
+                if e <= cand or p1 <= q0 or q1 <= p0:
+                    continue
+                if s >= cand + size:
+                    break
+                cand = e
+        else:
+            adjust = self._adjust
+            cand = adjust(0, size)
+            for s, e, p0, p1 in self._order:
+                if e <= cand or p1 <= q0 or q1 <= p0:
+                    continue
+                if s >= cand + size:
+                    break
+                cand = adjust(e, size)
+        return cand if cand + size <= self.capacity else None
 
     def allocate(self, size, name, prange, fixed=None):
         with self.lock:
@@ -140,28 +234,30 @@ class RangeAllocator:
                     raise AllocationError(f"nl.ndarray: '{name}' at byte offset {lo} overlaps a live "
                                           f"{self.kind.value} tensor: {self._summary()}")
             else:
-                lo = None
-                for s in self._candidates(size):
-                    if s + size <= self.capacity and self._fits(s, s + size, prange):
-                        lo = s
-                        break
+                lo = self._first_fit(size, prange)
                 if lo is None:
-                    used = sum(e - s for s, (e, _, _) in self.live.items())
+                    used = sum(e - s for (s, _), (e, _, _) in self.live.items())
                     raise AllocationError(
                         f"nl.ndarray: cannot allocate '{name}' ({size:,} B per partition) in {self.kind.value}: "
                         f"capacity {self.capacity:,} B per partition, {used:,} B live in {len(self.live)} "
                         f"tensors ({self._summary()})")
-            self.live[lo] = (lo + size, name, prange)
-            self.peak = max(self.peak, max(e for e, _, _ in self.live.values()))
+            self.live[(lo, prange[0])] = (lo + size, name, prange)
+            bisect.insort(self._order, (lo, lo + size, prange[0], prange[1]))
+            if lo + size > self.peak:
+                self.peak = lo + size
             return lo
 
     def _summary(self, k=6):
-        items = sorted(self.live.items(), key=lambda kv: -(kv[1][0] - kv[0]))[:k]
-        return ", ".join(f"{n}@{s}:{e - s}B" for s, (e, n, _) in items) + (" ..." if len(self.live) > k else "")
+        items = sorted(self.live.items(), key=lambda kv: -(kv[1][0] - kv[0][0]))[:k]
+        return ", ".join(f"{n}@{s}:{e - s}B" for (s, _), (e, n, _) in items) + (" ..." if len(self.live) > k else "")
 
-    def free(self, start):
+    def free(self, start, p0=0):
         with self.lock:
-            self.live.pop(start, None)
+            v = self.live.pop((start, p0), None)
+            if v is not None:
+                o = self._order
+                i = bisect.bisect_left(o, (start, v[0], v[2][0], v[2][1]))
+                del o[i]
 
 
 class HbmAccount:
@@ -185,4 +281,4 @@ class HbmAccount:
 
 
 def attach_release(storage, fn, *args):
-    weakref.finalize(storage, fn, *args)
+    storage.release = (fn,) + args

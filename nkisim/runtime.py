@@ -89,7 +89,7 @@ class World:
         self.shape_only, self.comms = shape_only, comms
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
+        self.cond = self.lock      # ``with world.cond:`` guards the scheduler / rendezvous state
         self.turn = 0
         self.finished = set()
         self.aborted = None
@@ -116,10 +116,43 @@ class World:
     def name(self, inst):
         return f"rank {inst.launch.rank} core {inst.pid}" if self.tp > 1 else f"instance {inst.pid}"
 
-    # ---- scheduler (every method below except start/finish is called with self.cond held) ------
+    # ---- scheduler (every method below except start/finish is called with self.lock held) ------
+    # Hand-off is direct: every instance sleeps on its own binary semaphore (a Lock held while it sleeps) and
+    # the instance giving up the turn wakes exactly the next one, so a switch costs one thread wake-up (a
+    # Condition.notify_all woke every instance, which then fought for the GIL just to go back to sleep).
+    def _sleep(self, inst, handoff=None):
+        """Sleep until woken (self.lock held on entry and on return). ``handoff`` (claimed by _claim) is woken
+        only after self.lock is released, so it neither wakes into a held lock nor into a GIL its waker still
+        needs for long: the waker blocks right after."""
+        inst.sleeping = True
+        self.lock.release()
+        try:
+            if handoff is not None:
+                handoff.wake.release()
+            inst.wake.acquire()
+        finally:
+            self.lock.acquire()
+
+    def _claim(self, inst):
+        """Mark a sleeping instance as woken; returns it (the caller releases its wake lock) or None."""
+        if inst.sleeping:
+            inst.sleeping = False
+            return inst
+        return None
+
+    def _wake(self, inst):
+        if inst.sleeping:
+            inst.sleeping = False
+            inst.wake.release()
+
+    def wake_all(self):
+        for i in self.instances:
+            self._wake(i)
+
     def start(self, inst):
-        with self.cond:
-            self.cond.wait_for(lambda: self.aborted is not None or self.turn == inst.gid)
+        with self.lock:
+            while self.aborted is None and self.turn != inst.gid:
+                self._sleep(inst)
             if self.aborted is not None:
                 raise LaunchAborted(f"{self.name(inst)}: another instance failed")
 
@@ -127,13 +160,23 @@ class World:
         """Give up the turn until ``pred()`` holds and the scheduler picks this instance again."""
         g = inst.gid
         self.waiting[g] = (pred, describe, call_site())
-        self._pass(g)
-        self.cond.wait_for(lambda: self.aborted is not None or self.turn == g)
+        nxt = self._pass(g)
+        while self.aborted is None and self.turn != g:
+            self._sleep(inst, nxt)
+            nxt = None
+        if nxt is not None:
+            nxt.wake.release()
         self.waiting.pop(g, None)
         if self.aborted is not None:
             raise LaunchAborted(f"{self.name(inst)}: another instance failed")
 
     def _pass(self, g):
+        """Give the turn to the next instance (round-robin) that can proceed; returns that instance if it must be
+        woken (the caller wakes it once it has released self.lock), else None."""
+        if self.aborted is not None:
+            self.turn = -1
+            self.wake_all()
+            return None
         n = len(self.instances)
         for k in range(1, n + 1):
             j = (g + k) % n
@@ -142,14 +185,14 @@ class World:
             w = self.waiting.get(j)
             if w is None or w[0]():
                 self.turn = j
-                self.cond.notify_all()
-                return
-        if len(self.finished) < n and self.aborted is None:
+                return self._claim(self.instances[j])
+        if len(self.finished) < n:
             self.aborted = NkiValidationError(
                 f"{self.kernel_name}: deadlock, no program instance can proceed (tp={self.tp}, lnc={self.lnc}):\n"
                 + self.describe_waits())
         self.turn = -1
-        self.cond.notify_all()
+        self.wake_all()
+        return None
 
     def describe_waits(self):
         lines = []
@@ -159,11 +202,13 @@ class World:
         return "\n".join(lines)
 
     def finish(self, inst, exc=None):
-        with self.cond:
+        with self.lock:
             self.finished.add(inst.gid)
             if exc is not None and self.aborted is None:
                 self.aborted = exc
-            self._pass(inst.gid)
+            nxt = self._pass(inst.gid)
+        if nxt is not None:
+            nxt.wake.release()
 
     def status_of(self, inst):
         """'finished' / 'waiting at <loc>' / 'running' (for messages)."""
@@ -217,6 +262,9 @@ class Launch:
             return st, True
 
 
+_BUFNAME = {b: b.value for b in (SBUF, PSUM, PRIVATE_HBM, SHARED_HBM)}
+
+
 class Instance:
     """One program instance = one physical NeuronCore: its SBUF, PSUM, private HBM, registers."""
 
@@ -233,6 +281,9 @@ class Instance:
         self.n_registers = 0
         self.n_alloc = 0
         self.cc_seq = {}                                # collective call counters per rank-list
+        self.wake = threading.Lock()                    # held while the instance sleeps (see World._sleep)
+        self.wake.acquire()
+        self.sleeping = False
 
     @property
     def rank(self):
@@ -244,13 +295,17 @@ class Instance:
 
     def allocate(self, shape, dtype, buffer, name="", address=None):
         op = "nl.ndarray"
-        shape = tuple(int(s) for s in shape)
+        for s in shape:
+            if type(s) is not int:
+                shape = tuple(int(s) for s in shape)
+                break
         self.n_alloc += 1
         explicit = bool(name)
-        name = name or f"{buffer.value}{self.n_alloc}"     # deterministic default names (trace equality)
-        if any(s <= 0 for s in shape) or not shape:
+        if not explicit:        # deterministic default names (trace equality); no enum hashing (a Python call)
+            name = ("sbuf" if buffer is SBUF else "psum" if buffer is PSUM else _BUFNAME[buffer]) + str(self.n_alloc)
+        if not shape or min(shape) <= 0:
             raise ValueError(f"{op}: shape must be non-empty with positive dims, got {list(shape)}")
-        if buffer == SHARED_HBM:
+        if buffer is SHARED_HBM:
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
             st, new = self.launch.shared_alloc(self, shape, dtype, name)
@@ -258,9 +313,9 @@ class Instance:
             if new:
                 self._trace_alloc(st)
             return NkiTensor.whole(st)
-        st = Storage(buffer, shape, dtype, name, with_data=not self.shape_only, owner=self.pid)
+        st = Storage(buffer, shape, dtype, name, not self.shape_only, self.pid)
         st.named = explicit
-        if buffer == PRIVATE_HBM:
+        if buffer is PRIVATE_HBM:
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
             self.private_hbm.allocate(st.nbytes, st.name)
@@ -281,11 +336,12 @@ class Instance:
                 if poff < 0 or poff + shape[0] > hw.PMAX:
                     raise NkiValidationError(f"{op}: '{st.name}' partitions [{poff}, {poff + shape[0]}) exceed "
                                              f"{hw.PMAX} partitions")
-            alloc = self.sbuf if buffer == SBUF else self.psum
-            lo = alloc.allocate(st.row_bytes, st.name, (poff, poff + shape[0]), fixed)
+            alloc = self.sbuf if buffer is SBUF else self.psum
+            lo = alloc.allocate(st.row_bytes, name, (poff, poff + shape[0]), fixed)
             st.address = (poff, lo)
-            attach_release(st, alloc.free, lo)
-        self._trace_alloc(st)
+            st.release = (alloc.free, lo, poff)
+        if self.launch.traces:
+            self._trace_alloc(st)
         return NkiTensor.whole(st)
 
     def _trace_alloc(self, st):
@@ -355,6 +411,6 @@ def _timeout(world, threads):
                 f"{world.kernel_name}: launch did not finish within timeout={world.timeout:g} s (tp={world.tp}, "
                 f"lnc={world.lnc}); a synchronisation point is never reached:\n"
                 + "\n".join(running + ([world.describe_waits()] if world.waiting else [])))
-        world.cond.notify_all()
+        world.wake_all()
     for t in threads:
         t.join(0.5)

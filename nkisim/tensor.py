@@ -5,11 +5,13 @@ ints / slices / ``nl.ds`` / ``...`` returns views sharing storage; on-chip an in
 size-1 partition dim and an int on a free dim drops it unless the result would be < 2-D; on HBM
 ints drop dims. ``.ap()`` addresses the underlying storage and ignores the view's own shape/strides.
 """
+import math
+
 import numpy as np
 
 from . import dtypes, hw
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
-from .memory import ON_CHIP, HBM, PSUM
+from .memory import ON_CHIP, HBM, PSUM, materialize, written_array
 
 
 def ds(start, size):
@@ -44,25 +46,52 @@ class Indirect:
 class NkiTensor:
     """A tensor view. Public attributes follow SDK-NL: shape, strides, offset, dtype, buffer, ndim,
     size, name (strides/offset in elements of ``dtype``)."""
-    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "indirect", "_geom")
+    # Views are immutable, so derived facts are cached on them: ``size``/``itemsize`` (plain attributes),
+    # ``_geom`` (start partition, partitions, free), ``_np``/``_m`` (numpy views of the data / written mask,
+    # direct views only) and ``_cov`` (the view covers every byte of its storage exactly once).
+    __slots__ = ("storage", "dtype", "shape", "bstrides", "boffset", "indirect", "_geom", "size", "itemsize",
+                 "_np", "_m", "_cov")
 
     def __init__(self, storage, dtype, shape, bstrides, boffset, indirect=None):
-        self._geom = None             # cached (start partition, partitions, free) -- views are immutable
+        self._geom = self._np = self._m = self._cov = None
         self.storage = storage
         self.dtype = dtype
         self.shape = tuple(int(s) for s in shape)
         self.bstrides = tuple(int(s) for s in bstrides)
         self.boffset = int(boffset)
         self.indirect = indirect
+        n = 1
+        for d in self.shape:
+            n *= d
+        self.size = n
+        self.itemsize = _ITEMSIZE[dtype]
 
     @classmethod
     def whole(cls, storage):
-        isz = dtypes.itemsize(storage.dtype)
-        strides, acc = [], isz
-        for s in reversed(storage.shape):
-            strides.append(acc)
-            acc *= s
-        return cls(storage, storage.dtype, storage.shape, tuple(reversed(strides)), 0)
+        strides = storage.cstrides
+        if strides is None:
+            key = (storage.shape, storage.dtype)
+            strides = _CSTRIDES.get(key)
+            if strides is None:
+                isz = _ITEMSIZE[storage.dtype]
+                st, acc = [], isz
+                for d in reversed(storage.shape):
+                    st.append(acc)
+                    acc *= d
+                if len(_CSTRIDES) > 4096:
+                    _CSTRIDES.clear()
+                strides = _CSTRIDES[key] = tuple(reversed(st))
+            storage.cstrides = strides
+        v = object.__new__(cls)
+        v.storage, v.dtype, v.shape, v.bstrides, v.boffset = storage, storage.dtype, storage.shape, strides, 0
+        v.indirect = v._np = v._m = None
+        v._cov = True
+        n = v.size = storage.nelems
+        v.itemsize = _ITEMSIZE[storage.dtype]
+        p = storage.shape[0]
+        # an on-chip whole tensor at partition 0 passes every geom() check (see isa.common.geom)
+        v._geom = (0, p, n // p, True) if storage.onchip and storage.address[0] == 0 and p <= hw.PMAX else None
+        return v
 
     # ---- attributes ------------------------------------------------------------------------
     @property
@@ -78,17 +107,6 @@ class NkiTensor:
         return len(self.shape)
 
     @property
-    def size(self):
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def itemsize(self):
-        return dtypes.itemsize(self.dtype)
-
-    @property
     def strides(self):
         return tuple(s // self.itemsize for s in self.bstrides)
 
@@ -98,7 +116,7 @@ class NkiTensor:
 
     @property
     def on_chip(self):
-        return self.storage.kind in ON_CHIP
+        return self.storage.onchip
 
     def __repr__(self):
         return (f"NkiTensor({self.storage.name}, {self.storage.kind.value}, {self.dtype}{list(self.shape)}"
@@ -123,11 +141,17 @@ class NkiTensor:
                                   "write with an nisa.* instruction (dst=t[...])")
 
     @classmethod
-    def _fast(cls, storage, dtype, shape, bstrides, boffset):
+    def _fast(cls, storage, dtype, shape, bstrides, boffset, size=None):
         """Constructor for already-normalised tuples of ints (hot path)."""
         v = object.__new__(cls)
         v.storage, v.dtype, v.shape, v.bstrides, v.boffset = storage, dtype, shape, bstrides, boffset
-        v.indirect = v._geom = None
+        v.indirect = v._geom = v._np = v._m = v._cov = None
+        if size is None:
+            size = 1
+            for d in shape:
+                size *= d
+        v.size = size
+        v.itemsize = _ITEMSIZE[dtype]
         return v
 
     def _new(self, shape, bstrides, boffset, dtype=None):
@@ -150,6 +174,90 @@ class NkiTensor:
 
     # ---- indexing --------------------------------------------------------------------------
     def __getitem__(self, key):
+        """Fast path for keys made only of Python ints and step-1 int/None slices (the common case); anything
+        else takes the general path. Both give the same view and the same errors. No bounds check of the result
+        is needed: every index is validated, so the view is a subset of this (in-bounds) view."""
+        if self.indirect is not None:
+            self._no_indirect("NkiTensor.__getitem__")
+        if type(key) is not tuple:
+            key = (key,)
+        shape, bstr = self.shape, self.bstrides
+        nd = len(shape)
+        if len(key) > nd:
+            return self._getitem(key)
+        nshape, nstr = [], []
+        off = self.boffset
+        size = 1
+        dropped = None
+        has_int = False
+        onchip = self.storage.onchip
+        for d, k in enumerate(key):
+            tk = type(k)
+            n = shape[d]
+            if tk is slice:
+                a, b = k.start, k.stop
+                if k.step is not None or (a is not None and type(a) is not int) or \
+                        (b is not None and type(b) is not int):
+                    return self._getitem(key)
+                if a is None:
+                    a = 0
+                elif a < 0:
+                    if a < -n:
+                        return self._getitem(key)
+                    a += n
+                elif a > n:
+                    return self._getitem(key)
+                if b is None:
+                    b = n
+                elif b < 0:
+                    if b < -n:
+                        return self._getitem(key)
+                    b += n
+                elif b > n:
+                    return self._getitem(key)
+                cnt = b - a if b > a else 0
+                nshape.append(cnt)
+                s = bstr[d]
+                nstr.append(s)
+                if cnt:
+                    off += s * a
+                size *= cnt
+            elif tk is int:
+                if not -n <= k < n:
+                    return self._getitem(key)
+                has_int = True
+                if k < 0:
+                    k += n
+                off += bstr[d] * k
+                if not (onchip and d == 0):
+                    if dropped is None:
+                        dropped = []
+                    dropped.append(len(nshape))
+                nshape.append(1)
+                nstr.append(bstr[d])
+            else:
+                return self._getitem(key)
+        for d in range(len(key), nd):
+            nshape.append(shape[d])
+            nstr.append(bstr[d])
+            size *= shape[d]
+        if dropped is not None:
+            keep = [i for i in range(len(nshape)) if i not in dropped]
+            if onchip and len(keep) < 2:
+                # keep the last free dim at size 1 so the result stays >= 2-D (ref §3.2)
+                last_free = len(nshape) - 1 if len(nshape) > 1 else None
+                if last_free is not None and last_free not in keep:
+                    keep = sorted(keep + [last_free])
+            nshape = [nshape[i] for i in keep]
+            nstr = [nstr[i] for i in keep]
+            return NkiTensor._fast(self.storage, self.dtype, tuple(nshape), tuple(nstr), off, size)
+        v = NkiTensor._fast(self.storage, self.dtype, tuple(nshape), tuple(nstr), off, size)
+        if self._np is not None and not has_int:
+            v._np = self._np[key]          # same view as raw(v) would build, by cheaper numpy slicing
+        return v
+
+    def _getitem(self, key):
+        """General indexing (Ellipsis, numpy ints, steps, tensor indices, and every error message)."""
         self._no_indirect("NkiTensor.__getitem__")
         if not isinstance(key, tuple):
             key = (key,)
@@ -316,22 +424,30 @@ class NkiTensor:
         self._no_indirect("reshape")
         shape = [int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,))]
         if -1 in shape:
-            known = int(np.prod([s for s in shape if s != -1]))
+            known = math.prod([s for s in shape if s != -1])
             shape[shape.index(-1)] = self.size // max(known, 1)
-        if int(np.prod(shape)) != self.size:
+        if math.prod(shape) != self.size:
             raise ValueError(f"reshape: {list(self.shape)} has {self.size} elements, {shape} has "
-                             f"{int(np.prod(shape))} (reshape must preserve the element count, NKI 0.5.0)")
+                             f"{math.prod(shape)} (reshape must preserve the element count, NKI 0.5.0)")
         if self.on_chip and shape[0] != self.shape[0]:
             raise NkiValidationError(f"reshape: on-chip reshape must keep the partition dim ({self.shape[0]}), "
                                      f"got {shape[0]}")
         # derive strides the way numpy would for a no-copy reshape; refuse layouts that need a copy
-        dummy = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), self.shape, self.bstrides)
-        try:
-            r = np.reshape(dummy, shape, copy=False)
-        except ValueError:
+        key = (self.shape, self.bstrides, tuple(shape))
+        strides = _RESHAPE.get(key, 0)
+        if strides == 0:
+            dummy = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), self.shape, self.bstrides)
+            try:
+                strides = np.reshape(dummy, shape, copy=False).strides
+            except ValueError:
+                strides = None
+            if len(_RESHAPE) > 4096:
+                _RESHAPE.clear()
+            _RESHAPE[key] = strides
+        if strides is None:
             raise NkiValidationError(f"reshape: view with shape {list(self.shape)} and byte strides "
-                                     f"{list(self.bstrides)} cannot be reshaped to {shape} without a copy") from None
-        return self._new(shape, r.strides, self.boffset)
+                                     f"{list(self.bstrides)} cannot be reshaped to {shape} without a copy")
+        return self._new(shape, strides, self.boffset)
 
     def view(self, dtype):
         self._no_indirect("view")
@@ -412,9 +528,10 @@ class NkiTensor:
         op = "ap"
         st = self.storage
         dt = self.dtype if dtype is None else dtypes.normalize(dtype, "ap dtype")
-        isz = dtypes.itemsize(dt)
+        isz = _ITEMSIZE[dt]
         try:
-            pattern = [[int(p[0]), int(p[1])] for p in pattern]
+            pattern = [[p[0], p[1]] if type(p[0]) is int and type(p[1]) is int else [int(p[0]), int(p[1])]
+                       for p in pattern]
         except (TypeError, IndexError, ValueError):
             raise TypeError(f"{op}: pattern must be a list of [step, num] pairs, got {pattern!r}") from None
         if not pattern:
@@ -457,13 +574,13 @@ class NkiTensor:
         if scalar_offset is not None and vector_offset is not None:
             raise NkiValidationError(f"{op}: vector_offset and scalar_offset are mutually exclusive (SDK-ISA dma_copy)")
         ind = None
-        base_elems_after = lambda d: int(np.prod(st.shape[d + 1:])) if d + 1 <= len(st.shape) else 1
         if st.nbytes % isz:
             raise NkiValidationError(f"{op}: {st.describe()} is not a whole number of {dt} elements")
-        base_shape = list(st.shape)
-        if dt != st.dtype:      # strides of the base measured in the new dtype (last dim rescaled)
-            base_shape[-1] = base_shape[-1] * dtypes.itemsize(st.dtype) // isz
-        unit_elems = int(np.prod(base_shape[indirect_dim + 1:])) if base_shape else 1
+        if vector_offset is not None or scalar_offset is not None:
+            base_shape = list(st.shape)
+            if dt != st.dtype:      # strides of the base measured in the new dtype (last dim rescaled)
+                base_shape[-1] = base_shape[-1] * dtypes.itemsize(st.dtype) // isz
+            unit_elems = math.prod(base_shape[indirect_dim + 1:]) if base_shape else 1
         if vector_offset is not None:
             if indirect_dim != 0:
                 raise NkiValidationError(f"{op}: vector_offset supports only indirect_dim=0, got {indirect_dim}")
@@ -486,7 +603,8 @@ class NkiTensor:
             if not 0 <= indirect_dim < max(len(st.shape), 1):
                 raise NkiValidationError(f"{op}: indirect_dim {indirect_dim} out of range for base shape {list(st.shape)}")
             ind = Indirect("scalar", scalar_offset, indirect_dim, unit_elems * isz)
-        v = NkiTensor(st, dt, shape, bstrides, boff, ind)
+        v = NkiTensor._fast(st, dt, tuple(shape), tuple(bstrides), boff)
+        v.indirect = ind
         if ind is None:
             v._check_bounds(op)
         return v
@@ -504,6 +622,7 @@ def dyn_offset(v):
     st = v.storage
     if isinstance(idx, NkiTensor):
         check_written(idx, "dynamic offset", "scalar_offset")
+        materialize(idx.storage)
         val = int(np.ndarray((), dtype=dtypes.storage(idx.dtype), buffer=idx.storage.data, offset=idx.boffset))
     else:
         val = int(idx.value)
@@ -524,20 +643,69 @@ def dyn_offset(v):
     return off
 
 
+_STORE = {n: dtypes.storage(n) for n in dtypes.ALL}
+_CSTRIDES = {}        # (shape, dtype) -> row-major byte strides
+_RESHAPE = {}         # (shape, byte strides, new shape) -> numpy's no-copy reshape strides, None if impossible
+_ITEMSIZE = {n: dtypes.itemsize(n) for n in dtypes.ALL}
+
+
 def raw(v, boffset=None):
-    """numpy view of the elements of a view (storage dtype of the view); a scalar dynamic offset is resolved."""
+    """numpy view of the elements of a view (storage dtype of the view); a scalar dynamic offset is resolved.
+    Direct views cache it (the storage's data array never changes)."""
+    if v.storage.fresh:
+        materialize(v.storage)
     if boffset is None:
-        boffset = v.boffset if v.indirect is None or v.indirect.kind != "scalar" else dyn_offset(v)
-    return np.ndarray(v.shape, dtype=dtypes.storage(v.dtype), buffer=v.storage.data, offset=boffset,
+        if v.indirect is None:
+            a = v._np
+            if a is None:
+                a = v._np = np.ndarray(v.shape, dtype=_STORE[v.dtype], buffer=v.storage.data, offset=v.boffset,
+                                       strides=v.bstrides)
+            return a
+        boffset = v.boffset if v.indirect.kind != "scalar" else dyn_offset(v)
+    return np.ndarray(v.shape, dtype=_STORE[v.dtype], buffer=v.storage.data, offset=boffset,
                       strides=v.bstrides)
 
 
 def mask(v, arr=None, boffset=None):
+    """Per-byte view ``v.shape + (itemsize,)`` of the written mask (or of ``arr``, e.g. PSUM ``mm``)."""
     st = v.storage
+    if st.fresh:
+        materialize(st)
     if boffset is None:
-        boffset = v.boffset if v.indirect is None or v.indirect.kind != "scalar" else dyn_offset(v)
-    return np.ndarray(tuple(v.shape) + (v.itemsize,), dtype=np.bool_, buffer=arr if arr is not None else st.written,
+        if v.indirect is None:
+            if arr is None:
+                m = v._m
+                if m is None:
+                    m = v._m = np.ndarray(v.shape + (v.itemsize,), dtype=np.bool_, buffer=written_array(st),
+                                          offset=v.boffset, strides=v.bstrides + (1,))
+                return m
+            boffset = v.boffset
+        else:
+            boffset = v.boffset if v.indirect.kind != "scalar" else dyn_offset(v)
+    return np.ndarray(tuple(v.shape) + (v.itemsize,), dtype=np.bool_, buffer=arr if arr is not None else written_array(st),
                       offset=boffset, strides=tuple(v.bstrides) + (1,))
+
+
+def covers(v):
+    """True if the direct view ``v`` addresses every byte of its storage exactly once (a whole-tensor write),
+    False if not or unknown (conservative)."""
+    c = v._cov
+    if c is None:
+        c = False
+        st = v.storage
+        if v.indirect is None and v.boffset == 0 and v.size * v.itemsize == st.nbytes:
+            if v.shape == st.shape and v.bstrides == st.cstrides:
+                v._cov = True
+                return True
+            acc = v.itemsize
+            c = True
+            for s, n in sorted((s, n) for s, n in zip(v.bstrides, v.shape) if n != 1):
+                if s != acc:
+                    c = False
+                    break
+                acc *= n
+        v._cov = c
+    return c
 
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -576,7 +744,7 @@ def first_unwritten(m):
 
 def check_written(v, op, arg, m=None):
     st = v.storage
-    if st.written is None or v.size == 0 or st.full:
+    if st.full or st.data is None or v.size == 0:
         return
     if m is None:
         m = mask(v)

@@ -9,8 +9,8 @@ from .. import hw, ops
 from ..errors import NkiValidationError
 from ..memory import ON_CHIP
 from ..tensor import NkiTensor
-from .common import (Instruction, accumulate, check_enum, column_values, geom, is_scalar, match, read, record,
-                     scalar_or_column, tensor, write)
+from .common import (Instruction, accumulate, check_enum, column_values, geom, is_scalar, mark, match, out_view,
+                     read, record, scalar_or_column, tensor, write)
 from .enums import reduce_cmd as RC
 
 ACT_TABLE = sorted(n for n, o in ops.OPS.items() if o.act is not None and not o.v4)
@@ -64,10 +64,15 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if inst.shape_only:
         return Instruction(opn)
     x = read(opn, "data", data)
-    s = column_values(opn, "scale", skind, scale)
-    x = x * s
+    if skind != "scalar" or scale != 1.0:
+        x = x * column_values(opn, "scale", skind, scale)        # (x * 1.0 == x exactly: skipped)
     if bkind is not None:
         x = x + column_values(opn, "bias", bkind, bias)
+    if (type(o.act) is np.ufunc and reduce_op is None and dst.dtype == "float32" and len(dst.shape) == 2
+            and dst.shape == x.shape):
+        o.act(x, out=out_view(dst))            # fp32 result straight into dst (identical values)
+        mark(dst)
+        return Instruction(opn)
     with QUIET:
         out = np.asarray(o.act(x), dtype=np.float32)
     lanes = slice(start, start + P)

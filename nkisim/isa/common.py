@@ -6,10 +6,10 @@ import numpy as np
 
 from .. import dtypes, hw
 from ..errors import NkiValidationError
-from ..memory import HBM, ON_CHIP, PSUM, SBUF
+from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
 from ..registers import VirtualRegister
 from ..runtime import call_site, current
-from ..tensor import NkiTensor, _extent, check_written, mask, raw
+from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, raw
 from .enums import engine as E, reduce_cmd
 
 ENGINE_NAME = {E.tensor: "PE", E.scalar: "ACT", E.vector: "DVE", E.gpsimd: "POOL", E.dma: "DMA", E.sync: "SP"}
@@ -29,9 +29,9 @@ def check_enum(op, name, value, enum_cls):
 
 
 def tensor(op, name, t, mems=ON_CHIP, eng=None, allow_indirect=False):
-    if not isinstance(t, NkiTensor):
+    if type(t) is not NkiTensor and not isinstance(t, NkiTensor):
         raise TypeError(f"{op}: {name} must be a tensor (NkiTensor), got {type(t).__name__}")
-    if t.buffer not in mems:
+    if t.storage.kind not in mems:
         who = f" ({eng} cannot access {t.buffer.value})" if eng else ""
         raise NkiValidationError(f"{op}: {name} is in {t.buffer.value} ({t.describe()}), expected "
                                  f"{_mems(mems)}{who}")
@@ -52,19 +52,25 @@ def geom(op, name, t, start_rule=True):
     if g is not None and (g[3] or not start_rule):
         return g[:3]
     st = t.storage
-    n = t.shape[0]
+    shape = t.shape
+    n = shape[0]
     if n > hw.PMAX:
         raise NkiValidationError(f"{op}: {name} has {n} partitions, the partition dim is at most {hw.PMAX}")
     R = st.row_bytes
-    if n > 1 and t.bstrides[0] != R:
+    bstr = t.bstrides
+    if n > 1 and bstr[0] != R:
         raise NkiValidationError(f"{op}: {name} view {t.describe()} does not step one partition per index of its "
                                  f"first dim (byte stride {t.bstrides[0]}, partition row is {R} B)")
     p0 = t.boffset // R if R else 0
-    lo, hi = _extent(t.boffset - p0 * R, t.shape[1:], t.bstrides[1:], t.itemsize)
+    if len(shape) == 2 and bstr[1] >= 0:             # common case of _extent, inlined
+        lo = t.boffset - p0 * R
+        hi = lo + bstr[1] * (shape[1] - 1) + t.itemsize if shape[1] else lo
+    else:
+        lo, hi = _extent(t.boffset - p0 * R, shape[1:], bstr[1:], t.itemsize)
     if t.size and (lo < 0 or hi > R):
         raise NkiValidationError(f"{op}: {name} view {t.describe()} crosses a partition boundary in its free dims")
     start = st.address[0] + p0
-    if start_rule and hw.ENFORCE_START_PARTITION and n and start not in hw.legal_start_partitions(n):
+    if start_rule and hw.ENFORCE_START_PARTITION and n and start and start not in hw.legal_start_partitions(n):
         raise NkiValidationError(
             f"{op}: {name} starts at partition {start} with {n} partitions; compute engines require start "
             f"partition in {hw.legal_start_partitions(n)} for {n} partitions (SDK-ARCH start-partition rule; "
@@ -92,22 +98,37 @@ def not_both_psum(op, a_name, a, b_name, b):
 
 
 def is_scalar(x):
+    tx = type(x)
+    if tx is float or tx is int or tx is bool:
+        return True
     return isinstance(x, numbers.Number) and not isinstance(x, bool) or isinstance(x, (bool, np.bool_))
 
 
 # ---- data access ------------------------------------------------------------------------------
 def read_raw(op, name, t, flat=True):
-    if t.storage.data is None:
+    st = t.storage
+    if st.data is None:
         return None
-    check_written(t, op, name)
+    if not st.full:
+        check_written(t, op, name)
     a = raw(t)
-    return a.reshape(t.shape[0], -1) if flat and t.on_chip else a
+    return a.reshape(t.shape[0], -1) if flat and st.onchip and len(t.shape) != 2 else a
 
 
 def read(op, name, t, flat=True):
-    """Engine input: storage values converted to fp32 (ref §8)."""
-    a = read_raw(op, name, t, flat)
-    return None if a is None else a.astype(np.float32)
+    """Engine input: storage values converted to fp32 (ref §8); always a fresh array."""
+    st = t.storage
+    if st.data is None:
+        return None
+    if not st.full:
+        check_written(t, op, name)
+    a = raw(t)
+    if flat and st.onchip and len(t.shape) != 2:
+        a = a.reshape(t.shape[0], -1)
+    return a.astype(np.float32)
+
+
+_DIRECT_FLOAT = frozenset(dtypes.FLOAT - dtypes.PACKED - {"tfloat32"})
 
 
 def write(t, values, exact=False, mm=False):
@@ -115,12 +136,35 @@ def write(t, values, exact=False, mm=False):
     st = t.storage
     if st.data is None:
         return
-    out = raw(t)
-    if exact:
-        out[...] = np.asarray(values).reshape(t.shape)
-    else:
-        out[...] = dtypes.cast(values, t.dtype).reshape(t.shape)
+    v = values if type(values) is np.ndarray else np.asarray(values)
+    if not (exact or v.dtype == _STORE[t.dtype] or (v.dtype.kind == "f" and t.dtype in _DIRECT_FLOAT)):
+        v = dtypes.cast(v, t.dtype)
+    # (a float -> float assignment rounds exactly like dtypes.cast: numpy/ml_dtypes use one cast kernel)
+    if v.shape != t.shape:
+        v = v.reshape(t.shape)
+    if st.fresh and covers(t):
+        st.fresh = False            # overwritten entirely below: no sentinel fill needed (mark sets written)
+    raw(t)[...] = v
     mark(t, mm)
+
+
+def out_view(t):
+    """Writable numpy view of a whole destination that the caller overwrites entirely (fast paths that compute
+    straight into the storage with ``out=``); the caller must call mark(t) afterwards."""
+    st = t.storage
+    if st.fresh and covers(t):
+        st.fresh = False            # overwritten entirely: no sentinel fill needed
+    return raw(t)
+
+
+def ufunc_into(t, fn, *args):
+    """t = fn(*args) computed by the numpy ufunc ``fn`` directly into a float32 destination (same values as
+    computing a temporary and writing it: fp32 in, fp32 out, no second rounding)."""
+    fn(*args, out=out_view(t))
+    mark(t)
+
+
+F32_UFUNC_ARITH = frozenset(("add", "subtract", "multiply", "maximum", "minimum", "divide"))
 
 
 def write_where(t, cond, values):
@@ -132,20 +176,36 @@ def write_where(t, cond, values):
     cond = np.asarray(cond).reshape(t.shape)
     vals = dtypes.cast(values, t.dtype).reshape(t.shape) if values.dtype != out.dtype else values.reshape(t.shape)
     np.copyto(out, vals, where=cond)
-    m = mask(t)
-    m[cond] = True
+    if not st.full:
+        m = mask(t)
+        m[cond] = True
     st.dirty = True
-    if st.mm is not None:
-        mask(t, st.mm)[cond] = False
+    if st.psum and st.mm_state is not False:
+        mask(t, mm_array(st))[cond] = False
+        st.mm_state = None
 
 
 def mark(t, mm=False):
+    """Mark the bytes of view t written (and, in PSUM, whether by a matmul). Whole-storage writes also set
+    ``storage.full`` (every byte written, never reverts) and ``storage.mm_state`` (uniform mm flag), which
+    let later reads skip the per-byte mask."""
     st = t.storage
     if not st.full:
-        mask(t)[...] = True
+        if covers(t):
+            if st.written is not None:
+                st.written.fill(True)
+            st.full = True
+        else:
+            mask(t)[...] = True
     st.dirty = True
-    if st.mm is not None:
-        mask(t, st.mm)[...] = mm
+    if st.psum:
+        # the mm array is meaningful only while mm_state is None (mixed); uniform states live in mm_state
+        mm = bool(mm)
+        if covers(t):
+            st.mm_state = mm
+        elif st.mm_state is not mm:
+            mask(t, mm_array(st))[...] = mm
+            st.mm_state = None
 
 
 def scalar_or_column(op, name, x, P, need_f32=True, eng=None):

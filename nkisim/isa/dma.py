@@ -3,11 +3,11 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import NkiValidationError, OutOfBoundsError
-from ..memory import HBM, ON_CHIP, PSUM, SBUF
+from ..memory import HBM, ON_CHIP, PSUM, SBUF, materialize, written_array
 from ..runtime import current
-from ..tensor import NkiTensor, check_written, element_addresses, first_unwritten, raw
+from ..tensor import NkiTensor, check_written, covers, element_addresses, first_unwritten, raw
 from ..errors import UninitializedReadError
-from .common import Instruction, check_enum, geom, record, tensor
+from .common import Instruction, check_enum, geom, mark, record, tensor
 from .enums import dge_mode as DGE, engine as E, oob_mode as OOB
 
 OP = "dma_copy"
@@ -52,6 +52,7 @@ def _resolve(op, name, t):
 
 
 def _flat(st, dt):
+    materialize(st)
     return np.ndarray((st.nbytes // dtypes.itemsize(dt),), dtype=dtypes.storage(dt), buffer=st.data)
 
 
@@ -130,8 +131,8 @@ def read_view(op, name, t, oob_mode):
     a = np.where(valid, addr, 0)
     if (a % isz).any():
         raise NkiValidationError(f"{op}: {name} gather addresses are not aligned to {t.dtype}")
-    if st.written is not None:
-        w = st.written[a[..., None] + np.arange(isz)].all(-1) | ~valid
+    if st.data is not None:
+        w = written_array(st)[a[..., None] + np.arange(isz)].all(-1) | ~valid
         if not w.all():
             bad = first_unwritten(w[..., None])
             raise UninitializedReadError(f"{op}: {name} gathers never-written memory of {st.describe()} at "
@@ -153,13 +154,21 @@ def write_view(op, name, t, out, valid, oob_mode):
     st = t.storage
     isz = t.itemsize
     if addr is None:
+        from ..tensor import covers, mask
+        if valid is None and st.fresh and covers(view):
+            st.fresh = False        # overwritten entirely below: no sentinel fill needed
         target = raw(view)
-        from ..tensor import mask
-        m = mask(view)
         if valid is None:
             target[...] = out.reshape(view.shape)
-            m[...] = True
+            if not st.full:
+                if covers(view):
+                    if st.written is not None:
+                        st.written.fill(True)
+                    st.full = True
+                else:
+                    mask(view)[...] = True
         else:
+            m = mask(view)
             vm = valid.reshape(view.shape)
             np.copyto(target, out.reshape(view.shape), where=vm)
             m[vm] = True
@@ -170,11 +179,27 @@ def write_view(op, name, t, out, valid, oob_mode):
         if (a % isz).any():
             raise NkiValidationError(f"{op}: {name} scatter addresses are not aligned to {t.dtype}")
         _flat(st, t.dtype)[a // isz] = out[sel]
-        st.written[a[:, None] + np.arange(isz)] = True
+        written_array(st)[a[:, None] + np.arange(isz)] = True
     st.dirty = True
 
 
 def _execute(op, dst, src, oob_mode):
+    if src.indirect is None and dst.indirect is None:
+        # direct views (the common case): the same steps as read_view/write_view without their generality
+        sst = src.storage
+        if not sst.full:
+            check_written(src, op, "src")
+        vals = raw(src)
+        if src.dtype != dst.dtype:
+            vals = dtypes.cast(vals.astype(np.float32), dst.dtype)     # src -> fp32 -> dst (SDK-ISA)
+        if vals.shape != dst.shape:
+            vals = vals.reshape(-1).reshape(dst.shape)
+        dstg = dst.storage
+        if dstg.fresh and covers(dst):
+            dstg.fresh = False          # overwritten entirely below: no sentinel fill needed
+        raw(dst)[...] = vals
+        mark(dst)
+        return
     vals, valid = read_view(op, "src", src, oob_mode)
     if vals is None:
         return
@@ -283,8 +308,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
         _oob(op, "src", src, oob_mode)
     valid = np.broadcast_to(ok.reshape((-1,) + (1,) * (src.ndim - 1)), src.shape)
     a = np.where(valid, addr, 0)
-    if st.written is not None:
-        w = st.written[a[..., None] + np.arange(2)].all(-1) | ~valid
+    if st.data is not None:
+        w = written_array(st)[a[..., None] + np.arange(2)].all(-1) | ~valid
         if not w.all():
             raise UninitializedReadError(f"{op}: src gathers never-written memory of {st.describe()} at view element "
                                          f"{list(first_unwritten(w[..., None]))}")

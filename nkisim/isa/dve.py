@@ -8,8 +8,10 @@ from .. import dtypes, hw, ops
 from ..errors import NkiValidationError
 from ..memory import ON_CHIP, PSUM, SBUF
 from ..tensor import NkiTensor, raw
-from .common import (REACH, Instruction, accumulate, check_enum, column_values, geom, is_scalar, match,
-                     not_both_psum, read, read_raw, record, scalar_or_column, tensor, write, write_where)
+from .common import (F32_UFUNC_ARITH, REACH, Instruction, accumulate, check_enum, column_values, geom, is_scalar,
+                     mark, match, not_both_psum, out_view, read, read_raw, record, scalar_or_column, tensor,
+                     ufunc_into, write, write_where)
+from .common import _DIRECT_FLOAT
 from .enums import engine as E, reduce_cmd as RC
 
 F32 = np.float32
@@ -44,8 +46,7 @@ def _engine_of(where, engine, default, allowed):
     check_enum(where, "engine", engine, E)
     if engine == E.unknown:
         return default
-    names = {E.vector: "DVE", E.gpsimd: "POOL", E.scalar: "ACT"}
-    eng = names.get(engine)
+    eng = "DVE" if engine is E.vector else "POOL" if engine is E.gpsimd else "ACT" if engine is E.scalar else None
     if eng not in allowed:
         raise NkiValidationError(f"{where}: engine={engine} not supported; expected one of "
                                  f"{', '.join(a for a in allowed)} engines")
@@ -83,6 +84,12 @@ def tensor_tensor(dst, data1, data2, op, engine=E.unknown, name=None):
                 raise NkiValidationError(f"{w}: bitvec op {o!r} needs integer dtypes, {nm} is {t.dtype}")
     inst = record(w, eng, reads=[("data1", data1), ("data2", data2)], writes=[("dst", dst)], alu=o.name)
     if inst.shape_only:
+        return Instruction(w)
+    if (dst.dtype == "float32" and data1.dtype == "float32" and data2.dtype == "float32" and
+            o.name in F32_UFUNC_ARITH and dst.shape == data1.shape == data2.shape):
+        # fast path: fp32 everywhere, same shapes -> compute straight into dst (identical values)
+        a, b = read_raw(w, "data1", data1, flat=False), read_raw(w, "data2", data2, flat=False)
+        ufunc_into(dst, o.fn, a, b)
         return Instruction(w)
     a, b = read_raw(w, "data1", data1), read_raw(w, "data2", data2)
     if o.kind == "bitvec":
@@ -164,6 +171,22 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
             operand = None if k == "none" else (int(v) if k == "scalar" else read_raw(w, "operand", v).astype(np.int64))
             x = _apply(o, x, operand, rev)
         write(dst, _from_bits(x, dst).reshape(dst.shape), exact=True)
+        return Instruction(w)
+    if (dst.dtype == "float32" and data.dtype == "float32" and dst.shape == data.shape and len(dst.shape) == 2
+            and o0.name in F32_UFUNC_ARITH and (o1 is None or o1.name in F32_UFUNC_ARITH)):
+        # fast path: fp32 in and out, 2-D, binary arithmetic -> compute straight into dst (identical values)
+        x = read_raw(w, "data", data)
+        vals = [None if o is None else column_values(w, "operand", k, v)
+                for o, (k, v) in ((o0, kinds[0]), (o1, kinds[1]))]
+        out = out_view(dst)
+        for o, val, rev in ((o0, vals[0], reverse0), (o1, vals[1], reverse1)):
+            if o is not None:
+                if rev:
+                    o.fn(val, x, out=out)
+                else:
+                    o.fn(x, val, out=out)
+                x = out
+        mark(dst)
         return Instruction(w)
     x = read(w, "data", data)
     with QUIET:
@@ -309,6 +332,9 @@ def memset(dst, value, engine=E.unknown, name=None):
         return Instruction(w)
     if dtypes.is_int(dst.dtype):
         write(dst, np.full(dst.shape, int(value), dtype=np.int64))
+    elif dst.dtype in _DIRECT_FLOAT:
+        out_view(dst)[...] = F32(value)     # the fp32 value rounded to dst (same cast as write())
+        mark(dst)
     else:
         write(dst, np.full(dst.shape, value, dtype=F32))
     return Instruction(w)

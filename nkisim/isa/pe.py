@@ -7,7 +7,7 @@ from .. import hw
 from ..errors import NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
 from ..tensor import _extent, elem_mask, mask, raw
-from .common import Instruction, check_enum, geom, match, read, read_raw, record, tensor, write
+from .common import Instruction, check_enum, geom, mark, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
 
 MATMUL_IN = ("float8_e4m3", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32")   # trn2 (SDK-ISA)
@@ -158,7 +158,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         return Instruction(op)
     if is_transpose:
         return _run_transpose(op, dst, stationary, moving, K, M)
-    S, Mv = read(op, "stationary", stationary), read(op, "moving", moving)
+    S, Mv = _operand(op, "stationary", stationary), _operand(op, "moving", moving)
     if stationary.dtype == "tfloat32":
         S = _tf32(S)
     if moving.dtype == "tfloat32":
@@ -168,32 +168,57 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         Mv = Mv.reshape(K * 2, N)
     res = np.matmul(S.T, Mv)          # fp32 x fp32 -> fp32 through BLAS sgemm (a dtype= argument bypasses BLAS)
     st = dst.storage
-    written = elem_mask(dst).reshape(M, N)
-    mm = elem_mask(dst, st.mm).reshape(M, N)
-    if accumulate is None:
-        acc = mm
-        if (written & ~mm).any():
-            old = raw(dst).astype(np.float32).reshape(M, N)
-            if np.any(old[written & ~mm] != 0):
-                warnings.warn(f"{op}: dst holds non-zero values written by a non-matmul instruction; auto "
-                              f"accumulation overwrites them here, on trn2 accumulating onto them is undefined",
-                              stacklevel=2)
-    elif accumulate:
-        if not written.all():
-            bad = np.argwhere(~written)[0]
-            raise UninitializedReadError(f"{op}: accumulate=True into never-written PSUM of {st.describe()} at dst "
-                                         f"element {list(bad)} (the first matmul of a group must overwrite)")
-        if not mm.all():
-            warnings.warn(f"{op}: accumulate=True onto PSUM last written by a non-matmul instruction is undefined "
-                          f"on trn2 (ref §5.2)", stacklevel=2)
-        acc = np.ones_like(mm)
+    # acc: where to add onto the old PSUM value. Uniform storage states (storage.full / storage.mm_state, see
+    # common.mark) answer the mask questions without building per-element masks.
+    if accumulate is False:
+        acc = False
     else:
-        acc = np.zeros_like(mm)
-    if acc.any():
+        mm_state = st.mm_state
+        if mm_state is True:                      # every element last written by a matmul (so written too)
+            written = mm = True
+        else:
+            written = True if st.full else elem_mask(dst).reshape(M, N)
+            mm = False if mm_state is False else elem_mask(dst, st.mm).reshape(M, N)
+        if accumulate is None:
+            acc = mm
+            stray = (written if mm is False else written & ~mm) if written is not True or mm is not True else False
+            if stray is not False and (stray is True or stray.any()):
+                old = raw(dst).astype(np.float32).reshape(M, N)
+                if np.any(old[np.broadcast_to(stray, (M, N))] != 0):
+                    warnings.warn(f"{op}: dst holds non-zero values written by a non-matmul instruction; auto "
+                                  f"accumulation overwrites them here, on trn2 accumulating onto them is undefined",
+                                  stacklevel=2)
+        else:
+            if written is not True and not written.all():
+                bad = np.argwhere(~written)[0]
+                raise UninitializedReadError(f"{op}: accumulate=True into never-written PSUM of {st.describe()} at "
+                                             f"dst element {list(bad)} (the first matmul of a group must overwrite)")
+            if mm is not True and (mm is False or not mm.all()):
+                warnings.warn(f"{op}: accumulate=True onto PSUM last written by a non-matmul instruction is undefined "
+                              f"on trn2 (ref §5.2)", stacklevel=2)
+            acc = True
+    if acc is True:
+        d = raw(dst)
+        if d.shape == res.shape:             # 2-D [M, N] fp32 dst: accumulate in place (same fp32 sum)
+            np.add(d, res, out=d)
+            mark(dst, mm=True)
+            return Instruction(op)
+        res = d.astype(np.float32).reshape(M, N) + res
+    elif acc is not False and acc.any():
         old = raw(dst).astype(np.float32).reshape(M, N)
         res = np.where(acc, old + res, res)
     write(dst, res, mm=True)
     return Instruction(op)
+
+
+def _operand(op, name, t):
+    """fp32 matmul operand [K, free]: the storage itself when it is already a contiguous aligned fp32 2-D view
+    (np.matmul then takes the same BLAS sgemm path as with a copy), else an fp32 copy."""
+    if t.dtype == "float32" and len(t.shape) == 2:
+        a = read_raw(op, name, t)
+        if a is not None and a.flags.c_contiguous and a.flags.aligned:
+            return a
+    return read(op, name, t)
 
 
 def _run_transpose(op, dst, stationary, moving, K, M):

@@ -1,5 +1,7 @@
 """GpSimd instructions: iota, affine_select, tensor_partition_reduce, local_gather, nc_n_gather, topk,
 nonzero_with_count (ref §5.5-§5.7, SDK-ISA)."""
+import math
+
 import numpy as np
 
 from .. import dtypes, ops
@@ -11,14 +13,28 @@ from .common import Instruction, geom, read, read_raw, record, reg_value, tensor
 F32 = np.float32
 
 
+_PATTERNS = {}        # (pattern, P, F, offset, channel multiplier) -> read-only int64 [P, F] values
+
+
 def _pattern_values(w, pattern, P, F, offset, cm):
     try:
         pat = [[int(s), int(n)] for s, n in pattern]
     except (TypeError, ValueError):
         raise TypeError(f"{w}: pattern must be a list of [step, num] pairs, got {pattern!r}") from None
+    key = (tuple(map(tuple, pat)), P, F, offset, cm)
+    v = _PATTERNS.get(key)
+    if v is None:
+        v = _PATTERNS[key] = _pattern_compute(w, pat, P, F, offset, cm)
+        v.setflags(write=False)
+        if len(_PATTERNS) > 1024:
+            _PATTERNS.clear()
+    return v
+
+
+def _pattern_compute(w, pat, P, F, offset, cm):
     if not 1 <= len(pat) <= 4:
         raise NkiValidationError(f"{w}: pattern has {len(pat)} dims, expected 1..4")
-    n = int(np.prod([p[1] for p in pat]))
+    n = math.prod([p[1] for p in pat])
     if n != F:
         raise NkiValidationError(f"{w}: pattern {pat} produces {n} elements per partition but dst has {F}")
     v = np.zeros([p[1] for p in pat], np.int64) + offset
