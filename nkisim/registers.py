@@ -4,13 +4,25 @@ from .errors import NkiValidationError
 
 class VirtualRegister:
     """A 32-bit runtime register. ``bool(reg)`` supports the deprecated ``while reg:`` loop.
-    In shape-only mode a register loaded from memory holds the placeholder 0 (``placeholder`` True)."""
-    __slots__ = ("value", "frozen", "placeholder")
+    In shape-only mode a register loaded from memory holds the placeholder 0 (``placeholder`` True).
+
+    Registers are virtual (SDK-ISA register_alloc: "Users do not need to explicitly free a register ... The NKI
+    compiler handles physical register allocation (and deallocation)"): one made by ``register_alloc`` counts
+    against its instance's 64 physical registers only while it is alive, i.e. until the Python object is
+    garbage-collected (``owner`` is that instance, None for registers that are not register_alloc'd)."""
+    __slots__ = ("value", "frozen", "placeholder", "owner")
 
     def __init__(self, state=None, frozen=False):
         self.value = 0 if state is None else _scalar(state, "register_alloc")
         self.frozen = frozen
         self.placeholder = False
+        self.owner = None
+
+    def __del__(self):
+        o = self.owner
+        if o is not None:
+            self.owner = None
+            o.live_registers -= 1
 
     def __bool__(self):
         return self.value != 0

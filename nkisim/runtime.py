@@ -278,7 +278,7 @@ class Instance:
         self.shared_count = 0
         self.act_regs = np.zeros(hw.PMAX, np.float32)   # ACT accumulator registers (ref §5.0)
         self.dve_regs = np.zeros(hw.PMAX, np.float32)   # DVE accumulator registers
-        self.n_registers = 0
+        self.live_registers = 0                         # live register_alloc'd VirtualRegisters (<= 64)
         self.n_alloc = 0
         self.cc_seq = {}                                # collective call counters per rank-list
         self.wake = threading.Lock()                    # held while the instance sleeps (see World._sleep)

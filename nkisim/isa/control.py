@@ -20,12 +20,17 @@ def get_nc_sub_version():
 
 
 def register_alloc(x=None):
+    """A virtual register; at most hw.NUM_REGISTERS (64) may be live at once per instance (see VirtualRegister:
+    a register is freed when its Python object goes away, as the compiler frees dead virtual registers)."""
     inst = current("register_alloc")
-    inst.n_registers += 1
-    if inst.n_registers > hw.NUM_REGISTERS:
-        raise NkiValidationError(f"register_alloc: {inst.n_registers} registers allocated, an engine sequencer has "
-                                 f"{hw.NUM_REGISTERS}")
-    return VirtualRegister(x)
+    if inst.live_registers >= hw.NUM_REGISTERS:
+        raise NkiValidationError(f"register_alloc: {inst.live_registers + 1} registers live at once; an engine "
+                                 f"sequencer has {hw.NUM_REGISTERS} (registers are virtual and freed when no longer "
+                                 f"referenced: drop the ones you no longer need)")
+    r = VirtualRegister(x)
+    inst.live_registers += 1
+    r.owner = inst
+    return r
 
 
 def _reg(op, name, r):
