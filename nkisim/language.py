@@ -137,9 +137,27 @@ def shared_constant(constant):
 
 
 def shared_identity_matrix(n, dtype=uint8, dst=None):
+    """An n x n identity in SBUF. SDK-NL: "same behavior as nki.language.shared_constant ... The compiler will reuse
+    all the identity matrices of the same dtype in the graph": one constant, loaded once. So per program instance
+    (core) and launch, the first call for an (n, dtype) allocates the SBUF tensor and traces one DMA of the NEFF
+    constant (``constant: True``; bytes under the memory kind "const"), later calls return that same tensor and
+    trace nothing. With ``dst=`` the constant is loaded into ``dst`` on every call."""
     from .isa.common import record, write
-    t = dst if dst is not None else ndarray((n, n), dtype, sbuf, "identity")
-    record("shared_identity_matrix", "POOL", writes=[("dst", t)])
+    inst = _current("nl.shared_identity_matrix")
+    dt = _dt.normalize(dtype, "nl.shared_identity_matrix")
+    if dst is None:
+        key = (int(n), dt)
+        t = inst.identities.get(key)
+        if t is not None:
+            return t
+        t = inst.identities[key] = ndarray((n, n), dt, sbuf, "identity")
+    else:
+        t = dst
+    nbytes = t.size * t.itemsize
+    record("shared_identity_matrix", "DMA", writes=[("dst", t)], constant=True)
+    if inst.launch.traces and inst.last_recs:
+        for _, r in inst.last_recs:
+            r["bytes"]["const"] = {"read": nbytes, "write": 0}
     if t.storage.data is not None:
         write(t, np.eye(n, dtype=np.float32))
     return t
@@ -199,22 +217,40 @@ def _bound(x, op):
     raise TypeError(f"{op}: bounds must be ints or VirtualRegisters, got {type(x).__name__}")
 
 
+@contextlib.contextmanager
+def _runtime_loop(op, *bounds):
+    """Marks the instructions issued inside a runtime loop: its id joins ``inst.loops`` (depends_on placement
+    rule) and its register bounds ``inst.loop_regs`` (traced as ``reg_reads`` of every body instruction: the
+    loop cannot start before the registers are written)."""
+    inst = _current(op)
+    inst.n_loops += 1
+    saved = inst.loops, inst.loop_regs
+    inst.loops = saved[0] + (inst.n_loops,)
+    inst.loop_regs = saved[1] + tuple(b for b in bounds if isinstance(b, VirtualRegister))
+    try:
+        yield inst
+    finally:
+        inst.loops, inst.loop_regs = saved
+
+
 def dynamic_range(start, stop=None, step=1):
     """Deprecated (0.6.0) runtime loop; yields read-only registers."""
     if stop is None:
         start, stop = 0, start
     if not isinstance(step, int) or step <= 0:
         raise NkiValidationError(f"nl.dynamic_range: step must be a positive compile-time int, got {step!r}")
-    for i in builtins.range(_bound(start, "nl.dynamic_range"), _bound(stop, "nl.dynamic_range"), step):
-        yield VirtualRegister(i, frozen=True)
+    with _runtime_loop("nl.dynamic_range", start, stop):
+        for i in builtins.range(_bound(start, "nl.dynamic_range"), _bound(stop, "nl.dynamic_range"), step):
+            yield VirtualRegister(i, frozen=True)
 
 
 def fori_loop(lower, upper, body_fun, step=1):
     """Runtime counted loop: body_fun(i) for i in range(lower, upper, step); i is a read-only register."""
     if not isinstance(step, int) or step == 0:
         raise NkiValidationError(f"nl.fori_loop: step must be a non-zero compile-time int, got {step!r}")
-    for i in builtins.range(_bound(lower, "nl.fori_loop"), _bound(upper, "nl.fori_loop"), step):
-        body_fun(VirtualRegister(i, frozen=True))
+    with _runtime_loop("nl.fori_loop", lower, upper):
+        for i in builtins.range(_bound(lower, "nl.fori_loop"), _bound(upper, "nl.fori_loop"), step):
+            body_fun(VirtualRegister(i, frozen=True))
 
 
 def while_loop(init, body_fun):
@@ -222,10 +258,13 @@ def while_loop(init, body_fun):
     if not isinstance(init, VirtualRegister):
         raise TypeError("nl.while_loop: init must be a VirtualRegister")
     r = init
-    while r.value != 0:
-        r = body_fun(r)
-        if not isinstance(r, VirtualRegister):
-            raise TypeError("nl.while_loop: body_fun must return a VirtualRegister")
+    with _runtime_loop("nl.while_loop", init) as inst:
+        base = inst.loop_regs[:-1]
+        while r.value != 0:
+            inst.loop_regs = base + (r,)      # the body runs on the current condition register
+            r = body_fun(r)
+            if not isinstance(r, VirtualRegister):
+                raise TypeError("nl.while_loop: body_fun must return a VirtualRegister")
 
 
 @contextlib.contextmanager

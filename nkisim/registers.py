@@ -9,14 +9,17 @@ class VirtualRegister:
     Registers are virtual (SDK-ISA register_alloc: "Users do not need to explicitly free a register ... The NKI
     compiler handles physical register allocation (and deallocation)"): one made by ``register_alloc`` counts
     against its instance's 64 physical registers only while it is alive, i.e. until the Python object is
-    garbage-collected (``owner`` is that instance, None for registers that are not register_alloc'd)."""
-    __slots__ = ("value", "frozen", "placeholder", "owner")
+    garbage-collected (``owner`` is that instance, None for registers that are not register_alloc'd).
+    ``id`` names the register in the trace (``reg_writes`` / ``reg_reads``): a per-instance number given at its
+    first traced use, 0 before."""
+    __slots__ = ("value", "frozen", "placeholder", "owner", "id")
 
     def __init__(self, state=None, frozen=False):
         self.value = 0 if state is None else _scalar(state, "register_alloc")
         self.frozen = frozen
         self.placeholder = False
         self.owner = None
+        self.id = 0
 
     def __del__(self):
         o = self.owner

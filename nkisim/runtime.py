@@ -69,6 +69,41 @@ QUIET = contextlib.nullcontext()
 DEFAULT_TIMEOUT = float(os.environ.get("NKISIM_TIMEOUT", "600"))   # seconds of wall clock per launch
 
 
+_STACK_STOP = (os.path.join(_PKG_DIR, "runtime.py"), os.path.join(_PKG_DIR, "jit.py"))
+_FRAME_NAMES = {}   # (code, line) -> "file:line:function"
+STACK_DEPTH = 12    # kernel frames kept in a trace record's "stack"
+
+
+def kernel_stack():
+    """(loc, stack) of the ISA call being traced: ``loc`` = "file:line" of the innermost kernel frame (outside
+    nkisim), ``stack`` = "file:line:function" of the kernel frames from there outwards up to the kernel entry
+    (nkisim frames in between, e.g. nl.fori_loop, are skipped), at most STACK_DEPTH."""
+    f = sys._getframe(2)
+    out = []
+    while f is not None and len(out) < STACK_DEPTH:
+        code = f.f_code
+        fn = code.co_filename
+        b = _BASENAMES.get(fn, 0)
+        if b == 0:
+            b = _BASENAMES[fn] = None if fn.startswith(_PKG_DIR) else os.path.basename(fn)
+        if b is None:
+            if fn in _STACK_STOP:
+                break
+        else:
+            key = (code, f.f_lineno)
+            s = _FRAME_NAMES.get(key)
+            if s is None:
+                if len(_FRAME_NAMES) > 65536:
+                    _FRAME_NAMES.clear()
+                s = _FRAME_NAMES[key] = f"{b}:{f.f_lineno}:{code.co_name}"
+            out.append(s)
+        f = f.f_back
+    if not out:
+        return call_site(), []
+    s = out[0]
+    return s[:s.rindex(":")], out
+
+
 def _where(frame):
     """file:line of the innermost kernel frame (outside nkisim) of a thread's current frame."""
     f = frame
@@ -102,7 +137,9 @@ class World:
         for g, i in enumerate(self.instances):
             i.gid = g
         self.trace_rec = {"kernel": kernel_name, "tp": tp, "lnc": lnc, "shape_only": shape_only}
+        self.trace_slots = []      # (trace, index of this launch in trace.launches): records carry "launch"
         for t in self.traces:
+            self.trace_slots.append((t, len(t.launches)))
             t.launches.append(self.trace_rec)
 
     def record_memory(self):
@@ -239,9 +276,20 @@ class Launch:
 
     # ---- tracing ---------------------------------------------------------------------------
     def record(self, rec):
+        """Append an instruction record to every active trace; returns [(trace, stored record), ...]."""
         rec["rank"] = self.rank
-        for t in self.traces:
-            t._add(dict(rec))
+        slots = self.world.trace_slots
+        if len(slots) == 1:                 # the usual single capture: no copy
+            t, rec["launch"] = slots[0]
+            t._add(rec)
+            return [(t, rec)]
+        out = []
+        for t, li in slots:
+            r = dict(rec)
+            r["launch"] = li
+            t._add(r)
+            out.append((t, r))
+        return out
 
     # ---- shared HBM aliasing ---------------------------------------------------------------
     def shared_alloc(self, inst, shape, dtype, name):
@@ -279,6 +327,12 @@ class Instance:
         self.act_regs = np.zeros(hw.PMAX, np.float32)   # ACT accumulator registers (ref §5.0)
         self.dve_regs = np.zeros(hw.PMAX, np.float32)   # DVE accumulator registers
         self.live_registers = 0                         # live register_alloc'd VirtualRegisters (<= 64)
+        self.reg_ids = 0                                # trace names of registers (common.reg_id)
+        self.loops = ()                                 # ids of the enclosing runtime loops (innermost last)
+        self.loop_regs = ()                             # registers bounding them (traced as reg_reads)
+        self.n_loops = 0
+        self.last_recs = None                           # trace records of the last instruction (Instruction)
+        self.identities = {}                            # nl.shared_identity_matrix: (n, dtype) -> tensor
         self.n_alloc = 0
         self.cc_seq = {}                                # collective call counters per rank-list
         self.wake = threading.Lock()                    # held while the instance sleeps (see World._sleep)
@@ -349,8 +403,10 @@ class Instance:
             rec = {"rank": self.launch.rank, "inst": self.pid, "buf": st.id, "mem": st.kind.value, "name": st.name,
                    "shape": list(st.shape), "dtype": st.dtype, "bytes": st.nbytes, "address": list(st.address),
                    "loc": call_site()}
-            for t in self.launch.traces:
-                t._alloc(rec)
+            for t, li in self.world.trace_slots:
+                r = dict(rec)
+                r["launch"] = li
+                t._alloc(r)
 
 
 def _run_instance(world, inst, fn, args, kwargs, results):

@@ -10,8 +10,11 @@ Usage::
 A region is ``{"buf": storage id, "mem": "sbuf"|"psum"|"shared_hbm"|"private_hbm", "name": tensor name,
 "inst": owning instance (None for shared HBM), "part": [first_partition, n] (on-chip only, physical),
 "bytes": [lo, hi)}`` -- on-chip byte ranges are physical byte addresses within each partition, HBM
-ranges are byte offsets inside the allocation. Indirect (gather/scatter) accesses record the whole
-indexed extent and ``"indirect": "vector"|"scalar"`` so the trace does not depend on data.
+ranges are byte offsets inside the allocation. Dynamic accesses carry ``"indirect": "vector"|"scalar"``:
+gathers/scatters (vector) record the whole indexed extent; a scalar dynamic offset records, when executing, the
+region actually accessed (``"resolved": true``, the whole-tensor span kept in ``"extent"``) and in shape-only
+mode the whole tensor (``"resolved": false``). ``Trace.comparable()`` maps both to the data-independent form.
+See nkisim/README.md "Trace" for the instruction fields (stack, launch, reg_reads/reg_writes, depends_on, ...).
 """
 import contextlib
 import json
@@ -59,11 +62,18 @@ class Trace:
         return s
 
     def comparable(self):
-        """The trace without storage ids (ids differ between runs); for equality tests."""
+        """The data-independent part of the trace, for equality tests: no storage ids (they differ between runs)
+        and, for resolved dynamic offsets, the data-independent ``extent`` instead of the accessed region (so an
+        executing trace equals its shape-only trace and does not depend on offset values)."""
+        def reg(g):
+            out = {k: v for k, v in g.items() if k not in ("buf", "resolved", "extent")}
+            out.update(g.get("extent", {}))
+            return out
+
         def strip(r):
             r = dict(r)
             for k in ("reads", "writes"):
-                r[k] = [{kk: vv for kk, vv in reg.items() if kk != "buf"} for reg in r[k]]
+                r[k] = [reg(g) for g in r[k]]
             return r
         return [strip(r) for r in self.instructions]
 

@@ -8,7 +8,7 @@ from .. import dtypes, hw
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
 from ..registers import VirtualRegister
-from ..runtime import call_site, current
+from ..runtime import call_site, current, current_or_none, kernel_stack
 from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, raw
 from .enums import engine as E, reduce_cmd
 
@@ -233,32 +233,68 @@ def column_values(op, name, kind, x):
 
 # ---- trace -------------------------------------------------------------------------------------
 _MEMNAME = {k: k.value for k in (SBUF, PSUM) + HBM}     # enum .value is a slow descriptor
+def _span(t, boffset, r):
+    """part/bytes of a direct access at byte offset ``boffset`` (see trace.py for the region format)."""
+    st = t.storage
+    if st.onchip:
+        R = st.row_bytes
+        p0 = boffset // R if R else 0
+        lo2, hi2 = _extent(boffset - p0 * R, t.shape[1:], t.bstrides[1:], t.itemsize)
+        r["part"] = [st.address[0] + p0, t.shape[0]]
+        r["bytes"] = [st.address[1] + lo2, st.address[1] + hi2]
+    else:
+        r["bytes"] = list(_extent(boffset, t.shape, t.bstrides, t.itemsize))
+    return r
+
+
+def _resolved_offset(t):
+    """Byte offset a scalar dynamic offset resolves to right now, or None when it is not known (shape-only mode,
+    placeholder register, unwritten index) or out of bounds (the instruction itself reports / skips that)."""
+    from ..tensor import dyn_offset
+    st = t.storage
+    idx = t.indirect.index
+    if st.data is None or getattr(idx, "placeholder", False):
+        return None
+    if isinstance(idx, NkiTensor) and (idx.storage.data is None or not (idx.storage.full or mask(idx).all())):
+        return None
+    try:
+        return dyn_offset(t)
+    except NkiValidationError:
+        return None
+
+
 def region(t, name):
     st = t.storage
     mem = _MEMNAME[st.kind]
     r = {"arg": name, "buf": st.id, "mem": mem, "name": st.name, "inst": st.owner if mem != "shared_hbm" else None}
-    onchip = mem in ("sbuf", "psum")
-    isz = t.itemsize
     if t.indirect is not None:
+        # data-independent extent: the whole indexed tensor (what shape-only mode records) ...
         r["indirect"] = t.indirect.kind
-        if onchip:
+        if st.onchip:
             r["part"] = [st.address[0], st.partitions]
             r["bytes"] = [st.address[1], st.address[1] + st.row_bytes]
         else:
             r["bytes"] = [0, st.nbytes]
+        # ... and, executing a scalar dynamic offset, the region actually accessed ("extent" keeps the former)
+        off = _resolved_offset(t) if t.indirect.kind == "scalar" else None
+        r["resolved"] = off is not None
+        if off is not None:
+            r["extent"] = {k: r[k] for k in ("part", "bytes") if k in r}
+            _span(t, off, r)
         return r
-    if onchip:
-        R = st.row_bytes
-        p0 = t.boffset // R if R else 0
-        lo2, hi2 = _extent(t.boffset - p0 * R, t.shape[1:], t.bstrides[1:], isz)
-        r["part"] = [st.address[0] + p0, t.shape[0]]
-        r["bytes"] = [st.address[1] + lo2, st.address[1] + hi2]
-    else:
-        r["bytes"] = list(_extent(t.boffset, t.shape, t.bstrides, isz))
-    return r
+    return _span(t, t.boffset, r)
 
 
-def record(op, eng, reads=(), writes=(), **extra):
+def reg_id(inst, reg):
+    """Trace name of a register: a per-instance number given at its first traced use (deterministic)."""
+    if not reg.id:
+        inst.reg_ids += 1
+        reg.id = inst.reg_ids
+    return reg.id
+
+
+def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
+    """Check the launch is alive and, when tracing, append one instruction record (see trace.py / README)."""
     inst = current(op)
     launch = inst.launch
     if launch.world.aborted is not None:
@@ -268,6 +304,8 @@ def record(op, eng, reads=(), writes=(), **extra):
         return inst
     shapes, dts, moved = {}, {}, {}
     regs_r, regs_w = [], []
+    rr = [r for r in reg_reads if isinstance(r, VirtualRegister)]
+    index_reads = []
     for lst, out, key in ((reads, regs_r, "read"), (writes, regs_w, "write")):
         for name, t in lst:
             if not isinstance(t, NkiTensor):
@@ -277,21 +315,75 @@ def record(op, eng, reads=(), writes=(), **extra):
             m = moved.setdefault(_MEMNAME[t.storage.kind], {"read": 0, "write": 0})
             m[key] += t.size * t.itemsize
             out.append(region(t, name))
-    rec = {"inst": inst.pid, "engine": eng, "op": op, "loc": call_site(), "shapes": shapes, "dtypes": dts,
+            ind = t.indirect
+            if ind is not None:     # the offset source is read too: an index tile or a register
+                if isinstance(ind.index, NkiTensor):
+                    index_reads.append((f"{name}.{ind.kind}_offset", ind.index))
+                elif isinstance(ind.index, VirtualRegister):
+                    rr.append(ind.index)
+    for name, t in index_reads:
+        shapes[name] = list(t.shape)
+        dts[name] = t.dtype
+        m = moved.setdefault(_MEMNAME[t.storage.kind], {"read": 0, "write": 0})
+        m["read"] += t.size * t.itemsize
+        regs_r.append(region(t, name))
+    loc, stack = kernel_stack()
+    rec = {"inst": inst.pid, "engine": eng, "op": op, "loc": loc, "stack": stack, "shapes": shapes, "dtypes": dts,
            "bytes": moved, "reads": regs_r, "writes": regs_w}
+    rr.extend(inst.loop_regs)           # registers bounding the enclosing runtime loops
+    if rr:
+        ids = []
+        for r in rr:
+            i = reg_id(inst, r)
+            if i not in ids:
+                ids.append(i)
+        rec["reg_reads"] = ids
+    if reg_writes:
+        rec["reg_writes"] = [reg_id(inst, r) for r in reg_writes]
     rec.update(extra)
-    launch.record(rec)
+    inst.last_recs = launch.record(rec)
     return inst
 
 
 class Instruction:
-    """Handle returned by every ISA call (SDK-ISA NkiInstruction); depends_on is scheduling-only."""
-    __slots__ = ("op",)
+    """Handle returned by every ISA call (SDK-ISA NkiInstruction). ``depends_on`` adds scheduling edges: they do
+    not change what an in-order interpreter computes, but they are recorded in the trace (``depends_on``: the
+    producers' ``seq``) and the documented placement rule is checked (SDK-ISA NkiInstruction.depends_on: "both
+    instructions must sit at the same dynamic-loop nesting (or the producer in an enclosing scope). You cannot
+    wire an edge into or out of a dynamic loop (nl.fori_loop / nl.while_loop)")."""
+    __slots__ = ("op", "loops", "recs")
 
     def __init__(self, op):
         self.op = op
+        inst = current_or_none()
+        if inst is None:
+            self.loops, self.recs = (), None
+            return
+        self.loops = inst.loops
+        recs = inst.last_recs
+        if recs is not None:
+            inst.last_recs = None
+            if recs[0][1]["op"] != op:
+                recs = None
+        self.recs = recs
 
     def depends_on(self, *producers):
+        for p in producers:
+            if not isinstance(p, Instruction):
+                raise TypeError(f"{self.op}.depends_on: producers must be instruction handles returned by nki.isa "
+                                f"calls, got {type(p).__name__}")
+            if p.loops != self.loops[:len(p.loops)]:
+                raise NkiValidationError(
+                    f"{self.op}.depends_on({p.op}): the producer is inside a dynamic loop (nl.fori_loop / "
+                    f"nl.while_loop / nl.dynamic_range) that does not enclose this instruction; an edge cannot be wired "
+                    f"into or out of a dynamic loop (SDK-ISA NkiInstruction.depends_on)")
+            if self.recs and p.recs:
+                for t, r in self.recs:
+                    for t2, r2 in p.recs:
+                        if t is t2:
+                            deps = r.setdefault("depends_on", [])
+                            if r2["seq"] not in deps:
+                                deps.append(r2["seq"])
         return self
 
 

@@ -44,7 +44,7 @@ def register_move(dst, src):
     _reg(op, "dst", dst)
     if dst.frozen:
         raise NkiValidationError(f"{op}: dst is a read-only loop induction register")
-    record(op, "SP")
+    record(op, "SP", reg_reads=(src,), reg_writes=(dst,))
     dst.value = src.value if isinstance(src, VirtualRegister) else _scalar(src, op)
     dst.placeholder = isinstance(src, VirtualRegister) and src.placeholder
     return Instruction(op)
@@ -64,7 +64,7 @@ def register_load(dst, src):
     _one(op, "src", src)
     if dst.frozen:
         raise NkiValidationError(f"{op}: dst is a read-only loop induction register")
-    inst = record(op, "SP", reads=[("src", src)])
+    inst = record(op, "SP", reads=[("src", src)], reg_writes=(dst,))
     if inst.shape_only:
         dst.value, dst.placeholder = 0, True        # documented placeholder: data-dependent values read as 0
         return Instruction(op)
@@ -78,7 +78,7 @@ def register_store(dst, src):
     op = "register_store"
     _one(op, "dst", dst)
     _reg(op, "src", src)
-    inst = record(op, "SP", writes=[("dst", dst)])
+    inst = record(op, "SP", writes=[("dst", dst)], reg_reads=(src,))
     if inst.shape_only:
         return Instruction(op)
     write(dst, np.array([src.value]))

@@ -53,7 +53,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     off = reg_value(offset, w, "offset")
     cm = reg_value(channel_multiplier, w, "channel_multiplier")
     vals = _pattern_values(w, pattern, P, F, off, cm)
-    inst = record(w, "POOL", writes=[("dst", dst)])
+    inst = record(w, "POOL", writes=[("dst", dst)], reg_reads=(offset, channel_multiplier))
     if inst.shape_only:
         return Instruction(w)
     vals = ((vals + 2 ** 31) % 2 ** 32) - 2 ** 31          # int32 arithmetic
@@ -78,7 +78,8 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
         raise TypeError(f"{w}: on_false_value must be a scalar, got {type(on_false_value).__name__}")
     off = reg_value(offset, w, "offset")
     vals = _pattern_values(w, pattern, P, F, off, int(channel_multiplier))
-    inst = record(w, "POOL", reads=[("on_true_tile", on_true_tile)], writes=[("dst", dst)], cmp=c.name)
+    inst = record(w, "POOL", reads=[("on_true_tile", on_true_tile)], writes=[("dst", dst)], cmp=c.name,
+                  reg_reads=(offset,))
     if inst.shape_only:
         return Instruction(w)
     keep = c.fn(vals.astype(np.float64), 0.0) != 0
