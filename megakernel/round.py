@@ -324,14 +324,17 @@ STAGE_FUNCTIONS = {"_draft": "D1", "_verify": "V", "_replay": "D2"}
 
 def stage_of(rec: dict) -> str:
     """Stage of a traced instruction (D1 draft, V verify split by layer type, D2 replay) from the kernel
-    call stack nkisim records (``stack``: innermost-last ``file:line:function`` frames)."""
+    call stack nkisim records (``stack``: ``file:line:function`` frames, innermost first)."""
     frames = rec.get("stack") or []
     stage = "other"
-    for frame in frames:
+    for frame in reversed(frames):
         fn = frame.rsplit(":", 1)[-1]
         if fn in STAGE_FUNCTIONS:
             stage = STAGE_FUNCTIONS[fn]
-        elif stage == "V" and fn in ("gdn_body", "attention_body", "moe_tkg_body", "lm_head_argmax_body"):
-            return "V " + {"gdn_body": "GDN", "attention_body": "attention", "moe_tkg_body": "MoE",
-                           "lm_head_argmax_body": "LM head"}[fn]
+        elif stage == "V" and fn in V_PARTS:
+            return "V " + V_PARTS[fn]
     return stage
+
+
+V_PARTS = {"gdn_body": "GDN", "attention_body": "attention", "moe_tkg_body": "MoE", "lm_head_argmax_body": "LM head",
+           "allreduce_partials": "all-reduce", "rmsnorm_body": "norms"}
