@@ -44,6 +44,11 @@ AP_MAX_STRIDE = 32767                        # per-dim stride is int16, in eleme
 # v3 relaxes it is an open question (ref §12), so it is enforced but can be switched off here.
 ENFORCE_START_PARTITION = True
 
+# --- runtime loops ----------------------------------------------------------------------------
+# A tensor-engine write inside a runtime loop (nl.fori_loop / while_loop / dynamic_range) into PSUM allocated
+# outside that loop is refused (neuronx-cc 2.27 NCC_IBIR092; see nkisim/isa/pe.py _loop_psum_check).
+ENFORCE_LOOP_PSUM = True
+
 
 def legal_start_partitions(n):
     if n > 64:

@@ -128,8 +128,9 @@ def _lint(fn):
 
 
 # Front-end lint of the kernel body (ref §2.1, SDK-MIG 0.3.0 "NKI language restrictions"): the NKI compiler
-# rejects `is` / `is not` and dicts with non-string keys. Checked on the @nki.jit function's own source
-# (nested defs included; helpers it calls are not parsed). Switch: nkisim.jit.FRONTEND_LINT = False.
+# rejects `is` / `is not` and dicts with non-string keys (errors); comprehensions, generator expressions/functions
+# and lambdas are reported as NkiFrontendWarning (see nkisim/frontend.py for the evidence). The helpers the
+# kernel runs are linted on their first ISA call (frontend.check_stack). Switch: nkisim.jit.FRONTEND_LINT = False.
 FRONTEND_LINT = True
 _linted = {}
 
@@ -141,28 +142,16 @@ def _lint_source(fn):
     _linted[code] = True
     import ast
     import textwrap
+    from . import frontend
     try:
         src = textwrap.dedent(inspect.getsource(fn))
         first = inspect.getsourcelines(fn)[1]
         tree = ast.parse(src)
     except (OSError, TypeError, SyntaxError):
         return                                   # no source (REPL, exec): nothing to check
-    where = os.path.basename(code.co_filename)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            for o in node.ops:
-                if isinstance(o, (ast.Is, ast.IsNot)):
-                    word = "is not" if isinstance(o, ast.IsNot) else "is"
-                    raise NkiValidationError(
-                        f"nki.jit: kernel {fn.__name__} uses '{word}' at {where}:{first + node.lineno - 1}; the NKI "
-                        f"compiler rejects 'is'/'is not' (NKI 0.3.0 update guide, Language Restrictions): use == / != "
-                        f"instead (e.g. 'x == None')")
-        elif isinstance(node, ast.Dict):
-            for k in node.keys:
-                if isinstance(k, ast.Constant) and not isinstance(k.value, str):
-                    raise NkiValidationError(
-                        f"nki.jit: kernel {fn.__name__} builds a dict with key {k.value!r} at "
-                        f"{where}:{first + node.lineno - 1}; NKI dict keys must be strings (NKI 0.3.0)")
+    frontend._state[code] = 0                    # the helper walk need not lint the kernel again
+    node = tree.body[0] if tree.body else tree
+    frontend.lint_node(node, fn.__name__, code.co_filename, first - 1, helper=False)
 
 
 def _output(x, launch, want_torch, names_seen):

@@ -46,7 +46,7 @@ class Storage:
     """One allocation. ``data``/``written`` are None in shape-only mode."""
     __slots__ = ("id", "kind", "name", "shape", "dtype", "nbytes", "row_bytes", "partitions", "address",
                  "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "full", "release",
-                 "onchip", "nelems", "cstrides", "mm_state", "fresh", "psum", "__weakref__")
+                 "onchip", "nelems", "cstrides", "mm_state", "fresh", "psum", "loops", "__weakref__")
 
     def __init__(self, kind, shape, dtype, name="", with_data=True, owner=None, fill=True):
         self.id = _next_id()
@@ -61,6 +61,7 @@ class Storage:
         self.nbytes = n * dtypes.itemsize(dtype)
         self.onchip = kind in ON_CHIP
         self.psum = kind is PSUM
+        self.loops = ()               # runtime loops enclosing the allocation (Instance.loops at nl.ndarray)
         self.cstrides = None          # row-major byte strides (NkiTensor.whole)
         self.mm_state = False         # PSUM "last written by nc_matmul": True/False everywhere, None = mixed
         if kind in ON_CHIP:

@@ -333,6 +333,7 @@ class Instance:
         self.n_loops = 0
         self.last_recs = None                           # trace records of the last instruction (Instruction)
         self.identities = {}                            # nl.shared_identity_matrix: (n, dtype) -> tensor
+        self.lint_frame = 0                             # id of the caller frame last walked by the front-end lint
         self.n_alloc = 0
         self.cc_seq = {}                                # collective call counters per rank-list
         self.wake = threading.Lock()                    # held while the instance sleeps (see World._sleep)
@@ -369,6 +370,8 @@ class Instance:
             return NkiTensor.whole(st)
         st = Storage(buffer, shape, dtype, name, not self.shape_only, self.pid)
         st.named = explicit
+        if self.loops:
+            st.loops = self.loops
         if buffer is PRIVATE_HBM:
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")

@@ -1,16 +1,21 @@
 """Shared machinery of the ISA instructions: operand validation, fp32 reads, round-on-write,
 written-tracking and trace records."""
 import numbers
+import sys
 
 import numpy as np
 
-from .. import dtypes, hw
+import importlib
+
+from .. import dtypes, frontend, hw
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
 from ..registers import VirtualRegister
 from ..runtime import call_site, current, current_or_none, kernel_stack
 from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, raw
 from .enums import engine as E, reduce_cmd
+
+_jit = importlib.import_module("..jit", __package__)     # the module (nkisim.jit the name is the decorator)
 
 ENGINE_NAME = {E.tensor: "PE", E.scalar: "ACT", E.vector: "DVE", E.gpsimd: "POOL", E.dma: "DMA", E.sync: "SP"}
 # which memories each engine reaches (ref §5.0 "Memory reachability", SDK-ARCH)
@@ -300,6 +305,12 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     if launch.world.aborted is not None:
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")
+    if frontend.HELPER_LINT:
+        f = sys._getframe(2)            # the code that called the ISA op (usually kernel code, already linted)
+        if id(f) != inst.lint_frame or f.f_code not in frontend._state:
+            inst.lint_frame = id(f)
+            if _jit.FRONTEND_LINT:
+                frontend.check_stack(sys._getframe(1))
     if not launch.traces:
         return inst
     shapes, dts, moved = {}, {}, {}

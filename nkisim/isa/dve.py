@@ -478,6 +478,13 @@ def _find(x, vals, replace=None):
 
 
 def nc_find_index8(dst, data, vals, name=None):
+    """Indices of the 8 vals per partition. Duplicate vals map to successive occurrences (the 2nd copy of a value
+    to its 2nd occurrence, ...), misses to all-ones. SDK-ISA says "the index of the first occurrence of each value",
+    which is exact for distinct vals (and calls values not in data undefined); the NKI 0.4.0-0.6.0 release notes'
+    simulator fixes list "nc_find_index8 all-ones for misses and successive duplicates" (ref §5.6, §9.2), i.e. the
+    simulator was corrected to what the hardware does -- each data element matches at most one value slot, so the
+    ties max8 returns get distinct indices (the max8 -> nc_find_index8 top-k idiom of the SDK/NKL routers relies on
+    that). nkisim follows the release note."""
     w = "nc_find_index8"
     P, F = _top8_src(w, data)
     _out8(w, "vals", vals, P)

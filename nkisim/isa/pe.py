@@ -7,6 +7,7 @@ from .. import hw
 from ..errors import NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
 from ..tensor import _extent, elem_mask, mask, raw
+from ..runtime import current
 from .common import Instruction, check_enum, geom, mark, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
 
@@ -33,6 +34,38 @@ def _bank_check(op, dst):
 
 
 FP8_DOUBLE_ROW = ("float8_e4m3", "float8_e5m2")    # trn2 double-row FP8 inputs (SDK-ISA nc_matmul, SDK-TRN2)
+
+
+def _dense_source(op, data):
+    """PE nc_transpose on gen3 needs the data access pattern's partition stride to equal the tensor's free size:
+    the source must be a whole, densely packed [P, F] buffer, not a column slice of a wider tile ("buffers cannot
+    be oversized/shared": ../shared/docs/trn2-costs.md, "Pitfalls met on real hardware" -- measured on trn2 by this
+    project; the SDK-ISA docstring does not state it). nki_kernels/lm_head.py evicts each chunk into its own tile
+    for this reason. The DVE transpose is not affected (the pitfall is about the PSUM-writing PE form)."""
+    P = data.shape[0]
+    F = data.size // P if P else 0
+    R = data.storage.row_bytes
+    if P and F * data.itemsize != R:
+        raise NkiValidationError(
+            f"{op}: engine=tensor needs a source whose partition stride equals its free size (a whole, densely packed "
+            f"tile): {data.describe()} reads {F} elements per partition of a {R // data.itemsize}-element partition row "
+            f"(trn2 pitfall: 'data-AP partition stride equal to the tensor free size (buffers cannot be "
+            f"oversized/shared)'); copy the slice into its own [{P}, {F}] tile first")
+
+
+# A PE write (nc_matmul / PE nc_transpose) inside a runtime loop into PSUM allocated outside that loop fails
+# neuronx-cc 2.27 / NKI 0.6.0 with NCC_IBIR092 "Live-in/Live-out MemoryLocation ... not allocated to MemoryType:
+# DRAM" (a public NKI 0.6 project's compiler probe, tools/probe_nki_loop_liveout.py: SBUF/HBM state across the
+# loop and PSUM written by the scalar engine compile; the tensor engine writing outside-allocated PSUM does not).
+# SDK-NL fori_loop: "carry any other loop state through SBUF/HBM". Refused; switch: nkisim.hw.ENFORCE_LOOP_PSUM.
+def _loop_psum_check(op, dst):
+    inst_loops = current(op).loops
+    if inst_loops and hw.ENFORCE_LOOP_PSUM and dst.storage.loops != inst_loops:
+        raise NkiValidationError(
+            f"{op}: writes PSUM tensor {dst.describe()} allocated outside the enclosing runtime loop (nl.fori_loop / "
+            f"nl.while_loop / nl.dynamic_range); the tensor engine cannot write loop-external PSUM (neuronx-cc "
+            f"NCC_IBIR092 'Live-in/Live-out MemoryLocation ... not allocated to MemoryType: DRAM'): allocate the PSUM "
+            f"tile inside the loop body and carry state in SBUF/HBM (switch: nkisim.hw.ENFORCE_LOOP_PSUM)")
 
 
 def _psum_word_check(op, dst):
@@ -147,6 +180,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [M={M} partitions, N={N} elements per "
                                      f"partition] for stationary {list(stationary.shape)} and moving {list(moving.shape)}")
     _bank_check(op, dst)
+    _loop_psum_check(op, dst)
     extra = {"perf_mode": perf_mode.name} if double else {}
     if is_transpose:
         extra["is_transpose"] = True
@@ -275,6 +309,8 @@ def nc_transpose(dst, data, engine=E.unknown, name=None):
     if eng == "PE":
         _bank_check(op, dst)
         _psum_word_check(op, dst)
+        _dense_source(op, data)
+        _loop_psum_check(op, dst)
     inst = record(op, eng, reads=[("data", data)], writes=[("dst", dst)])
     if inst.shape_only:
         return Instruction(op)

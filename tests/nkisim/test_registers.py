@@ -14,7 +14,9 @@ def _layer(i_sb, acc):
     """One 'layer': a fresh register loaded from SBUF, used as a runtime loop bound, then dropped."""
     r = nisa.register_alloc()
     nisa.register_load(r, i_sb)
-    nl.fori_loop(0, r, lambda i: nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1.0))
+    def body(i):
+        nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1.0)
+    nl.fori_loop(0, r, body)
 
 
 def test_dead_registers_are_freed():

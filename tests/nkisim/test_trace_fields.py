@@ -34,7 +34,9 @@ def regs_kernel(x, n):
     _stage_d1(x, t)
     acc = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.sbuf)
     nisa.memset(dst=acc, value=0.0)
-    nl.fori_loop(0, r, lambda i: nisa.tensor_tensor(dst=acc, data1=acc, data2=row, op=nl.add))
+    def body(i):
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=row, op=nl.add)
+    nl.fori_loop(0, r, body)
     r2 = nisa.register_alloc()
     nisa.register_move(r2, r)
     st = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
@@ -67,7 +69,7 @@ def test_register_reads_writes_and_stack():
     helper = next(r for r in _by_op(tr, "dma_copy") if r["stack"][0].endswith(":_load_row"))
     assert [s.split(":")[2] for s in helper["stack"]] == ["_load_row", "_stage_d1", "regs_kernel"]
     assert helper["loc"] == helper["stack"][0].rsplit(":", 1)[0]
-    assert [s.split(":")[2] for s in body[0]["stack"]] == ["<lambda>", "regs_kernel"]
+    assert [s.split(":")[2] for s in body[0]["stack"]] == ["body", "regs_kernel"]
     assert all("nkisim/" not in s and not s.startswith(("runtime.py", "language.py")) for r in tr.instructions
                for s in r["stack"])
 
@@ -138,8 +140,9 @@ def test_depends_on_edges_and_loop_rule():
         i2 = nisa.memset(dst=b, value=1.0)
         i3 = nisa.tensor_tensor(dst=b, data1=a, data2=b, op=nl.add)
         i3.depends_on(i1, i2).depends_on(i1)
-        body = []
-        nl.fori_loop(0, 2, lambda i: body.append(nisa.tensor_copy(dst=a, src=b).depends_on(i2)))  # enclosing: ok
+        def body(i):
+            nisa.tensor_copy(dst=a, src=b).depends_on(i2)          # producer in an enclosing scope: fine
+        nl.fori_loop(0, 2, body)
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=a)
         return out
@@ -155,7 +158,10 @@ def test_depends_on_edges_and_loop_rule():
         a = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=a, src=x)
         got = []
-        nl.fori_loop(0, 1, lambda i: got.append(nisa.memset(dst=a, value=0.0)))
+
+        def body(i):
+            got.append(nisa.memset(dst=a, value=0.0))
+        nl.fori_loop(0, 1, body)
         nisa.tensor_copy(dst=a, src=a).depends_on(got[0])
         return x
     with pytest.raises(nkisim.NkiValidationError, match="into or out of a dynamic loop"):
