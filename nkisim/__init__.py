@@ -7,10 +7,13 @@
     my_kernel(nkisim.ShapeDtype((4096, 2048), "bfloat16"))   # shape-only run (trace without data)
 """
 from . import hw, trace
-from .errors import (AllocationError, NkiValidationError, OutOfBoundsError, UninitializedReadError)
+from .errors import (AllocationError, NkiFidelityWarning, NkiValidationError, OutOfBoundsError,
+                     UninitializedReadError)
+from .frontend import NkiFrontendWarning
 from .jit import Kernel, ShapeDtype, jit, shape_only, simulate
 from .jit import launch_ranks as launch
 from .shim import install, real_nki_available
 
 __all__ = ["install", "launch", "real_nki_available", "jit", "simulate", "Kernel", "ShapeDtype", "shape_only", "trace", "hw",
-           "NkiValidationError", "UninitializedReadError", "AllocationError", "OutOfBoundsError"]
+           "NkiValidationError", "UninitializedReadError", "AllocationError", "OutOfBoundsError", "NkiFidelityWarning",
+           "NkiFrontendWarning"]

@@ -17,6 +17,11 @@ class OutOfBoundsError(NkiValidationError):
     """Index or dynamic offset outside the tensor."""
 
 
+class NkiFidelityWarning(UserWarning):
+    """Code the real toolchain probably rejects, on evidence that is not (yet) official documentation: nkisim
+    runs it but says so. Turn into errors with ``warnings.simplefilter("error", NkiFidelityWarning)``."""
+
+
 class LaunchAborted(Exception):
     """Raised inside an LNC instance when its sibling instance failed."""
 

@@ -16,9 +16,9 @@ processes every function the kernel calls (all calls are inlined at specialisati
   (``nl.fori_loop(lower, upper, body_fun)``), and NKI 0.6 kernels of AWS's NKI library and of public projects that
   compile with neuronx-cc 2.27 define those bodies as inner ``def``\\ s.
 
-Helpers are found at run time: on an ISA call from a frame not seen at the previous ISA call, the kernel frames on
-the call stack (outside nkisim, the standard library and site-packages) are linted, once per code object (a
-frame that issues many ISA calls, e.g. in a loop, costs one walk). Each finding is reported once.
+Helpers are found at run time: on every ISA call the kernel frames on the call stack (outside nkisim, the standard
+library and site-packages) not walked before are visited and their code linted, once per code object (see
+check_stack: typically one or two frames per call). Each finding is reported once.
 Switches: ``nkisim.jit.FRONTEND_LINT`` (all front-end checks), ``HELPER_LINT`` (helpers), ``HELPER_ERRORS``.
 """
 import ast
@@ -27,13 +27,13 @@ import sys
 import sysconfig
 import warnings
 
-from .errors import NkiValidationError
+from .errors import NkiFidelityWarning, NkiValidationError
 
 HELPER_LINT = True        # lint the helpers a kernel runs (warnings; errors too if HELPER_ERRORS)
 HELPER_ERRORS = False     # True: 'is' / non-string dict keys in a helper are errors, as in the kernel body
 
 
-class NkiFrontendWarning(UserWarning):
+class NkiFrontendWarning(NkiFidelityWarning):
     """Python the NKI 0.6 front end probably rejects (see nkisim.frontend)."""
 
 
@@ -52,21 +52,32 @@ def _is_kernel_file(fn):
     return not (fn.startswith(_SKIP_DIRS) or fn.startswith("<") or "site-packages" in fn)
 
 
-def check_stack(frame):
-    """Lint every not-yet-seen kernel code object on the stack from ``frame`` out to the kernel entry."""
+def check_stack(frame, seen):
+    """Lint every not-yet-seen kernel code object on the stack from ``frame`` out to the kernel entry.
+
+    ``seen`` (per program instance) maps id(frame) -> (code, id(caller frame), caller code) of frames already
+    walked: the walk stops at the first frame recorded with the same code and the same caller (its callers were
+    walked then), so a kernel issuing many ISA calls from the same frames walks one or two frames per call. (An
+    address reused by a new frame only matches if its code and its caller's frame and code match too.)"""
     f = frame
     st = _state
     while f is not None:
-        s = st.get(f.f_code)
+        code = f.f_code
+        s = st.get(code)
         if s is None:
-            code = f.f_code
             fn = code.co_filename
             s = st[code] = 1 if fn in _STOP else 0
             if not s and _is_kernel_file(fn):
                 _lint_code(code)
         if s:
             return
-        f = f.f_back
+        b = f.f_back
+        bc = None if b is None else b.f_code
+        rec = seen.get(id(f))
+        if rec is not None and rec[0] is code and rec[1] == id(b) and rec[2] is bc:
+            return
+        seen[id(f)] = (code, id(b), bc)
+        f = b
 
 
 def _module_tree(filename):

@@ -333,7 +333,8 @@ class Instance:
         self.n_loops = 0
         self.last_recs = None                           # trace records of the last instruction (Instruction)
         self.identities = {}                            # nl.shared_identity_matrix: (n, dtype) -> tensor
-        self.lint_frame = 0                             # id of the caller frame last walked by the front-end lint
+        self.lint_seen = {}                             # frames walked by the front-end lint (frontend.check_stack)
+        self.lint_last = None                           # (frame, code, caller, caller code) of the last ISA call
         self.n_alloc = 0
         self.cc_seq = {}                                # collective call counters per rank-list
         self.wake = threading.Lock()                    # held while the instance sleeps (see World._sleep)

@@ -306,11 +306,12 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")
     if frontend.HELPER_LINT:
-        f = sys._getframe(2)            # the code that called the ISA op (usually kernel code, already linted)
-        if id(f) != inst.lint_frame or f.f_code not in frontend._state:
-            inst.lint_frame = id(f)
-            if _jit.FRONTEND_LINT:
-                frontend.check_stack(sys._getframe(1))
+        f = sys._getframe(2)            # the code that called the ISA op
+        b = f.f_back
+        key = (id(f), f.f_code, id(b), b.f_code if b is not None else None)
+        if key != inst.lint_last and _jit.FRONTEND_LINT:      # same frame and caller as the last ISA call: done
+            inst.lint_last = key
+            frontend.check_stack(f, inst.lint_seen)
     if not launch.traces:
         return inst
     shapes, dts, moved = {}, {}, {}

@@ -10,6 +10,7 @@ import nki.isa as nisa
 import nki.language as nl
 import nkisim
 from nkisim import frontend, hw
+from nkisim.errors import NkiFidelityWarning
 from nkisim.frontend import NkiFrontendWarning
 
 F32 = np.float32
@@ -77,19 +78,22 @@ def _loop_kernel(psum_inside, engine="pe"):
     return k
 
 
-def test_pe_write_into_loop_external_psum_is_refused():
+def test_pe_write_into_loop_external_psum():
     a = (np.arange(32 * 32, dtype=F32).reshape(32, 32) % 7) / 7
     n = np.array([[2]], np.int32)
-    np.testing.assert_allclose(_loop_kernel(True)(a, n), 2 * (a.T @ a), rtol=1e-5)
-    np.testing.assert_allclose(_loop_kernel(False, "act")(a, n), 2 * a, rtol=1e-6)
-    with pytest.raises(nkisim.NkiValidationError, match="NCC_IBIR092"):
-        _loop_kernel(False)(a, n)
-    old = hw.ENFORCE_LOOP_PSUM
-    hw.ENFORCE_LOOP_PSUM = False
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NkiFidelityWarning)
+        np.testing.assert_allclose(_loop_kernel(True)(a, n), 2 * (a.T @ a), rtol=1e-5)       # PSUM inside: fine
+        np.testing.assert_allclose(_loop_kernel(False, "act")(a, n), 2 * a, rtol=1e-6)       # ACT writes: fine
+    with pytest.warns(NkiFidelityWarning, match="NCC_IBIR092"):                              # default: warn
         np.testing.assert_allclose(_loop_kernel(False)(a, n), 2 * (a.T @ a), rtol=1e-5)
+    old = hw.LOOP_PSUM_CHECK
+    hw.LOOP_PSUM_CHECK = "error"
+    try:
+        with pytest.raises(nkisim.NkiValidationError, match="NCC_IBIR092"):
+            _loop_kernel(False)(a, n)
     finally:
-        hw.ENFORCE_LOOP_PSUM = old
+        hw.LOOP_PSUM_CHECK = old
 
 
 # ---- (c) nc_find_index8 duplicates --------------------------------------------------------------
