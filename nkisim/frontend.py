@@ -18,7 +18,8 @@ processes every function the kernel calls (all calls are inlined at specialisati
 
 Helpers are found at run time: on every ISA call the kernel frames on the call stack (outside nkisim, the standard
 library and site-packages) not walked before are visited and their code linted, once per code object (see
-check_stack: typically one or two frames per call). Each finding is reported once.
+check_stack: typically one or two frames per call). Each finding is reported once. A kernel whose last
+QUIET_AFTER launches ran no code not linted before is no longer walked (repeated launches cost nothing).
 Switches: ``nkisim.jit.FRONTEND_LINT`` (all front-end checks), ``HELPER_LINT`` (helpers), ``HELPER_ERRORS``.
 """
 import ast
@@ -44,6 +45,21 @@ _SKIP_DIRS = tuple({p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.g
 _STOP = (os.path.join(_PKG_DIR, "runtime.py"), os.path.join(_PKG_DIR, "jit.py"))
 
 _state = {}      # code object -> 1 at the launch boundary (stop the walk), 0 once linted / not kernel code
+_linted_count = [0]          # kernel code objects linted so far (a launch that adds none found nothing new)
+_quiet = {}                  # kernel code object -> consecutive launches that linted no new code
+QUIET_AFTER = 2              # after that many such launches a kernel's helpers are no longer walked
+
+
+def launch_begin(kernel_code):
+    """Whether this launch walks helper frames, and the state launch_end needs."""
+    on = HELPER_LINT and _quiet.get(kernel_code, 0) < QUIET_AFTER
+    return on, _linted_count[0]
+
+
+def launch_end(kernel_code, state):
+    on, before = state
+    if on:
+        _quiet[kernel_code] = 0 if _linted_count[0] != before else _quiet.get(kernel_code, 0) + 1
 _trees = {}      # filename -> parsed module (or None)
 _reported = set()
 
@@ -68,6 +84,7 @@ def check_stack(frame, seen):
             fn = code.co_filename
             s = st[code] = 1 if fn in _STOP else 0
             if not s and _is_kernel_file(fn):
+                _linted_count[0] += 1
                 _lint_code(code)
         if s:
             return

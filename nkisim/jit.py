@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 
-from . import dtypes, hw, runtime
+from . import dtypes, frontend, hw, runtime
 from .errors import LaunchAborted, NkiValidationError
 from .memory import SHARED_HBM, Storage
 from .tensor import NkiTensor, raw
@@ -216,6 +216,8 @@ def run_world(fn, per_rank_args, per_rank_kwargs, tp, lnc, ndim, comms, name=Non
     so = so or any(_has(x, lambda v: isinstance(v, ShapeDtype)) for x in flat)
     want_torch = any(_has(x, _is_torch) for x in flat)
     W = runtime.World(name or fn.__name__, tp, lnc, ndim, so, comms, timeout)
+    lint = frontend.launch_begin(getattr(fn, "__code__", None))
+    W.lint = lint[0] and FRONTEND_LINT
     convs, cargs, ckws = [], [], []
     for r in range(tp):
         conv = []
@@ -234,6 +236,7 @@ def run_world(fn, per_rank_args, per_rank_kwargs, tp, lnc, ndim, comms, name=Non
     finally:
         if freeze:
             gc.unfreeze()
+    frontend.launch_end(getattr(fn, "__code__", None), lint)
     outs = [_output(res, W.ranks[r], want_torch, set()) for r, res in enumerate(results)]
     for conv in convs:
         _write_back(conv)

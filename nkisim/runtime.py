@@ -132,6 +132,7 @@ class World:
         self.collectives = {}      # rendezvous table of nkisim.collectives
         self.cc_ids = 0
         self.traces = trace.current()
+        self.lint = True           # walk the helper frames for the front-end lint (jit.run_world decides)
         self.ranks = [Launch(self, r) for r in range(tp)]
         self.instances = [i for L in self.ranks for i in L.instances]
         for g, i in enumerate(self.instances):

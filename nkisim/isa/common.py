@@ -5,8 +5,6 @@ import sys
 
 import numpy as np
 
-import importlib
-
 from .. import dtypes, frontend, hw
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
@@ -15,7 +13,6 @@ from ..runtime import call_site, current, current_or_none, kernel_stack
 from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, raw
 from .enums import engine as E, reduce_cmd
 
-_jit = importlib.import_module("..jit", __package__)     # the module (nkisim.jit the name is the decorator)
 
 ENGINE_NAME = {E.tensor: "PE", E.scalar: "ACT", E.vector: "DVE", E.gpsimd: "POOL", E.dma: "DMA", E.sync: "SP"}
 # which memories each engine reaches (ref §5.0 "Memory reachability", SDK-ARCH)
@@ -305,11 +302,11 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     if launch.world.aborted is not None:
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")
-    if frontend.HELPER_LINT:
+    if launch.world.lint:
         f = sys._getframe(2)            # the code that called the ISA op
         b = f.f_back
         key = (id(f), f.f_code, id(b), b.f_code if b is not None else None)
-        if key != inst.lint_last and _jit.FRONTEND_LINT:      # same frame and caller as the last ISA call: done
+        if key != inst.lint_last:       # else: same frame and caller as the last ISA call, nothing new
             inst.lint_last = key
             frontend.check_stack(f, inst.lint_seen)
     if not launch.traces:
