@@ -333,10 +333,10 @@ def _runtime_scalars(g, pos, regs=None):
     vals["even"] = _one("att_even")
     nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
     vals["odd"] = _int_op(_one("att_odd"), n_c, nl.bitwise_and, 1)
-    if regs is not None and len(regs) < len(REGISTER_NAMES):
+    if regs != None and len(regs) < len(REGISTER_NAMES):
         raise ValueError(f"attention: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
     for i, k in enumerate(REGISTER_NAMES):
-        rt[k + "_reg"] = nisa.register_alloc() if regs is None else regs[i]
+        rt[k + "_reg"] = nisa.register_alloc() if regs == None else regs[i]
         nisa.register_load(rt[k + "_reg"], vals[k])
     return rt
 
@@ -645,7 +645,7 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         _tile_pT(g, ident, prev)
         _tile_pv(g, st, prev)
 
-    if max_context is not None:
+    if max_context != None:
         if g["head"] and max_context % B:
             first(B_, 0, None, True)
             last(B_)
@@ -691,7 +691,7 @@ def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
     kt, vt = b["k"], b["v"]
     pattern = [[NC * D, P], [D, NC], [1, D]]           # partition p <- rows NC*p .. NC*p + NC-1
     for dst, cache in ((kt, k_cache), (vt[:, :, 0:D], v_cache)):
-        if reg is None:
+        if reg == None:
             src = cache.ap(pattern=pattern, offset=row0 * D)
         else:
             src = cache.ap(pattern=pattern, offset=row0 * D, scalar_offset=reg, indirect_dim=1)
@@ -745,7 +745,7 @@ def _tile_pv(g, st, b):
 def _softmax_stats(g, st, b, s=None):
     """Online-softmax statistics (VectorE) of raw scores s [QA, w] (default b["s"]; PSUM or SBUF fp32, the
     1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s))."""
-    s = b["s"] if s is None else s
+    s = b["s"] if s == None else s
     nisa.tensor_reduce(dst=b["nmx"], op=nl.maximum, data=s, axis=1, negate=True)
     nisa.scalar_tensor_tensor(dst=b["b"], data=b["nmx"], op0=nl.multiply, operand0=g["sc"], op1=nl.minimum,
                               operand1=st["nm"])
@@ -755,8 +755,8 @@ def _softmax_exp(g, st, b, s=None, p_t=None):
     """ScalarE half of the step: alpha = exp(b - nm) (rescales the old [O | l] at this tile's update),
     P = exp(scale*s + b) into p_t (default b["p"], activation dtype; its row sum comes out of the PV matmul);
     then nm <- b."""
-    s = b["s"] if s is None else s
-    p_t = b["p"] if p_t is None else p_t
+    s = b["s"] if s == None else s
+    p_t = b["p"] if p_t == None else p_t
     nisa.activation(dst=b["alpha"], op=nl.exp, data=st["nm"], scale=-1.0, bias=b["b"])
     nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g["sc"], bias=b["b"])
     nisa.tensor_copy(dst=st["nm"], src=b["b"], engine=POOL_ENG)

@@ -67,7 +67,7 @@ def _lnc():
 
 
 def _tp_of(rg):
-    if rg is None:
+    if rg == None:
         return 1
     g = [list(x) for x in rg.groups]
     if len(g) != 1 or g[0] != list(range(len(g[0]))):
@@ -114,7 +114,7 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
         raise TypeError(f"allreduce_partials: partials must be float32 (PSUM-accumulated), got {y.dtype}")
     T, H = y.shape
     lnc, pid = _lnc()
-    if rg is not None:
+    if rg != None:
         lane = nl.ndarray((T, H), nl.float32, buffer=nl.sbuf, name="ar_lane_sum")
         ncc.all_reduce(srcs=[y], dsts=[lane], replica_group=rg, op=nl.add)
     else:
@@ -144,7 +144,7 @@ def allgather_cores(x, rg, pipe_id: int = 0, via_all_reduce: bool = True):
     T, F = x.shape
     lnc, pid = _lnc()
     tp = _tp_of(rg)
-    if rg is not None:
+    if rg != None:
         lane = nl.ndarray((T, tp * F), x.dtype, buffer=nl.sbuf, name="ag_lane")
         if via_all_reduce:
             ncc.all_reduce(srcs=[_rank_slots(x, tp, "ag_slots")], dsts=[lane], replica_group=rg, op=nl.add)
@@ -189,7 +189,7 @@ def argmax_combine(best, vc: int, rg, pipe_id: int = 0):
     n = tp * lnc
     if n * vc >= 2 ** 24:
         raise ValueError(f"argmax_combine: global indices up to {n * vc} are not exact in fp32")
-    if rg is not None:
+    if rg != None:
         lane = nl.ndarray((T, 2 * tp), nl.float32, buffer=nl.sbuf, name="am_lane")
         ncc.all_reduce(srcs=[_rank_slots(best, tp, "am_slots")], dsts=[lane], replica_group=rg, op=nl.add)
     else:

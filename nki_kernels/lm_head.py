@@ -157,23 +157,23 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
         ps = nl.ndarray((T, nb), nl.float32, buffer=nl.psum, name="logits_psum")
         for j in range(KT):
             nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=wt[:, j, :], accumulate=(j > 0))
-        if ident is not None:
+        if ident != None:
             lg = nl.ndarray((T, nb), act, buffer=nl.sbuf, name="logits")
             nisa.activation(dst=lg, op=nl.copy, data=ps)      # round to the activation dtype
-            if logits_out is not None:
+            if logits_out != None:
                 nisa.dma_copy(dst=logits_out[:, b0:b0 + nb], src=lg)
         for q0 in range(0, nb, P):
             wc = min(P, nb - q0)
             c = (b0 + q0) // P
             dst = lt[0:wc, c * S:c * S + T]
-            if ident is not None:
+            if ident != None:
                 nisa.nc_matmul(dst=dst, stationary=lg[:, q0:q0 + wc], moving=ident, accumulate=False)
             else:
                 # nc_transpose needs a dense source (partition stride == free size, trn2 pitfall):
                 # evict each 128-column chunk into its own tile
                 lgc = nl.ndarray((T, wc), act, buffer=nl.sbuf, name="logits_chunk")
                 nisa.activation(dst=lgc, op=nl.copy, data=ps[:, q0:q0 + wc])
-                if logits_out is not None:
+                if logits_out != None:
                     nisa.dma_copy(dst=logits_out[:, b0 + q0:b0 + q0 + wc], src=lgc)
                 nisa.nc_transpose(dst=dst, data=lgc, engine=nisa.engine.tensor)
 

@@ -346,7 +346,7 @@ def _expert_mlp(xT, wbuf, geo, wcol, mask, acc_ps, acc_sb, first):
     """One expert block (SBUF [P, F]) on all T tokens, scaled per token by wcol [T, 1] f32.
 
     Adds the folded output [R*T, H/R] into acc_ps (PSUM, static code: ``first`` overwrites) or, when
-    acc_ps is None (inside a device loop), through a local PSUM bank into acc_sb (SBUF f32)."""
+    acc_ps == None (inside a device loop), through a local PSUM bank into acc_sb (SBUF f32)."""
     _, J, T = xT.shape
     adt = xT.dtype
     f32 = nl.float32
@@ -371,7 +371,7 @@ def _expert_mlp(xT, wbuf, geo, wcol, mask, acc_ps, acc_sb, first):
                            op=nl.multiply)
     for c0, n in geo["chunks"]:
         mov = wbuf[:, off_d + c0:off_d + c0 + n]
-        if acc_ps is not None:
+        if acc_ps != None:
             nisa.nc_matmul(dst=acc_ps[:, c0:c0 + n], stationary=z, moving=mov, accumulate=not first)
         else:
             loc = nl.ndarray((R * T, n), dtype=f32, buffer=nl.psum)
@@ -401,7 +401,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     f32 = nl.float32
     base = 0                # element offset of this layer's expert table inside `experts`
     stacked = experts
-    if layer is not None:
+    if layer != None:
         base = layer * experts.shape[1] * experts.shape[2] * experts.shape[3] * experts.shape[4]
         experts, router, shared = experts[layer], router[layer], shared[layer]
     elif len(experts.shape) != 4:
@@ -448,7 +448,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     ring = []
     for i in range(D):
         ring.append(nl.ndarray((P, F), dtype=adt, buffer=nl.sbuf, name=f"moe_expert_buf{i}"))
-    if regs is None:
+    if regs == None:
         pool = []
         for i in range(2 * D):
             pool.append(nisa.register_alloc())
@@ -456,7 +456,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if len(regs) < 2 * D:
         raise ValueError(f"moe_tkg: {len(regs)} registers given, the ring of {D} needs {2 * D}")
     id_regs, flag_regs = regs[0:D], regs[D:2 * D]
-    edim = 0 if layer is None else 1      # the expert axis of the base tensor (scalar_offset stride)
+    edim = 0 if layer == None else 1      # the expert axis of the base tensor (scalar_offset stride)
 
     def issue(s):
         if s >= S:
@@ -517,7 +517,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     for R in accs:
         acc_ps, acc_sb, _ = accs[R]
         fold = nl.ndarray((R * T, H // R), dtype=f32, buffer=nl.sbuf)
-        if acc_sb is not None:
+        if acc_sb != None:
             nisa.tensor_tensor(dst=fold, data1=acc_sb, data2=acc_ps, op=nl.add)
         else:
             nisa.tensor_copy(dst=fold, src=acc_ps)

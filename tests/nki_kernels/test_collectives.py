@@ -199,13 +199,13 @@ def test_lm_head_greedy_across_8_cores(dtype, T):
     outs = _launch(lm_head_greedy_kernel, per_rank, 4, 2)
     for r in range(4):
         for c in range(2):
-            np.testing.assert_array_equal(outs[r][c], outs[0][0])           # every core agrees
-    tok = torch.from_numpy(outs[0][0][:, 1]).long()
+            np.testing.assert_array_equal(np.asarray(outs[r][c]), np.asarray(outs[0][0]))  # every core agrees
+    tok = torch.as_tensor(outs[0][0][:, 1]).long()
     ref = eh.core_logits(h, eh.lm_head_weight(p, cfg))
     tv, ti = ref.max(-1)
     tol = 2.0 ** -7 * tv.abs() + 1e-5 if dtype == torch.bfloat16 else 1e-5 * tv.abs() + 1e-5
     assert torch.all((tok == ti) | (ref.gather(-1, tok[:, None])[:, 0] >= tv - tol))
-    assert torch.allclose(torch.from_numpy(outs[0][0][:, 0]), tv, rtol=2.0 ** -7, atol=1e-5)
+    assert torch.allclose(torch.as_tensor(outs[0][0][:, 0]), tv, rtol=2.0 ** -7, atol=1e-5)
 
 
 def test_lm_head_greedy_crafted_cross_core_ties():
