@@ -223,7 +223,10 @@ def round_body(s: RoundSpec, a: dict):
         nisa.dma_copy(dst=targets_out, src=targets)
         nisa.dma_copy(dst=hidden_out, src=hidden)
         nisa.dma_copy(dst=draft_out, src=draft)
-    return (draft_out, targets_out, hidden_out) + tuple(a[k] for k in mutated_names(s))
+    outputs = [draft_out, targets_out, hidden_out]
+    for name in mutated_names(s):
+        outputs.append(a[name])
+    return tuple(outputs)
 
 
 def mutated_names(s: RoundSpec) -> list[str]:
