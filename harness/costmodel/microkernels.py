@@ -132,12 +132,14 @@ def trace_in_proj():
 def transpose_chain(x):
     """n PE transposes of [128, 128] bf16 tiles, independent (the "16-transpose chain")."""
     n, P, F = x.shape
-    x_sb = nl.ndarray((P, n, F), x.dtype, buffer=nl.sbuf)
-    for i in range(n):
-        nisa.dma_copy(dst=x_sb[:, i, :], src=x[i])
+    tiles = []
+    for i in range(n):  # one dense tile each: a PE transpose source must be a whole tile on trn2
+        t = nl.ndarray((P, F), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[i])
+        tiles.append(t)
     for i in range(n):
         p = nl.ndarray((F, P), x.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=p, data=x_sb[:, i, :], engine=nisa.engine.tensor)
+        nisa.nc_transpose(dst=p, data=tiles[i], engine=nisa.engine.tensor)
     out = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
     return out
 
