@@ -364,7 +364,9 @@ def measure_acceptance(ckpt_dir: Path, n_prompts: int, prompt_len: int, new_toke
     from harness.variants import XlaVariant
     from model.weights import load_checkpoint
 
-    torch.set_num_threads(2)
+    # batch-1 decode ops are tiny: one thread is as fast on an idle machine and much
+    # faster when other processes share the cores
+    torch.set_num_threads(1)
     cfg, params = load_checkpoint(ckpt_dir, dtype=torch.bfloat16)
     variant = XlaVariant(cfg, params)
     root, files = stdlib_files()
