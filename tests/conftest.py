@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: sleeping, not spinning, OpenMP waits
+
+import pytest  # noqa: E402
 import torch
 
 import nkisim
