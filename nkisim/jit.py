@@ -228,12 +228,19 @@ def run_world(fn, per_rank_args, per_rank_kwargs, tp, lnc, ndim, comms, name=Non
     # out of the cyclic GC for its duration and unfrozen after (gc.freeze/unfreeze: a list splice each way), so
     # the collections the launch triggers scan only what it creates; with a trace capturing 10^4-10^5 records
     # the full collections otherwise cost ~1/3 of the launch. Reference counting (tile lifetimes) is unchanged.
+    # While a trace captures, the full (oldest-generation) collections would rescan every record of the launch
+    # a few times; they are deferred to the end of the launch (young cycles are still collected as usual).
     freeze = gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
+    thresholds = gc.get_threshold()
+    if W.traces:
+        gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], 1000))
     try:
         results = runtime.run(W, fn, cargs, ckws)
     finally:
+        if W.traces:
+            gc.set_threshold(*thresholds)
         if freeze:
             gc.unfreeze()
     frontend.launch_end(getattr(fn, "__code__", None), lint)

@@ -9,7 +9,7 @@ from .. import dtypes, frontend, hw
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
 from ..registers import VirtualRegister
-from ..runtime import call_site, current, current_or_none, kernel_stack
+from ..runtime import _local as _rt_local, call_site, current, current_or_none, kernel_stack
 from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, raw
 from .enums import engine as E, reduce_cmd
 
@@ -364,7 +364,7 @@ class Instruction:
 
     def __init__(self, op):
         self.op = op
-        inst = current_or_none()
+        inst = getattr(_rt_local, "inst", None)
         if inst is None:
             self.loops, self.recs = (), None
             return

@@ -18,7 +18,20 @@ F32 = np.float32
 _INT32 = ("int32", "uint32")
 
 
+_ALU_OK = {}       # (op, where, arg, allow) -> op, for operators that passed the checks below
+
+
 def _alu(where, op, arg="op", allow=("arith", "cmp", "logical", "bitvec", "other", "unary")):
+    key = (op, where, arg, allow)
+    o = _ALU_OK.get(key) if type(op) is ops.Op else None
+    if o is not None:
+        return o
+    o = _alu_check(where, op, arg, allow)
+    _ALU_OK[key] = o
+    return o
+
+
+def _alu_check(where, op, arg, allow):
     o = ops.get(op, where, arg)
     if not o.is_alu or o.kind not in allow:
         raise NkiValidationError(f"{where}: {arg}={o!r} is not a valid ALU operator here (allowed kinds: "
@@ -68,8 +81,8 @@ def tensor_tensor(dst, data1, data2, op, engine=E.unknown, name=None):
         raise NkiValidationError(f"{w}: op=nl.invert is unary; use tensor_scalar")
     for nm, t in (("dst", dst), ("data1", data1), ("data2", data2)):
         tensor(w, nm, t, ON_CHIP)
-    ints = all(t.dtype in _INT32 for t in (dst, data1, data2))
-    anypsum = any(t.buffer == PSUM for t in (dst, data1, data2))
+    ints = dst.dtype in _INT32 and data1.dtype in _INT32 and data2.dtype in _INT32
+    anypsum = dst.storage.psum or data1.storage.psum or data2.storage.psum
     default = "POOL" if (o.name == "power" or (ints and not anypsum)) else "DVE"
     eng = _engine_of(w, engine, default, ("DVE", "POOL"))
     if o.name == "power" and eng != "POOL":
