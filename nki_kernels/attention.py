@@ -602,14 +602,23 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
 
 
 def _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context):
-    """The KV tiles with per-set copies of the buffer dicts that also hold the PSUM tiles (allocated here, once
-    the projections' PSUM is free; they die with this scope)."""
+    """The KV tiles; see :func:`_tiles`."""
+    _tiles(g, st, at["bufs"], qa, k_cache, v_cache, rt, ident, at["masks"], max_context)
+
+
+def _with_psum(g, bufs):
+    """Copies of the two buffer sets that also hold freshly allocated PSUM tiles (:func:`_tile_psum`). Called
+    at the top of every loop body: PSUM only lives within one pipeline stage (each stage's matmul results are
+    evicted or consumed before the stage ends), so nothing in PSUM is carried across iterations -- all
+    loop-carried state is in SBUF, as SDK-NL fori_loop asks -- and no PE instruction inside a runtime loop
+    writes PSUM allocated outside it (rejected by neuronx-cc, NCC_IBIR092; nkisim refuses it). The tiles die
+    with the body's scope, so every iteration gets the same 8 banks back."""
     sets = []
-    for b in at["bufs"]:
+    for b in bufs:
         c = dict(b)
         _tile_psum(g, c)
         sets.append(c)
-    _tiles(g, st, sets, qa, k_cache, v_cache, rt, ident, at["masks"], max_context)
+    return sets
 
 
 def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
@@ -619,7 +628,6 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     its own first. With max_context the same sequence is emitted unrolled (shape-only costing)."""
     B, nc, c = g["B"], g["n_cores"], g["core"]
     S = nc * B
-    A_, B_ = bufs
     x = (g, qa, k_cache, v_cache, ident, masks)
 
     def first(b, row0, reg, masked=False):         # stage 1: load, K^T, scores, softmax statistics and exp
@@ -647,39 +655,48 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
 
     if max_context != None:
         if g["head"] and max_context % B:
+            A_, B_ = _with_psum(g, bufs)
             first(B_, 0, None, True)
             last(B_)
+            del A_, B_
         mine = list(range(c, max_context // B, nc))       # tile t starts at row r + t*B = start_c + (t - c)*B
         for j, t in enumerate(mine):
+            sets = _with_psum(g, bufs)
             if j == 0:
-                first(bufs[0], (t - c) * B, rt["start_reg"])
+                first(sets[0], (t - c) * B, rt["start_reg"])
             else:
-                step(bufs[j % 2], (t - c) * B, rt["start_reg"], bufs[(j - 1) % 2])
+                step(sets[j % 2], (t - c) * B, rt["start_reg"], sets[(j - 1) % 2])
+            del sets                                      # free the banks before the next tile's allocation
         if mine:
-            last(bufs[(len(mine) - 1) % 2])
+            last(_with_psum(g, bufs)[(len(mine) - 1) % 2])
         return
 
     if g["head"]:
         def head_body(i):
+            A_, B_ = _with_psum(g, bufs)
             first(B_, 0, None, True)
             last(B_)
         nl.fori_loop(0, rt["head_reg"], head_body)
 
     def prologue(i):                               # tile 0 at start_c (iff n_c >= 1)
+        A_, B_ = _with_psum(g, bufs)
         first(A_, 0, rt["start_reg"])
     nl.fori_loop(0, rt["pro_reg"], prologue)
 
     def pair_body(i):                              # i = start_c + 2m*S: tiles 2m+1 (B) and 2m+2 (A) loaded
+        A_, B_ = _with_psum(g, bufs)
         step(B_, S, i, A_)
         step(A_, 2 * S, i, B_)
     nl.fori_loop(rt["start_reg"], rt["pair_end_reg"], pair_body, step=2 * S)
 
     def even_tail(i):                              # n_c even: load the last tile (B, at pair_end + S), finish both
+        A_, B_ = _with_psum(g, bufs)
         step(B_, S, rt["pair_end_reg"], A_)
         last(B_)
     nl.fori_loop(0, rt["even_reg"], even_tail)
 
     def odd_tail(i):                               # n_c odd: the last tile (A) is loaded, finish it
+        A_, B_ = _with_psum(g, bufs)
         last(A_)
     nl.fori_loop(0, rt["odd_reg"], odd_tail)
 

@@ -46,9 +46,10 @@ ENFORCE_START_PARTITION = True
 
 # --- runtime loops ----------------------------------------------------------------------------
 # A tensor-engine write inside a runtime loop (nl.fori_loop / while_loop / dynamic_range) into PSUM allocated
-# outside that loop: "warn" (NkiFidelityWarning, once per call site; default), "error" (refused) or "off".
-# Evidence: a public NKI 0.6 project's compiler probe (neuronx-cc 2.27, NCC_IBIR092); see isa/pe.py.
-LOOP_PSUM_CHECK = "warn"
+# outside that loop: "error" (refused; default), "warn" (NkiFidelityWarning, once per call site) or "off".
+# Evidence: SDK-NL fori_loop ("loop state" lives in SBUF/HBM) and a public NKI 0.6 project's compiler probe
+# (neuronx-cc 2.27, NCC_IBIR092); see isa/pe.py.
+LOOP_PSUM_CHECK = "error"
 
 
 def legal_start_partitions(n):

@@ -56,10 +56,9 @@ def _dense_source(op, data):
 # A PE write (nc_matmul / PE nc_transpose) inside a runtime loop into PSUM allocated outside that loop fails
 # neuronx-cc 2.27 / NKI 0.6.0 with NCC_IBIR092 "Live-in/Live-out MemoryLocation ... not allocated to MemoryType:
 # DRAM" (a public NKI 0.6 project's compiler probe, tools/probe_nki_loop_liveout.py: SBUF/HBM state across the
-# loop and PSUM written by the scalar engine compile; the tensor engine writing outside-allocated PSUM does not).
-# SDK-NL fori_loop: "carry any other loop state through SBUF/HBM". The evidence is a third-party probe, not AWS
-# documentation, so the default is a NkiFidelityWarning (once per call site); nkisim.hw.LOOP_PSUM_CHECK = "error"
-# refuses it.
+# loop and PSUM written by the scalar engine compile; the tensor engine writing outside-allocated PSUM does not),
+# and SDK-NL fori_loop asks to "carry any other loop state through SBUF/HBM". Refused by default;
+# nkisim.hw.LOOP_PSUM_CHECK = "warn" turns it into a NkiFidelityWarning (once per call site), "off" silences it.
 _loop_psum_warned = set()
 
 

@@ -85,13 +85,13 @@ def test_pe_write_into_loop_external_psum():
         warnings.simplefilter("error", NkiFidelityWarning)
         np.testing.assert_allclose(_loop_kernel(True)(a, n), 2 * (a.T @ a), rtol=1e-5)       # PSUM inside: fine
         np.testing.assert_allclose(_loop_kernel(False, "act")(a, n), 2 * a, rtol=1e-6)       # ACT writes: fine
-    with pytest.warns(NkiFidelityWarning, match="NCC_IBIR092"):                              # default: warn
-        np.testing.assert_allclose(_loop_kernel(False)(a, n), 2 * (a.T @ a), rtol=1e-5)
+    with pytest.raises(nkisim.NkiValidationError, match="NCC_IBIR092"):                        # default: refused
+        _loop_kernel(False)(a, n)
     old = hw.LOOP_PSUM_CHECK
-    hw.LOOP_PSUM_CHECK = "error"
+    hw.LOOP_PSUM_CHECK = "warn"
     try:
-        with pytest.raises(nkisim.NkiValidationError, match="NCC_IBIR092"):
-            _loop_kernel(False)(a, n)
+        with pytest.warns(NkiFidelityWarning, match="NCC_IBIR092"):
+            np.testing.assert_allclose(_loop_kernel(False)(a, n), 2 * (a.T @ a), rtol=1e-5)
     finally:
         hw.LOOP_PSUM_CHECK = old
 
