@@ -9,6 +9,9 @@ reference to the tensor goes away (the interpreter's stand-in for the compiler's
 import bisect
 import enum
 import itertools
+import linecache
+import os
+import re
 import threading
 
 import numpy as np
@@ -38,6 +41,28 @@ HBM = (PRIVATE_HBM, SHARED_HBM)
 _ids = itertools.count(1)
 
 
+_ASSIGNED = re.compile(r"\s*([A-Za-z_][\w.]*(?:\[[^=]*?\])*)\s*=[^=]")
+
+
+def _assigned_name(filename, line):
+    """The assignment target on a source line (``x = nl.ndarray(...)`` -> "x", ``b["k"] = ...`` -> 'b["k"]'),
+    or None when the line is not a simple assignment."""
+    m = _ASSIGNED.match(linecache.getline(filename, line))
+    return m.group(1) if m else None
+
+
+def label(name, site, desc=""):
+    """A tensor as error messages show it: its name= if the kernel gave one (``site`` None); else the variable
+    the kernel assigned it to and where (``'acc' (sbuf float32[128, 512], allocated at k.py:12)``), so that no
+    message shows nkisim's internal default names (those stay in traces, where they must be deterministic)."""
+    if site is None:
+        return f"'{name}' ({desc})" if desc else f"'{name}'"
+    filename, line = site
+    var = _assigned_name(filename, line) or name
+    where = f"allocated at {os.path.basename(filename)}:{line}"
+    return f"'{var}' ({desc}, {where})" if desc else f"'{var}' ({where})"
+
+
 def _next_id():
     return next(_ids)          # itertools.count is atomic under the GIL
 
@@ -46,7 +71,7 @@ class Storage:
     """One allocation. ``data``/``written`` are None in shape-only mode."""
     __slots__ = ("id", "kind", "name", "shape", "dtype", "nbytes", "row_bytes", "partitions", "address",
                  "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "full", "release",
-                 "onchip", "nelems", "cstrides", "mm_state", "fresh", "psum", "loops", "__weakref__")
+                 "onchip", "nelems", "cstrides", "mm_state", "fresh", "psum", "loops", "site", "__weakref__")
 
     def __init__(self, kind, shape, dtype, name="", with_data=True, owner=None, fill=True):
         self.id = _next_id()
@@ -62,6 +87,7 @@ class Storage:
         self.onchip = kind in ON_CHIP
         self.psum = kind is PSUM
         self.loops = ()               # runtime loops enclosing the allocation (Instance.loops at nl.ndarray)
+        self.site = None              # (filename, line) of the kernel line that allocated an unnamed tensor
         self.cstrides = None          # row-major byte strides (NkiTensor.whole)
         self.mm_state = False         # PSUM "last written by nc_matmul": True/False everywhere, None = mixed
         if kind in ON_CHIP:
@@ -96,8 +122,10 @@ class Storage:
             self.data = None
             self.written = None
 
-    def describe(self):
-        return f"'{self.name}' ({self.kind.value} {self.dtype}{list(self.shape)})"
+    def describe(self, dtype=None, shape=None):
+        """How error messages name the tensor, see :func:`label`."""
+        desc = f"{self.kind.value} {dtype or self.dtype}{list(self.shape if shape is None else shape)}"
+        return label(self.name, self.site, desc)
 
     def __del__(self):
         # the allocation is released when the last Python reference goes (cheaper than weakref.finalize)
@@ -173,7 +201,7 @@ class RangeAllocator:
 
     def __init__(self, kind, capacity, align=1, bank=None):
         self.kind, self.capacity, self.align, self.bank = kind, capacity, align, bank
-        self.live = {}     # (start, first partition) -> (end, name, partition range)
+        self.live = {}     # (start, first partition) -> (end, (name, site), partition range)
         self._order = []   # sorted (start, end, p0, p1) of the live tensors
         self.lock = threading.Lock()
         self.peak = 0
@@ -217,32 +245,32 @@ class RangeAllocator:
                 cand = adjust(e, size)
         return cand if cand + size <= self.capacity else None
 
-    def allocate(self, size, name, prange, fixed=None):
+    def allocate(self, size, name, prange, fixed=None, site=None):
         with self.lock:
             if size > self.capacity:
                 raise AllocationError(
-                    f"nl.ndarray: '{name}' needs {size:,} B per partition in {self.kind.value}, which has "
+                    f"nl.ndarray: {label(name, site)} needs {size:,} B per partition in {self.kind.value}, which has "
                     f"{self.capacity:,} B per partition")
             if fixed is not None:
                 lo = fixed
                 if self.bank and lo % self.bank:
-                    raise AllocationError(f"nl.ndarray: '{name}' address byte offset {lo} in psum must start "
+                    raise AllocationError(f"nl.ndarray: {label(name, site)} address byte offset {lo} in psum must start "
                                           f"at a bank boundary (multiple of {self.bank} B)")
                 if lo < 0 or lo + size > self.capacity:
-                    raise AllocationError(f"nl.ndarray: '{name}' at byte offset {lo} with {size:,} B per "
+                    raise AllocationError(f"nl.ndarray: {label(name, site)} at byte offset {lo} with {size:,} B per "
                                           f"partition exceeds {self.kind.value} capacity {self.capacity:,} B")
                 if not self._fits(lo, lo + size, prange):
-                    raise AllocationError(f"nl.ndarray: '{name}' at byte offset {lo} overlaps a live "
+                    raise AllocationError(f"nl.ndarray: {label(name, site)} at byte offset {lo} overlaps a live "
                                           f"{self.kind.value} tensor: {self._summary()}")
             else:
                 lo = self._first_fit(size, prange)
                 if lo is None:
                     used = sum(e - s for (s, _), (e, _, _) in self.live.items())
                     raise AllocationError(
-                        f"nl.ndarray: cannot allocate '{name}' ({size:,} B per partition) in {self.kind.value}: "
+                        f"nl.ndarray: cannot allocate {label(name, site)} ({size:,} B per partition) in {self.kind.value}: "
                         f"capacity {self.capacity:,} B per partition, {used:,} B live in {len(self.live)} "
                         f"tensors ({self._summary()})")
-            self.live[(lo, prange[0])] = (lo + size, name, prange)
+            self.live[(lo, prange[0])] = (lo + size, (name, site), prange)
             bisect.insort(self._order, (lo, lo + size, prange[0], prange[1]))
             if lo + size > self.peak:
                 self.peak = lo + size
@@ -250,7 +278,8 @@ class RangeAllocator:
 
     def _summary(self, k=6):
         items = sorted(self.live.items(), key=lambda kv: -(kv[1][0] - kv[0][0]))[:k]
-        return ", ".join(f"{n}@{s}:{e - s}B" for (s, _), (e, n, _) in items) + (" ..." if len(self.live) > k else "")
+        return ", ".join(f"{label(*n)}@{s}:{e - s}B" for (s, _), (e, n, _) in items) + (" ..." if len(self.live) > k
+                                                                                       else "")
 
     def free(self, start, p0=0):
         with self.lock:

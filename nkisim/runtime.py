@@ -48,18 +48,30 @@ def current_or_none():
 _BASENAMES = {}     # code filename -> basename, or None for nkisim's own files
 
 
-def call_site():
-    """file:line of the innermost frame outside nkisim (the kernel line that issued the op)."""
-    f = sys._getframe(1)
+def _kernel_frame():
+    """The innermost frame outside nkisim (the kernel line that issued the op), or None."""
+    f = sys._getframe(2)
     while f is not None:
         fn = f.f_code.co_filename
         b = _BASENAMES.get(fn, 0)
         if b == 0:
             b = _BASENAMES[fn] = None if fn.startswith(_PKG_DIR) else os.path.basename(fn)
         if b is not None:
-            return f"{b}:{f.f_lineno}"
+            return f
         f = f.f_back
-    return "?"
+    return None
+
+
+def call_site():
+    """file:line of the kernel line that issued the op."""
+    f = _kernel_frame()
+    return "?" if f is None else f"{_BASENAMES[f.f_code.co_filename]}:{f.f_lineno}"
+
+
+def kernel_site():
+    """(filename, line) of the kernel line that issued the op, or None."""
+    f = _kernel_frame()
+    return None if f is None else (f.f_code.co_filename, f.f_lineno)
 
 
 # Engines compute in IEEE fp32 where overflow/NaN are values, not errors: every launch runs its kernel under
@@ -367,11 +379,15 @@ class Instance:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
             st, new = self.launch.shared_alloc(self, shape, dtype, name)
             st.named = st.named or explicit
+            if new and not explicit:
+                st.site = kernel_site()
             if new:
                 self._trace_alloc(st)
             return NkiTensor.whole(st)
         st = Storage(buffer, shape, dtype, name, not self.shape_only, self.pid)
         st.named = explicit
+        if not explicit:
+            st.site = kernel_site()
         if self.loops:
             st.loops = self.loops
         if buffer is PRIVATE_HBM:
@@ -384,7 +400,7 @@ class Instance:
                 raise NkiValidationError(f"{op}: {buffer.value} tensors are at least 2-D with the partition dim "
                                          f"first; got shape {list(shape)}")
             if shape[0] > hw.PMAX:
-                raise NkiValidationError(f"{op}: '{st.name}' has {shape[0]} partitions, the partition dim is at "
+                raise NkiValidationError(f"{op}: {st.describe()} has {shape[0]} partitions, the partition dim is at "
                                          f"most {hw.PMAX}")
             poff, fixed = 0, None
             if address is not None:
@@ -393,10 +409,10 @@ class Instance:
                 except (TypeError, IndexError, ValueError):
                     raise TypeError(f"{op}: address must be (partition_offset, byte_offset), got {address!r}") from None
                 if poff < 0 or poff + shape[0] > hw.PMAX:
-                    raise NkiValidationError(f"{op}: '{st.name}' partitions [{poff}, {poff + shape[0]}) exceed "
+                    raise NkiValidationError(f"{op}: {st.describe()} partitions [{poff}, {poff + shape[0]}) exceed "
                                              f"{hw.PMAX} partitions")
             alloc = self.sbuf if buffer is SBUF else self.psum
-            lo = alloc.allocate(st.row_bytes, name, (poff, poff + shape[0]), fixed)
+            lo = alloc.allocate(st.row_bytes, name, (poff, poff + shape[0]), fixed, st.site)
             st.address = (poff, lo)
             st.release = (alloc.free, lo, poff)
         if self.launch.traces:

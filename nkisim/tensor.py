@@ -123,8 +123,7 @@ class NkiTensor:
                 f"{', indirect' if self.indirect else ''})")
 
     def describe(self):
-        s = self.storage
-        return f"'{s.name}' ({s.kind.value} {self.dtype}{list(self.shape)})"
+        return self.storage.describe(self.dtype, self.shape)
 
     def __len__(self):
         return self.shape[0]

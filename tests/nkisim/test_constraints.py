@@ -274,3 +274,26 @@ def test_install_idempotent_and_api_surface():
             continue
         names = [p["name"] for p in params]
         assert list(sig.parameters)[:len(names)] == names, f
+
+
+def test_messages_name_unnamed_tensors_by_their_kernel_variable_and_line():
+    """Without name=, errors show the variable the kernel assigned the tensor to and the allocating line, not
+    nkisim's internal default name (which traces keep)."""
+    def uninit(x):
+        scratch = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        acc = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=acc, data1=scratch, data2=scratch, op=nl.add)
+    with pytest.raises(UninitializedReadError, match=r"tensor 'scratch' \(sbuf float32\[4, 4\], allocated at "
+                                                     r"test_constraints.py:\d+\)"):
+        _run(uninit)
+
+    def too_big(x):
+        huge = nl.ndarray((128, 60_000), nl.float32, buffer=nl.sbuf)
+    with pytest.raises(AllocationError, match=r"'huge' \(allocated at test_constraints.py:\d+\) needs 240,000 B"):
+        _run(too_big)
+
+    def named(x):
+        t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, name="my_tile")
+        nisa.tensor_copy(dst=t, src=t)
+    with pytest.raises(UninitializedReadError, match=r"tensor 'my_tile' \(sbuf float32\[4, 4\]\)"):
+        _run(named)
