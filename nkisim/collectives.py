@@ -287,17 +287,23 @@ def _check_srcs_written(op, srcs, inst, name="srcs"):
         check_written(t, f"ncc.{op}", f"{name}[{i}]")
 
 
+def _paired(op, srcs, dsts, replica_group, priority):
+    """The common checks of the one-dst-per-src collectives: (instance, groups, members, srcs, dsts)."""
+    inst = _ctx(op)
+    _priority(op, priority)
+    groups, members = _rank_list(op, replica_group, inst)
+    srcs, dsts = _tlist(op, "srcs", srcs), _tlist(op, "dsts", dsts)
+    if len(srcs) != len(dsts):
+        raise NkiValidationError(f"ncc.{op}: {len(srcs)} srcs but {len(dsts)} dsts; one dst per src")
+    return inst, groups, members, srcs, dsts
+
+
 # ---- the collectives -------------------------------------------------------------------------
 def all_reduce(srcs, dsts, replica_group, op, priority=None, name=None):
     """Element-wise ``op`` (nl.add / nl.minimum / nl.maximum) of ``srcs`` across the rank list into every
     member's ``dsts`` (SDK-CC all_reduce)."""
     w = "all_reduce"
-    inst = _ctx(w)
-    _priority(w, priority)
-    groups, members = _rank_list(w, replica_group, inst)
-    srcs, dsts = _tlist(w, "srcs", srcs), _tlist(w, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        raise NkiValidationError(f"ncc.{w}: {len(srcs)} srcs but {len(dsts)} dsts; one dst per src")
+    inst, groups, members, srcs, dsts = _paired(w, srcs, dsts, replica_group, priority)
     kind = _memory(w, srcs, dsts)
     o = _reduce_op(w, op)
     for i, (s, d) in enumerate(zip(srcs, dsts)):
@@ -325,12 +331,7 @@ def all_gather(srcs, dsts, replica_group, collective_dim, priority=None, name=No
     """Every member's ``dsts[k]`` = concatenation of the members' ``srcs[k]`` along ``collective_dim`` in
     rank-list order (SDK-CC all_gather: HBM dim 0; SBUF 2-D, dim 0 or 1)."""
     w = "all_gather"
-    inst = _ctx(w)
-    _priority(w, priority)
-    groups, members = _rank_list(w, replica_group, inst)
-    srcs, dsts = _tlist(w, "srcs", srcs), _tlist(w, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        raise NkiValidationError(f"ncc.{w}: {len(srcs)} srcs but {len(dsts)} dsts; one dst per src")
+    inst, groups, members, srcs, dsts = _paired(w, srcs, dsts, replica_group, priority)
     kind = _memory(w, srcs, dsts)
     dim = _dim(w, kind, collective_dim, (0,), (0, 1))
     n = len(members)
@@ -358,12 +359,7 @@ def reduce_scatter(srcs, dsts, replica_group, collective_dim, op, priority=None,
     """Reduce ``srcs`` across the rank list, then the member at position i receives chunk i along
     ``collective_dim`` (only 0 is supported, SDK-CC)."""
     w = "reduce_scatter"
-    inst = _ctx(w)
-    _priority(w, priority)
-    groups, members = _rank_list(w, replica_group, inst)
-    srcs, dsts = _tlist(w, "srcs", srcs), _tlist(w, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        raise NkiValidationError(f"ncc.{w}: {len(srcs)} srcs but {len(dsts)} dsts; one dst per src")
+    inst, groups, members, srcs, dsts = _paired(w, srcs, dsts, replica_group, priority)
     kind = _memory(w, srcs, dsts)
     dim = _dim(w, kind, collective_dim, (0,), (0,))
     o = _reduce_op(w, op)
@@ -397,12 +393,7 @@ def all_to_all(srcs, dsts, replica_group, collective_dim, priority=None, name=No
     """HBM only, dim 0: chunk j of my src goes to the member at position j; my dst holds the received
     chunks in source position order (SDK-CC; NKL test_collectives: "Each rank sends input[i,:] to rank[i]")."""
     w = "all_to_all"
-    inst = _ctx(w)
-    _priority(w, priority)
-    groups, members = _rank_list(w, replica_group, inst)
-    srcs, dsts = _tlist(w, "srcs", srcs), _tlist(w, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        raise NkiValidationError(f"ncc.{w}: {len(srcs)} srcs but {len(dsts)} dsts; one dst per src")
+    inst, groups, members, srcs, dsts = _paired(w, srcs, dsts, replica_group, priority)
     kind = _memory(w, srcs, dsts, hbm_only=True)
     _dim(w, kind, collective_dim, (0,), ())
     n = len(members)
