@@ -106,10 +106,11 @@ def ones(shape, dtype, buffer=sbuf, name=""):
 def full(shape, fill_value, dtype, buffer=sbuf, name=""):
     from . import isa
     t = ndarray(shape, dtype, buffer, name)
-    if not is_on_chip(t.buffer):
-        raise NotImplementedError("nl.zeros/ones/full in HBM are not implemented by nkisim; fill an SBUF tile and "
-                                  "dma_copy it")
     v = int(fill_value) if _dt.is_int(t.dtype) else float(fill_value)
+    if not is_on_chip(t.buffer):
+        # SDK-NL full/zeros/ones: "buffer: sbuf, psum, hbm"; memset cannot reach HBM -> SBUF memset + DMA
+        from .experimental import fill_hbm
+        return fill_hbm(t, v)
     isa.memset(dst=t, value=v)
     return t
 
@@ -281,11 +282,15 @@ def _experimental(name):
     return f
 
 
-for _n in ("sum", "max", "min", "mean", "prod", "var", "all", "softmax", "rms_norm", "where", "dropout",
-           "random_seed", "expand_dims", "broadcast_to", "transpose", "matmul", "load_transpose2d",
-           "gather_flattened", "rand"):
+# RNG family (nl.rand, nl.random_seed, nl.dropout): not implemented here (see README "Not implemented").
+for _n in ("dropout", "random_seed", "rand"):
     globals()[_n] = _experimental(_n)
 del _n
+
+# The other experimental tile-level wrappers (nkisim/experimental.py). Element-wise ones (nl.add, nl.exp, ...) are
+# the operator constants above, made callable by ops.Op.__call__; these are the ones that are not operators.
+from .experimental import (sum, max, min, mean, prod, var, all, softmax, rms_norm, where, expand_dims,  # noqa: E402
+                           broadcast_to, transpose, matmul, load_transpose2d, gather_flattened)
 
 
 def __getattr__(name):

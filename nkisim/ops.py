@@ -1,5 +1,5 @@
 """Operator constants: ``nl.add``, ``nl.exp``, ... are both the ``op=`` arguments of ISA
-instructions and (experimental) tile-level functions. Semantics from SDK-SHARED tbl-aluop and
+instructions and (experimental) tile-level functions (calls go to nkisim/experimental.py). Semantics from SDK-SHARED tbl-aluop and
 tbl-act-func (ref §6). All float math is done in fp32."""
 import math
 
@@ -22,10 +22,10 @@ class Op:
         return f"nl.{self.name}"
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"nl.{self.name}(...) as a tile-level function is an experimental nki.language wrapper that nkisim "
-            f"does not implement; use the ISA instruction (e.g. nisa.tensor_tensor(dst, a, b, op=nl.{self.name}), "
-            f"nisa.activation(dst, op=nl.{self.name}, data=x))")
+        """``nl.add(x, y)``, ``nl.exp(x)``, ...: the experimental tile-level wrapper of the same name (built out of
+        ISA instructions, see nkisim/experimental.py)."""
+        from . import experimental
+        return experimental.call(self.name, *args, **kwargs)
 
     @property
     def is_alu(self):
