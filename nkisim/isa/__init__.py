@@ -10,8 +10,9 @@ from .act import activation, activation_reduce
 from .dve import (max8, memset, nc_find_index8, nc_match_replace8, nc_stream_shuffle, reciprocal, scalar_tensor_tensor,
                   select_reduce, tensor_copy, tensor_copy_predicated, tensor_reduce, tensor_scalar, tensor_tensor)
 from .accum import bn_aggr, bn_stats, range_select, tensor_scalar_cumulative, tensor_scalar_reduce, tensor_tensor_scan
-from .pool import (affine_select, iota, local_gather, nc_n_gather, nonzero_with_count, tensor_partition_reduce,
-                   topk)
+from .pool import (affine_select, iota, local_gather, nc_n_gather, nonzero_with_count, sequence_bounds,
+                   tensor_partition_reduce, topk)
+from .rng import dropout, rand_get_state, rand_set_state, rng, set_rng_seed
 from .control import (core_barrier, get_nc_sub_version, get_nc_version, register_alloc, register_load, register_move,
                       register_store, sendrecv)
 
@@ -29,10 +30,3 @@ activate2 = _missing("activate2", _V4)
 exponential = _missing("exponential", _V4 + "; use activation(op=nl.exp, bias=-max)")
 quantize_mx = _missing("quantize_mx", _V4)
 rand2 = _missing("rand2", _V4)
-_RNG = ("the XORWOW lane-to-element mapping of the hardware PRNG is undocumented, so no CPU stream would match "
-        "trn2; not implemented by nkisim")
-for _n in ("dropout", "rng", "set_rng_seed", "rand_set_state", "rand_get_state"):
-    globals()[_n] = _missing(_n, _RNG)
-sequence_bounds = _missing("sequence_bounds", "not implemented by nkisim: the docstring's numpy reference is truncated "
-                                              "(end-index convention unknown)")
-del _n

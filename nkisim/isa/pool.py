@@ -1,5 +1,5 @@
 """GpSimd instructions: iota, affine_select, tensor_partition_reduce, local_gather, nc_n_gather, topk,
-nonzero_with_count (ref §5.5-§5.7, SDK-ISA)."""
+nonzero_with_count, sequence_bounds (ref §5.5-§5.7, SDK-ISA)."""
 import math
 
 import numpy as np
@@ -299,4 +299,68 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
         out[F] = len(nz)
         row = dst[r:r + 1]
         write(row, out.reshape(row.shape))
+    return Instruction(w)
+
+
+# ---- sequence_bounds -------------------------------------------------------------------------
+SEQ_BOUNDS_DTYPES = ("float32", "int32")
+
+
+def sequence_bounds_reference(ids):
+    """numpy model of sequence_bounds on one row of segment ids: (2, n) int64 ``[start; end]``. A segment is a
+    run of equal consecutive non-zero ids; ``start`` is the index of its first element and ``end`` is one past
+    its last (exclusive); padding (id 0) gets ``(n, -1)``. Source: the NumPy equivalent of the SDK docs page
+    nki.isa.sequence_bounds and its test (aws-neuron-sdk general/nki/test/test_nki_isa_sequence_bounds.py,
+    NKI_EXAMPLE_1: ``max_bounds[i] = i + 1`` at a run's last element, ``max_bounds[-1] = n``; example
+    ``[0, 1, 1, 2, 2, 2, 0, 3, 3]`` -> starts ``[9, 1, 1, 3, 3, 3, 9, 7, 7]``, ends ``[-1, 3, 3, 6, 6, 6, -1, 9,
+    9]``). An id that reappears after another id starts a new segment (the reference compares neighbours)."""
+    ids = np.asarray(ids).reshape(-1)
+    n = ids.size
+    out = np.empty((2, n), np.int64)
+    if n == 0:
+        return out
+    new = np.ones(n, bool)
+    new[1:] = ids[1:] != ids[:-1]
+    run = np.cumsum(new) - 1                       # run number of every element
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], n)
+    pad = ids == 0
+    out[0] = np.where(pad, n, starts[run])
+    out[1] = np.where(pad, -1, ends[run])
+    return out
+
+
+def sequence_bounds(dst, segment_ids, name=None):
+    """GpSimd: for every element of a one-partition row of segment ids, the ``[start, end)`` bounds of its
+    segment (SDK-ISA nki.isa.sequence_bounds; semantics in ``sequence_bounds_reference``: end is exclusive,
+    padding id 0 -> ``(n, -1)``). ``segment_ids``: SBUF, partition dim 1, float32 or int32, n elements.
+    ``dst``: SBUF, partition dim 1, float32 or int32, 2n elements read as (2, n): the n starts, then the n ends
+    (the documented (1, 2, n) output shape). Ids must be non-negative integers (checked when executing)."""
+    w = "sequence_bounds"
+    for nm, t in (("dst", dst), ("segment_ids", segment_ids)):
+        tensor(w, nm, t, (SBUF,), "POOL")
+        geom(w, nm, t)
+        if t.shape[0] != 1:
+            raise NkiValidationError(f"{w}: {nm} has {t.shape[0]} partitions; the partition dimension must be 1 "
+                                     f"(SDK-ISA sequence_bounds)")
+        if t.dtype not in SEQ_BOUNDS_DTYPES:
+            raise NkiValidationError(f"{w}: {nm} must be float32 or int32, got {t.dtype} (SDK-ISA sequence_bounds)")
+    n = segment_ids.size
+    if dst.size != 2 * n:
+        raise NkiValidationError(f"{w}: dst {list(dst.shape)} has {dst.size} elements, expected 2 x {n} (shape "
+                                 f"(1, 2, {n}): a start and an end index per segment id)")
+    inst = record(w, "POOL", reads=[("segment_ids", segment_ids)], writes=[("dst", dst)])
+    if inst.shape_only:
+        return Instruction(w)
+    ids = read_raw(w, "segment_ids", segment_ids).reshape(-1)
+    if segment_ids.dtype == "float32":
+        bad = ~np.isfinite(ids) | (ids < 0) | (ids != np.floor(ids))
+    else:
+        bad = ids < 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise NkiValidationError(f"{w}: segment_ids[0, {i}] = {ids[i].item()!r}; all segment IDs must be non-negative "
+                                 f"integers (SDK-ISA sequence_bounds)")
+    out = sequence_bounds_reference(ids)
+    write(dst, out.reshape(dst.shape) if dtypes.is_int(dst.dtype) else out.astype(F32).reshape(dst.shape))
     return Instruction(w)
