@@ -282,7 +282,7 @@ def _experimental(name):
     return f
 
 
-# RNG family (nl.rand, nl.random_seed, nl.dropout): not implemented here (see README "Not implemented").
+# RNG family (nl.rand, nl.random_seed, nl.dropout): not part of experimental.py (see nkisim/language_random.py).
 for _n in ("dropout", "random_seed", "rand"):
     globals()[_n] = _experimental(_n)
 del _n
