@@ -274,18 +274,8 @@ def no_reorder():
     yield
 
 
-def _experimental(name):
-    def f(*args, **kwargs):
-        raise NotImplementedError(f"nl.{name} is an experimental nki.language tile-level wrapper that nkisim does not "
-                                  f"implement; write the nisa.* instructions instead")
-    f.__name__ = name
-    return f
-
-
-# RNG family (nl.rand, nl.random_seed, nl.dropout): not part of experimental.py (see nkisim/language_random.py).
-for _n in ("dropout", "random_seed", "rand"):
-    globals()[_n] = _experimental(_n)
-del _n
+# The experimental random-number wrappers (nkisim/language_random.py, built from nkisim/isa/rng.py).
+from .language_random import dropout, rand, random_seed  # noqa: E402
 
 # The other experimental tile-level wrappers (nkisim/experimental.py). Element-wise ones (nl.add, nl.exp, ...) are
 # the operator constants above, made callable by ops.Op.__call__; these are the ones that are not operators.

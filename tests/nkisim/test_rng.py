@@ -12,7 +12,6 @@ import nki.isa as nisa
 import nki.language as nl
 import nkisim
 from nkisim import NkiValidationError
-from nkisim import language_random as R
 from nkisim.isa.pool import sequence_bounds_reference
 from nkisim.isa.rng import expand_seed, xorwow
 from nkisim_helpers import run_op
@@ -431,12 +430,12 @@ def test_nl_rand_uniform_and_reproducible():
     def k(x):
         seed = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
         nisa.memset(dst=seed, value=42)
-        R.random_seed(seed)
-        a = R.rand((128, 512), nl.float32)
-        R.random_seed(seed)
-        b = R.rand((128, 512), dtype=nl.float32, buffer=nl.sbuf, name="b")
-        c = R.rand((128, 256), nl.bfloat16, buffer=nl.psum)
-        h = R.rand((64, 32), nl.float16, nl.shared_hbm)
+        nl.random_seed(seed)
+        a = nl.rand((128, 512), nl.float32)
+        nl.random_seed(seed)
+        b = nl.rand((128, 512), dtype=nl.float32, buffer=nl.sbuf, name="b")
+        c = nl.rand((128, 256), nl.bfloat16, buffer=nl.psum)
+        h = nl.rand((64, 32), nl.float16, nl.shared_hbm)
         cs = sb((128, 256), nl.bfloat16)
         nisa.tensor_copy(dst=cs, src=c)
         return out_of(a), out_of(b), out_of(cs), h
@@ -458,13 +457,13 @@ def test_nl_dropout_wrapper(rng):
         xt = load(xh)
         seed = nl.ndarray((1, 1), nl.uint32, buffer=nl.sbuf)
         nisa.memset(dst=seed, value=5)
-        R.random_seed(seed)
-        a = R.dropout(xt, 0.5)
-        R.random_seed(seed)
-        b = R.dropout(xt, 0.5, dtype=nl.bfloat16)             # same mask, cast to bf16
+        nl.random_seed(seed)
+        a = nl.dropout(xt, 0.5)
+        nl.random_seed(seed)
+        b = nl.dropout(xt, 0.5, dtype=nl.bfloat16)             # same mask, cast to bf16
         rate = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=rate, value=0.0)
-        c = R.dropout(xt, rate)
+        c = nl.dropout(xt, rate)
         return out_of(a), out_of(b), out_of(c)
     a, b, c = nki.jit(k)(x)
     assert b.dtype == BF16 and ((a == 0) == (b == 0)).all()
@@ -481,13 +480,13 @@ def test_nl_dropout_wrapper(rng):
 def test_nl_wrapper_refusals(case, exc, match):
     def k(x):
         if case == "rand_int":
-            R.rand((8, 8), nl.int32)
+            nl.rand((8, 8), nl.int32)
         elif case == "seed_scalar":
-            R.random_seed(42)
+            nl.random_seed(42)
         elif case == "dropout_hbm":
-            R.dropout(x, 0.5)
+            nl.dropout(x, 0.5)
         elif case == "rand_buffer":
-            R.rand((8, 8), nl.float32, buffer="sbuf")
+            nl.rand((8, 8), nl.float32, buffer="sbuf")
         return x
     with pytest.raises(exc, match=match):
         nki.jit(k)(DUMMY)
@@ -503,9 +502,9 @@ def _trace_kernel(x, s, ids):
     nisa.rng(dst=r, engine=nisa.engine.gpsimd)
     seed = sb((1, 1), nl.int32)
     nisa.memset(dst=seed, value=3)
-    R.random_seed(seed)
-    u = R.rand((128, 16), nl.float32)
-    d = R.dropout(xt, 0.5)
+    nl.random_seed(seed)
+    u = nl.rand((128, 16), nl.float32)
+    d = nl.dropout(xt, 0.5)
     seg = load(ids)
     bounds = nl.ndarray((1, 2, ids.shape[1]), nl.int32, buffer=nl.sbuf)
     nisa.sequence_bounds(dst=bounds, segment_ids=seg)
