@@ -394,6 +394,9 @@ class NkiTensor:
 
     def expand_dim(self, dim):
         self._no_indirect("expand_dim")
+        if self.on_chip and dim == 0:       # SDK-NL NkiTensor.expand_dim: "On-chip tensors: dim must not be 0"
+            raise NkiValidationError(f"expand_dim: cannot insert a dim before the partition dim of on-chip tensor "
+                                     f"{self.describe()}; use dim >= 1")
         shape, st = list(self.shape), list(self.bstrides)
         shape.insert(dim, 1)
         st.insert(dim, st[dim] if dim < len(st) else self.itemsize)

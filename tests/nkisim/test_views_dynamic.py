@@ -76,6 +76,26 @@ def test_reshape_rules():
     assert r[(32, 16)] == "NkiValidationError" and r[(16, 31)] == "ValueError"
 
 
+def test_partition_dim_view_rules():
+    """SDK-NL NkiTensor: on-chip tensors cannot expand, broadcast or squeeze at dim 0; HBM tensors can."""
+    def f(x):
+        s = nl.ndarray((16, 1, 8), nl.float32, buffer=nl.sbuf)
+        r = {"expand1": s.expand_dim(1).shape, "bcast1": s.broadcast(1, 4).shape,
+             "hbm_expand0": x.expand_dim(0).shape}
+        for name, bad in (("expand0", lambda: s.expand_dim(0)), ("bcast0", lambda: s[0:1].broadcast(0, 4)),
+                          ("squeeze0", lambda: s[0:1].squeeze_dim(0))):
+            try:
+                bad()
+                r[name] = "ok"
+            except nkisim.NkiValidationError as e:
+                r[name] = str(e)
+        return r
+    r = _probe(f)
+    assert r["expand1"] == (16, 1, 1, 8) and r["bcast1"] == (16, 4, 8) and r["hbm_expand0"] == (1, 8, 8)
+    assert "before the partition dim" in r["expand0"] and "'s' (sbuf float32[16, 1, 8]" in r["expand0"]
+    assert "partition dim" in r["bcast0"] and "partition dim" in r["squeeze0"]
+
+
 def test_dma_gather_scatter_vector_offset(rng):
     @nki.jit
     def k(data, idx, table):
