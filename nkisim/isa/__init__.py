@@ -17,16 +17,18 @@ from .control import (core_barrier, get_nc_sub_version, get_nc_version, register
                       register_store, sendrecv)
 
 
-def _missing(name, why="not implemented by nkisim yet"):
+def _trn3_only(name, hint=""):
+    """An op of NeuronCore-v4 (trn3) that a trn2 kernel cannot use: calling it is refused like any other rule the
+    trn2 compiler enforces (ref §5.13; SDK-ISA docstrings name the architecture)."""
     def f(*args, **kwargs):
-        raise NotImplementedError(f"nisa.{name}: {why}")
+        raise NkiValidationError(f"nisa.{name}: NeuronCore-v4 (trn3) only; not available on trn2 (ref §5.13){hint}")
     f.__name__ = name
+    f.trn3_only = True
     return f
 
 
-_V4 = "NeuronCore-v4 (trn3) only; not available on trn2 (ref §5.13)"
-nc_matmul_mx = _missing("nc_matmul_mx", _V4)
-activate2 = _missing("activate2", _V4)
-exponential = _missing("exponential", _V4 + "; use activation(op=nl.exp, bias=-max)")
-quantize_mx = _missing("quantize_mx", _V4)
-rand2 = _missing("rand2", _V4)
+nc_matmul_mx = _trn3_only("nc_matmul_mx")
+activate2 = _trn3_only("activate2")
+exponential = _trn3_only("exponential", "; use activation(op=nl.exp, bias=-max)")
+quantize_mx = _trn3_only("quantize_mx")
+rand2 = _trn3_only("rand2")

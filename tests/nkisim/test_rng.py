@@ -376,7 +376,7 @@ def test_dropout_refusals(case, match):
     ("seed_dtype", NkiValidationError, r"set_rng_seed: src_seeds must hold a 32-bit value .* got int16"),
     ("seed_hbm", NkiValidationError, r"set_rng_seed: src_seeds is in shared_hbm"),
     ("seed_int", TypeError, r"must be a tensor"),
-    ("rand2", NotImplementedError, r"nisa.rand2: NeuronCore-v4"),
+    ("rand2", NkiValidationError, r"nisa.rand2: NeuronCore-v4"),
 ])
 def test_rng_state_refusals(case, exc, match):
     def k(x):
