@@ -68,7 +68,8 @@ class _TileSize:
     sbuf_fmax_bytes = hw.SBUF_PARTITION_BYTES
     sbuf_fmax = hw.SBUF_PARTITION_BYTES // 4
     total_available_sbuf_size = hw.SBUF_PARTITION_BYTES    # per partition despite the name (ref §4)
-    sbuf_size_bytes = hw.SBUF_PARTITION_BYTES
+    sbuf_size_bytes = hw.PMAX * hw.SBUF_PARTITION_BYTES_PHYSICAL   # "Total SBUF capacity in bytes (all partitions
+                                                                  # combined)" (SDK-TILE 0.4.0+): 28 MiB on trn2
 
 
 tile_size = _TileSize()

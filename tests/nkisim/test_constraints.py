@@ -276,6 +276,16 @@ def test_install_idempotent_and_api_surface():
         assert list(sig.parameters)[:len(names)] == names, f
 
 
+def test_trn3_only_ops_are_the_only_refused_isa_functions():
+    """Every nki.isa function of the 0.6 API is implemented except the NeuronCore-v4 ones, which are refused as
+    a trn2 compiler would (ref §5.13), not reported as missing."""
+    refused = sorted(n for n in dir(nisa) if getattr(getattr(nisa, n), "trn3_only", False))
+    assert refused == ["activate2", "exponential", "nc_matmul_mx", "quantize_mx", "rand2"]
+    for n in refused:
+        with pytest.raises(NkiValidationError, match=rf"nisa.{n}: NeuronCore-v4 \(trn3\) only"):
+            getattr(nisa, n)()
+
+
 def test_messages_name_unnamed_tensors_by_their_kernel_variable_and_line():
     """Without name=, errors show the variable the kernel assigned the tensor to and the allocating line, not
     nkisim's internal default name (which traces keep)."""
@@ -297,3 +307,13 @@ def test_messages_name_unnamed_tensors_by_their_kernel_variable_and_line():
         nisa.tensor_copy(dst=t, src=t)
     with pytest.raises(UninitializedReadError, match=r"tensor 'my_tile' \(sbuf float32\[4, 4\]\)"):
         _run(named)
+
+
+def test_tile_size_constants_trn2():
+    """nl.tile_size on trn2 (SDK-TILE; ref §4): per-partition SBUF figures vs the all-partition total."""
+    ts = nl.tile_size
+    assert (ts.pmax, ts.psum_bank_fmax, ts.psum_bank_fmax_bytes, ts.psum_num_banks) == (128, 512, 2048, 8)
+    assert (ts.gemm_stationary_fmax, ts.gemm_moving_fmax, ts.bn_stats_fmax) == (128, 512, 512)
+    assert ts.sbuf_fmax_bytes == ts.total_available_sbuf_size == 212_984 and ts.sbuf_fmax == 212_984 // 4
+    assert ts.sbuf_size_bytes == 28 * 2 ** 20            # "total SBUF capacity (all partitions combined)"
+    assert ts.psum_fmax == ts.psum_bank_fmax             # deprecated alias
