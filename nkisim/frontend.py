@@ -85,7 +85,11 @@ def check_stack(frame, seen):
             s = st[code] = 1 if fn in _STOP else 0
             if not s and _is_kernel_file(fn):
                 _linted_count[0] += 1
-                _lint_code(code)
+                try:
+                    _lint_code(code)
+                except NkiValidationError:
+                    del st[code]     # refused (HELPER_ERRORS): refuse it again at the next launch too
+                    raise
         if s:
             return
         b = f.f_back

@@ -139,7 +139,6 @@ def _lint_source(fn):
     code = getattr(fn, "__code__", None)
     if not FRONTEND_LINT or code is None or code in _linted:
         return
-    _linted[code] = True
     import ast
     import textwrap
     from . import frontend
@@ -152,6 +151,7 @@ def _lint_source(fn):
     frontend._state[code] = 0                    # the helper walk need not lint the kernel again
     node = tree.body[0] if tree.body else tree
     frontend.lint_node(node, fn.__name__, code.co_filename, first - 1, helper=False)
+    _linted[code] = True     # only a clean kernel is cached: a refused one is refused again at every launch
 
 
 def _output(x, launch, want_torch, names_seen):

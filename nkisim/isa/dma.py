@@ -66,8 +66,10 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
     op = OP
     for nm, t in (("dst", dst), ("src", src)):
         if isinstance(t, NkiTensor) and t.buffer == PSUM:
-            raise NkiValidationError(f"{op}: {nm} is in psum ({t.describe()}); DMA cannot access PSUM (reading "
-                                     f"PSUM is forbidden since NKI 0.3.0): evict with nisa.tensor_copy/activation")
+            raise NkiValidationError(f"{op}: {nm} is in psum ({t.describe()}); DMA cannot access PSUM (SDK-ISA "
+                                     f"dma_copy: src and dst can be in HBM or SBUF; reading PSUM is forbidden since "
+                                     f"NKI 0.3.0): " + ("evict with nisa.tensor_copy/activation" if nm == "src" else
+                                                        "DMA into SBUF, then write PSUM with an engine"))
         tensor(op, nm, t, (SBUF,) + HBM, "DMA", allow_indirect=True)
     check_enum(op, "oob_mode", oob_mode, OOB)
     check_enum(op, "dge_mode", dge_mode, DGE)
@@ -183,8 +185,21 @@ def write_view(op, name, t, out, valid, oob_mode):
     st.dirty = True
 
 
+def _same_bytes(a, b):
+    """Two direct views naming exactly the same bytes in the same order (a DMA self-copy)."""
+    if a.storage is not b.storage or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ra, rb = raw(a), raw(b)
+    return ra.__array_interface__["data"][0] == rb.__array_interface__["data"][0] and ra.strides == rb.strides
+
+
 def _execute(op, dst, src, oob_mode):
     if src.indirect is None and dst.indirect is None:
+        if _same_bytes(src, dst):
+            # A self-copy (nkilib dynamic_elementwise_add's "HBM fence", dma_copy(dst=t, src=t)) moves every byte
+            # onto itself: DMA moves raw bytes without interpreting them (SDK nki-0-3-0-update-guide, dma_copy
+            # dge_mode), so bytes no instruction wrote stay as they were -- not a read of uninitialized data.
+            return
         # direct views (the common case): the same steps as read_view/write_view without their generality
         sst = src.storage
         if not sst.full:

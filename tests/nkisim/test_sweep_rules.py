@@ -1,0 +1,121 @@
+"""Rules and fixes found by the public-kernel sweep (python -m nkisim.public_kernels): refusals that had no test,
+a refused kernel staying refused on every launch, and a DMA self-copy of partly written HBM."""
+import warnings
+
+import numpy as np
+import pytest
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+from nkisim import NkiValidationError
+
+F32 = np.float32
+
+
+def _run(body):
+    @nki.jit
+    def k(x):
+        body(x)
+        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=0.0)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    return k(np.zeros((4, 4), F32))
+
+
+def _zeros(shape, dt=nl.bfloat16, buf=nl.sbuf):
+    t = nl.ndarray(shape, dt, buffer=buf)
+    nisa.memset(dst=t, value=0.0)
+    return t
+
+
+# ---- documented rules without a refusal test before the sweep ------------------------------------------------
+
+def test_dma_cannot_write_psum():
+    """SDK-ISA dma_copy: src and dst live in HBM or SBUF; a DMA from HBM straight into PSUM is refused."""
+    def body(x):
+        nisa.dma_copy(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.psum), src=x)
+    with pytest.raises(NkiValidationError, match=r"dma_copy: dst is in psum .*DMA cannot access PSUM.*write PSUM with "
+                                                 r"an engine"):
+        _run(body)
+
+
+def test_matmul_operands_must_share_the_contraction_dim():
+    def body(x):
+        p = nl.ndarray((64, 64), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=p, stationary=_zeros((128, 64)), moving=_zeros((64, 64)))
+    with pytest.raises(NkiValidationError, match=r"stationary has 128 partitions \(contraction K\) but moving has 64"):
+        _run(body)
+
+
+def test_matmul_result_goes_to_psum_only():
+    def body(x):
+        nisa.nc_matmul(dst=_zeros((64, 64), nl.float32), stationary=_zeros((128, 64)), moving=_zeros((128, 64)))
+    with pytest.raises(NkiValidationError, match=r"nc_matmul: dst is in sbuf .*expected psum"):
+        _run(body)
+
+
+def test_gpsimd_cannot_read_psum():
+    def body(x):
+        p = _zeros((4, 4), nl.float32, nl.psum)
+        nisa.tensor_copy(dst=_zeros((4, 4), nl.float32), src=p, engine=nisa.engine.gpsimd)
+    with pytest.raises(NkiValidationError, match=r"tensor_copy: src is in psum .*POOL cannot access psum"):
+        _run(body)
+
+
+# ---- a kernel refused by the front end is refused at every launch --------------------------------------------
+
+def test_front_end_refusal_repeats_on_every_launch():
+    @nki.jit
+    def optional_bias(x, bias=None):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        if bias is not None:                      # the NKI front end rejects 'is not'
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    x = np.ones((4, 8), F32)
+    for _ in range(3):                            # was: refused once, then silently run
+        with pytest.raises(NkiValidationError, match="uses 'is not'"):
+            optional_bias(x)
+
+
+# ---- DMA self-copy of a partly written HBM tensor ------------------------------------------------------------
+
+def test_dma_self_copy_of_partly_written_hbm_is_not_a_read_of_garbage():
+    """A kernel fills only some rows of its output, then copies the whole output onto itself (a fence). The copy
+    moves bytes onto themselves, so the unwritten rows stay unwritten instead of failing as an uninitialized read;
+    the output warning still names them."""
+    @nki.jit
+    def first_rows(x, n_rows):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((n_rows, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[0:n_rows, :])
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=3.0)
+        nisa.dma_copy(dst=out[0:n_rows, :], src=t)
+        nisa.dma_copy(dst=out, src=out)
+        return out
+
+    x = np.arange(64, dtype=F32).reshape(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = first_rows(x, 5)
+    np.testing.assert_array_equal(y[:5], 3 * x[:5])
+    assert any("elements no instruction wrote" in str(w.message) for w in caught)
+
+
+def test_dma_copy_between_different_regions_still_checks_initialization():
+    @nki.jit
+    def shift(x):
+        tmp = nl.ndarray(x.shape, x.dtype, buffer=nl.hbm)
+        nisa.dma_copy(dst=tmp[0:2, :], src=x[0:2, :])
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=tmp)           # rows 2.. of tmp were never written
+        return out
+
+    with pytest.raises(NkiValidationError, match="reads never-written memory"):
+        shift(np.zeros((4, 4), F32))
