@@ -265,6 +265,11 @@ def test_install_idempotent_and_api_surface():
     missing = [f"{m}.{f}" for m, v in api.items() for f in v["functions"] if not hasattr(mods[m], f)]
     missing += [f"{m}.{e}" for m, v in api.items() for e in v["enums"] if m != "nki.language" and not hasattr(mods[m], e)]
     missing += [f"{m}.{c}" for m, v in api.items() for c in v["constants"] if not hasattr(mods[m], c)]
+    from nkisim.tensor import NkiTensor
+    for m, v in api.items():
+        for cname, c in v["classes"].items():
+            cls = NkiTensor if cname == "NkiTensor" else getattr(mods[m], cname, None)
+            missing += [f"{m}.{cname}.{meth}" for meth in c["methods"] if cls is None or not hasattr(cls, meth)]
     assert missing == []
     # every isa function accepts the documented parameter names
     import inspect
