@@ -6,21 +6,10 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 import nkisim
+from nkisim_helpers import run_body
 from nkisim import AllocationError, NkiValidationError, UninitializedReadError
 
 F32 = np.float32
-
-
-def _run(body, *args):
-    @nki.jit
-    def k(x):
-        body(x)
-        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-        t = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=t, value=0.0)
-        nisa.dma_copy(dst=out, src=t)
-        return out
-    return k(*(args or (np.zeros((4, 4), F32),)))
 
 
 def _sb(shape, dt=nl.float32, buf=nl.sbuf):
@@ -29,7 +18,7 @@ def _sb(shape, dt=nl.float32, buf=nl.sbuf):
 
 def test_partition_limit():
     with pytest.raises(NkiValidationError, match=r"nl.ndarray: .* 130 partitions, the partition dim is at most 128"):
-        _run(lambda x: _sb((130, 4)))
+        run_body(lambda x: _sb((130, 4)))
 
 
 def test_matmul_limits():
@@ -37,31 +26,31 @@ def test_matmul_limits():
         s, m, p = _sb((128, 130), nl.bfloat16), _sb((128, 64), nl.bfloat16), _sb((128, 64), buf=nl.psum)
         nisa.nc_matmul(dst=p, stationary=s, moving=m)
     with pytest.raises(NkiValidationError, match=r"nc_matmul: .*stationary has 130 free elements \(M\), at most 128"):
-        _run(k_too_big)
+        run_body(k_too_big)
 
     def k_n(x):
         s, m, p = _sb((128, 64), nl.bfloat16), _sb((128, 640), nl.bfloat16), _sb((64, 640), buf=nl.psum)
         nisa.nc_matmul(dst=p, stationary=s, moving=m)
     with pytest.raises(NkiValidationError, match=r"(moving has 640 free elements|cannot allocate|needs)"):
-        _run(k_n)
+        run_body(k_n)
 
     def k_dtype(x):
         s, m, p = _sb((128, 64), nl.float32), _sb((128, 64), nl.bfloat16), _sb((64, 64), buf=nl.psum)
         nisa.nc_matmul(dst=p, stationary=s, moving=m)
     with pytest.raises(NkiValidationError, match="fp32/tf32 operands must pair"):
-        _run(k_dtype)
+        run_body(k_dtype)
 
     def k_bf16_dst(x):
         s, m, p = _sb((128, 64), nl.bfloat16), _sb((128, 64), nl.bfloat16), _sb((64, 64), nl.bfloat16, nl.psum)
         nisa.nc_matmul(dst=p, stationary=s, moving=m)
     with pytest.raises(NkiValidationError, match="dst dtype must be float32"):
-        _run(k_bf16_dst)
+        run_body(k_bf16_dst)
 
     def k_mem(x):
         s, m, p = _sb((128, 64), nl.bfloat16, nl.psum), _sb((128, 64), nl.bfloat16), _sb((64, 64), buf=nl.psum)
         nisa.nc_matmul(dst=p, stationary=s, moving=m)
     with pytest.raises(NkiValidationError, match=r"nc_matmul: stationary is in psum .* expected sbuf"):
-        _run(k_mem)
+        run_body(k_mem)
 
 
 def test_matmul_bank_crossing():
@@ -72,7 +61,7 @@ def test_matmul_bank_crossing():
         nisa.memset(dst=m, value=0.0)
         nisa.nc_matmul(dst=big[:, 256:768], stationary=s, moving=m)
     with pytest.raises(NkiValidationError, match="crosses a 2048 B PSUM bank boundary"):
-        _run(k)
+        run_body(k)
 
 
 def test_dma_psum_refused():
@@ -80,19 +69,19 @@ def test_dma_psum_refused():
         p = _sb((4, 4), buf=nl.psum)
         nisa.dma_copy(dst=x, src=p)
     with pytest.raises(NkiValidationError, match="dma_copy: src is in psum"):
-        _run(k)
+        run_body(k)
 
 
 def test_dma_count_mismatch_and_hwdge_cast():
     def k(x):
         nisa.dma_copy(dst=_sb((4, 3)), src=x)
     with pytest.raises(NkiValidationError, match="src .* has 16 elements but dst .* has 12"):
-        _run(k)
+        run_body(k)
 
     def k2(x):
         nisa.dma_copy(dst=_sb((4, 4), nl.bfloat16), src=x, dge_mode=nisa.dge_mode.hwdge)
     with pytest.raises(NkiValidationError, match="hwdge moves raw bytes"):
-        _run(k2)
+        run_body(k2)
 
 
 def test_engine_reach_and_both_psum():
@@ -100,25 +89,25 @@ def test_engine_reach_and_both_psum():
         p = _sb((4, 4), buf=nl.psum)
         nisa.memset(dst=p, value=0.0, engine=nisa.engine.gpsimd)
     with pytest.raises(NkiValidationError, match="memset: dst is in psum .*POOL cannot access psum"):
-        _run(k)
+        run_body(k)
 
     def k2(x):
         a, b = _sb((4, 4), buf=nl.psum), _sb((4, 4), buf=nl.psum)
         nisa.tensor_tensor(dst=_sb((4, 4)), data1=a, data2=b, op=nl.add)
     with pytest.raises(NkiValidationError, match="both in psum"):
-        _run(k2)
+        run_body(k2)
 
 
 def test_partition_and_element_mismatch():
     def k(x):
         nisa.tensor_copy(dst=_sb((4, 8)), src=_sb((4, 9)))
     with pytest.raises(NkiValidationError, match="dst .* has 8 elements per partition but src .* has 9"):
-        _run(k)
+        run_body(k)
 
     def k2(x):
         nisa.tensor_copy(dst=_sb((8, 4)), src=_sb((4, 8)))
     with pytest.raises(NkiValidationError, match="dst has 8 partitions but src has 4"):
-        _run(k2)
+        run_body(k2)
 
 
 def test_start_partition_rule():
@@ -126,13 +115,13 @@ def test_start_partition_rule():
         t = _sb((128, 4))
         nisa.memset(dst=t[5:6, :], value=0.0)
     with pytest.raises(NkiValidationError, match=r"starts at partition 5 with 1 partitions"):
-        _run(k)
+        run_body(k)
 
     def ok(x):
         t = _sb((128, 4))
         nisa.memset(dst=t[32:64, :], value=0.0)
         nisa.memset(dst=t[64:128, :], value=0.0)
-    _run(ok)
+    run_body(ok)
 
 
 def test_tensor_scalar_operand_dtype_and_scalar_engine():
@@ -140,40 +129,40 @@ def test_tensor_scalar_operand_dtype_and_scalar_engine():
         col = _sb((4, 1), nl.bfloat16)
         nisa.tensor_scalar(dst=_sb((4, 4)), data=_sb((4, 4)), op0=nl.multiply, operand0=col)
     with pytest.raises(NkiValidationError, match="operand0 tile must be float32"):
-        _run(k)
+        run_body(k)
 
     def k2(x):
         nisa.tensor_scalar(dst=_sb((4, 4)), data=_sb((4, 4)), op0=nl.maximum, operand0=1.0,
                            engine=nisa.engine.scalar)
     with pytest.raises(NkiValidationError, match="engine=scalar supports only"):
-        _run(k2)
+        run_body(k2)
 
 
 def test_activation_rules():
     def k(x):
         nisa.activation(dst=_sb((4, 4)), op=nl.add, data=_sb((4, 4)))
     with pytest.raises(NkiValidationError, match="not an activation function"):
-        _run(k)
+        run_body(k)
 
     def k2(x):
         nisa.activation(dst=_sb((4, 4)), op=nl.exp, data=_sb((4, 4)), reduce_op=nl.maximum,
                         reduce_res=_sb((4, 1)), reduce_cmd=nisa.reduce_cmd.reset_reduce)
     with pytest.raises(NkiValidationError, match="reduce_op must be nl.add"):
-        _run(k2)
+        run_body(k2)
 
 
 def test_tensor_reduce_axis_rule():
     def k(x):
         nisa.tensor_reduce(dst=_sb((4, 8)), op=nl.add, data=_sb((4, 8, 2)), axis=1)
     with pytest.raises(NkiValidationError, match="trailing contiguous free"):
-        _run(k)
+        run_body(k)
 
 
 def test_memset_value_type():
     def k(x):
         nisa.memset(dst=_sb((4, 4), nl.int32), value=1.5)
     with pytest.raises(NkiValidationError, match="value type must match"):
-        _run(k)
+        run_body(k)
 
 
 def test_uninitialized_read_names_op_and_tensor():
@@ -181,14 +170,14 @@ def test_uninitialized_read_names_op_and_tensor():
         t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, name="scratch")
         nisa.tensor_copy(dst=_sb((4, 4)), src=t)
     with pytest.raises(UninitializedReadError, match=r"tensor_copy: src reads never-written memory of tensor 'scratch'"):
-        _run(k)
+        run_body(k)
 
     def partial(x):
         t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, name="half")
         nisa.memset(dst=t[:, 0:2], value=0.0)
         nisa.activation(dst=_sb((4, 4)), op=nl.exp, data=t)
     with pytest.raises(UninitializedReadError, match=r"element \[0, 2\]"):
-        _run(partial)
+        run_body(partial)
 
 
 def test_new_memory_is_nan_filled():
@@ -206,20 +195,20 @@ def test_sbuf_capacity():
         a = _sb((128, 30000))          # 120,000 B per partition
         b = _sb((128, 30000))          # another 120,000 -> over 212,984
     with pytest.raises(AllocationError, match=r"cannot allocate .* capacity 212,984 B per partition"):
-        _run(k)
+        run_body(k)
 
     def freed(x):
         for _ in range(4):
             a = _sb((128, 30000))       # previous tile is released when rebound... after allocation
             del a
-    _run(freed)
+    run_body(freed)
 
 
 def test_psum_capacity():
     def k(x):
         ts = [_sb((128, 512), buf=nl.psum) for _ in range(9)]
     with pytest.raises(AllocationError, match="psum"):
-        _run(k)
+        run_body(k)
 
 
 def test_output_must_be_shared_hbm():
@@ -246,7 +235,7 @@ def test_ap_partition_step_rule():
         t = _sb((128, 64))
         t.ap(pattern=[[128, 64], [1, 64]])            # every other partition
     with pytest.raises(NkiValidationError, match="partition step .* must equal the free size"):
-        _run(k)
+        run_body(k)
 
 
 def test_install_idempotent_and_api_surface():
@@ -300,18 +289,18 @@ def test_messages_name_unnamed_tensors_by_their_kernel_variable_and_line():
         nisa.tensor_tensor(dst=acc, data1=scratch, data2=scratch, op=nl.add)
     with pytest.raises(UninitializedReadError, match=r"tensor 'scratch' \(sbuf float32\[4, 4\], allocated at "
                                                      r"test_constraints.py:\d+\)"):
-        _run(uninit)
+        run_body(uninit)
 
     def too_big(x):
         huge = nl.ndarray((128, 60_000), nl.float32, buffer=nl.sbuf)
     with pytest.raises(AllocationError, match=r"'huge' \(allocated at test_constraints.py:\d+\) needs 240,000 B"):
-        _run(too_big)
+        run_body(too_big)
 
     def named(x):
         t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, name="my_tile")
         nisa.tensor_copy(dst=t, src=t)
     with pytest.raises(UninitializedReadError, match=r"tensor 'my_tile' \(sbuf float32\[4, 4\]\)"):
-        _run(named)
+        run_body(named)
 
 
 def test_tile_size_constants_trn2():

@@ -8,21 +8,10 @@ import pytest
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nkisim_helpers import run_body
 from nkisim import NkiValidationError
 
 F32 = np.float32
-
-
-def _run(body):
-    @nki.jit
-    def k(x):
-        body(x)
-        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-        t = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=t, value=0.0)
-        nisa.dma_copy(dst=out, src=t)
-        return out
-    return k(np.zeros((4, 4), F32))
 
 
 def _zeros(shape, dt=nl.bfloat16, buf=nl.sbuf):
@@ -39,7 +28,7 @@ def test_dma_cannot_write_psum():
         nisa.dma_copy(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.psum), src=x)
     with pytest.raises(NkiValidationError, match=r"dma_copy: dst is in psum .*DMA cannot access PSUM.*write PSUM with "
                                                  r"an engine"):
-        _run(body)
+        run_body(body)
 
 
 def test_matmul_operands_must_share_the_contraction_dim():
@@ -47,14 +36,14 @@ def test_matmul_operands_must_share_the_contraction_dim():
         p = nl.ndarray((64, 64), nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=p, stationary=_zeros((128, 64)), moving=_zeros((64, 64)))
     with pytest.raises(NkiValidationError, match=r"stationary has 128 partitions \(contraction K\) but moving has 64"):
-        _run(body)
+        run_body(body)
 
 
 def test_matmul_result_goes_to_psum_only():
     def body(x):
         nisa.nc_matmul(dst=_zeros((64, 64), nl.float32), stationary=_zeros((128, 64)), moving=_zeros((128, 64)))
     with pytest.raises(NkiValidationError, match=r"nc_matmul: dst is in sbuf .*expected psum"):
-        _run(body)
+        run_body(body)
 
 
 def test_gpsimd_cannot_read_psum():
@@ -62,7 +51,7 @@ def test_gpsimd_cannot_read_psum():
         p = _zeros((4, 4), nl.float32, nl.psum)
         nisa.tensor_copy(dst=_zeros((4, 4), nl.float32), src=p, engine=nisa.engine.gpsimd)
     with pytest.raises(NkiValidationError, match=r"tensor_copy: src is in psum .*POOL cannot access psum"):
-        _run(body)
+        run_body(body)
 
 
 # ---- a kernel refused by the front end is refused at every launch --------------------------------------------
