@@ -30,6 +30,7 @@ import math
 import numpy as np
 
 from . import dtypes as _dt
+from . import ops as _ops_mod
 from .errors import NkiValidationError
 from .memory import HBM, ON_CHIP, PSUM, SBUF
 from .ops import OPS
@@ -595,8 +596,8 @@ def transpose(x, dtype=None):
 
 def load_transpose2d(src, dtype=None):
     """HBM [R, C] -> new SBUF tile [C, R]. 2-byte dtypes: one ``dma_transpose`` (the DMA transposes 2-byte types,
-    SDK-ISA); other dtypes: ``dma_copy`` into SBUF, PE ``nc_transpose`` into PSUM, DVE ``tensor_copy`` back to SBUF
-    (inference). A dtype change adds a DVE ``tensor_copy``."""
+    SDK-ISA); other dtypes: per block of <= 128 src rows, ``dma_copy`` into SBUF, PE ``nc_transpose`` into PSUM, DVE
+    ``tensor_copy`` back to SBUF (inference). A dtype change adds a DVE ``tensor_copy``."""
     where = "nl.load_transpose2d"
     if not isinstance(src, NkiTensor) or src.storage.kind not in HBM:
         _fail(where, f"src must be an HBM tensor, got {src.describe() if isinstance(src, NkiTensor) else type(src)}")
@@ -610,11 +611,15 @@ def load_transpose2d(src, dtype=None):
         if src.itemsize == 2:
             isa.dma_transpose(dst=t, src=src)
         else:
-            a = _new((R, C), src.dtype)
-            isa.dma_copy(dst=a, src=src)
-            p = _new((C, R), src.dtype, PSUM)
-            isa.nc_transpose(dst=p, data=a, engine=isa.engine.tensor)
-            isa.tensor_copy(dst=t, src=p)
+            # R is the free size of the result and may exceed 128: one PE transpose per <= 128-row block of src
+            # (each block [r, C] -> [C, r] into PSUM, then into its columns of t).
+            for r0 in range(0, R, 128):
+                r = builtins.min(128, R - r0)
+                a = _new((r, C), src.dtype)
+                isa.dma_copy(dst=a, src=src[r0:r0 + r, :])
+                p = _new((C, r), src.dtype, PSUM)
+                isa.nc_transpose(dst=p, data=a, engine=isa.engine.tensor)
+                isa.tensor_copy(dst=t[:, r0:r0 + r], src=p)
         if dt == src.dtype:
             return t
         out = _new((C, R), dt)
@@ -733,6 +738,9 @@ for _f in (rsqrt, negative, logical_not, invert, copy, cos, tan, floor, ceil, tr
            gather_flattened):
     WRAPPERS[_f.__name__] = globals()[_f.__name__] = _named(_f)
 del _n, _f
+
+# nl.max / nl.min are also accepted as *reduction* operators (nkisim/ops.py REDUCTION_ALIASES).
+_ops_mod.REDUCTION_ALIASES.update({max: "maximum", min: "minimum"})
 
 # The nl.* operator constants (nkisim.ops.Op) double as these functions: give them the wrappers' signatures.
 for _n, _o in OPS.items():

@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 
+from .errors import NkiValidationError
+
 F32 = np.float32
 
 
@@ -163,7 +165,23 @@ def _mk():
 OPS = _mk()
 
 
-def get(op, where, arg="op"):
+# The reduction functions nl.max / nl.min name the max / min ALU operators where an instruction takes a *reduction*
+# operator: SDK-ISA nki.isa.tensor_scalar_reduce (2.30+, Trn2/Trn3) "The reduce_op can be any of nl.add,
+# nl.multiply, nl.max or nl.min", and SDK / NKL kernels pass op=nl.max to tensor_reduce. Filled by
+# nkisim/experimental.py (the functions live there); see get(..., reduction=True).
+REDUCTION_ALIASES = {}
+
+
+def get(op, where, arg="op", reduction=False):
+    """The Op behind ``op``. With ``reduction=True`` (the operator of a reduction: tensor_reduce, reduce_op=,
+    tensor_partition_reduce) the functions nl.max / nl.min are accepted as nl.maximum / nl.minimum."""
     if isinstance(op, Op):
         return op
+    alias = REDUCTION_ALIASES.get(op) if callable(op) else None
+    if alias is not None:
+        if reduction:
+            return OPS[alias]
+        raise NkiValidationError(f"{where}: {arg}=nl.{getattr(op, '__name__', '?')} is the reduction function; the "
+                        f"element-wise operator is nl.{alias} (SDK-ISA documents nl.max / nl.min only as reduction "
+                        f"operators, e.g. tensor_scalar_reduce reduce_op)")
     raise TypeError(f"{where}: {arg} must be an nki.language operator such as nl.add or nl.exp, got {op!r}")

@@ -147,7 +147,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     ``reduce_res_negate``). SDK-ISA tensor_scalar_reduce; ref §5.4."""
     w = "tensor_scalar_reduce"
     o0 = _alu(w, op0, "op0", allow=("arith", "unary"))
-    ro = ops.get(reduce_op, w, "reduce_op")
+    ro = ops.get(reduce_op, w, "reduce_op", reduction=True)
     if ro.name not in _RED_OPS:
         raise NkiValidationError(f"{w}: reduce_op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {ro!r}")
     if reverse0:
@@ -216,7 +216,7 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
         if c.name not in _CMP:
             raise NkiValidationError(f"{w}: {nm} must be one of nl.equal, nl.less, nl.less_equal, nl.greater, "
                                      f"nl.greater_equal, got {c!r}")
-    if ops.get(reduce_op, w, "reduce_op").name != "maximum":
+    if ops.get(reduce_op, w, "reduce_op", reduction=True).name != "maximum":
         raise NkiValidationError(f"{w}: reduce_op must be nl.maximum (the only supported reduction), got {reduce_op!r}")
     check_enum(w, "reduce_cmd", reduce_cmd, RC)
     if not isinstance(range_start, (int, np.integer)) or isinstance(range_start, bool):

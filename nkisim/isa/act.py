@@ -39,7 +39,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     skind, scale = scalar_or_column(opn, "scale", scale, P, need_f32=True, eng="ACT")
     if skind == "tile":
         reads.append(("scale", scale))
-    if reduce_op is not None and ops.get(reduce_op, opn, "reduce_op") is not ops.OPS["add"]:
+    if reduce_op is not None and ops.get(reduce_op, opn, "reduce_op", reduction=True) is not ops.OPS["add"]:
         raise NkiValidationError(f"{opn}: reduce_op must be nl.add on ScalarE (trn2), got {reduce_op!r}")
     if reduce_op is not None and o.name == "square":
         # MK common-pitfalls.md: activation_reduce(op=nl.square, reduce_op=nl.add) -> NCC_IXCG864 ISA check failed

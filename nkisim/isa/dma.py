@@ -354,7 +354,7 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
     scatter ``dst(HBM)[idx] += src(SBUF)`` and gather ``dst(SBUF) += src(HBM)[idx]`` (SDK-ISA dma_compute)."""
     op = "dma_compute"
     from .. import ops as _ops
-    if _ops.get(reduce_op, op, "reduce_op").name != "add":
+    if _ops.get(reduce_op, op, "reduce_op", reduction=True).name != "add":
         raise NkiValidationError(f"{op}: reduce_op must be nl.add (the only supported operation), got {reduce_op!r}")
     check_enum(op, "oob_mode", oob_mode, OOB)
     if not isinstance(srcs, (list, tuple)) or not srcs:

@@ -21,18 +21,18 @@ _INT32 = ("int32", "uint32")
 _ALU_OK = {}       # (op, where, arg, allow) -> op, for operators that passed the checks below
 
 
-def _alu(where, op, arg="op", allow=("arith", "cmp", "logical", "bitvec", "other", "unary")):
-    key = (op, where, arg, allow)
+def _alu(where, op, arg="op", allow=("arith", "cmp", "logical", "bitvec", "other", "unary"), reduction=False):
+    key = (op, where, arg, allow, reduction)
     o = _ALU_OK.get(key) if type(op) is ops.Op else None
     if o is not None:
         return o
-    o = _alu_check(where, op, arg, allow)
+    o = _alu_check(where, op, arg, allow, reduction)
     _ALU_OK[key] = o
     return o
 
 
-def _alu_check(where, op, arg, allow):
-    o = ops.get(op, where, arg)
+def _alu_check(where, op, arg, allow, reduction=False):
+    o = ops.get(op, where, arg, reduction=reduction)
     if not o.is_alu or o.kind not in allow:
         raise NkiValidationError(f"{where}: {arg}={o!r} is not a valid ALU operator here (allowed kinds: "
                                  f"{', '.join(allow)}; see ref §6.1)")
@@ -265,7 +265,7 @@ def _reduce(o, x, axes):
 
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     w = "tensor_reduce"
-    o = _alu(w, op, allow=("arith", "logical", "bitvec"))
+    o = _alu(w, op, allow=("arith", "logical", "bitvec"), reduction=True)
     if not o.reducible or o.name == "divide":
         raise NkiValidationError(f"{w}: {o!r} is not a reduction operator (ref §6.1)")
     tensor(w, "data", data, ON_CHIP, "DVE")
@@ -418,7 +418,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
         raise NkiValidationError(f"{w}: predicate must be int8/uint8/int16/uint16, got {predicate.dtype}")
     if on_true.dtype in ("tfloat32", "int32", "uint32"):
         raise NkiValidationError(f"{w}: on_true may not be {on_true.dtype}")
-    if ops.get(reduce_op, w, "reduce_op") is not ops.OPS["maximum"]:
+    if ops.get(reduce_op, w, "reduce_op", reduction=True) is not ops.OPS["maximum"]:
         raise NkiValidationError(f"{w}: reduce_op must be nl.maximum, got {reduce_op!r}")
     fk, fv = scalar_or_column(w, "on_false", on_false, P, eng="DVE")
     reads = [("predicate", predicate), ("on_true", on_true)] + ([("on_false", fv)] if fk == "tile" else [])

@@ -97,7 +97,7 @@ def tensor_partition_reduce(dst, op, data, name=None):
     """Reduce across partitions; result is a single partition row ``(1, F)`` (shape rule from
     aws-neuron/nki-synthesizer semantics; placement otherwise undocumented, ref §11)."""
     w = "tensor_partition_reduce"
-    o = ops.get(op, w)
+    o = ops.get(op, w, reduction=True)
     if o.name not in ("add", "maximum", "bitwise_or", "bitwise_and", "average"):
         raise NkiValidationError(f"{w}: op must be nl.add, nl.maximum, nl.average, nl.bitwise_or or nl.bitwise_and, "
                                  f"got {o!r}")
