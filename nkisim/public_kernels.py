@@ -1,9 +1,11 @@
 """Fidelity sweep: run unmodified public NKI kernels under nkisim and compare them with numpy references.
 
-    python -m nkisim.public_kernels --nki-library PATH [--sdk PATH] [--only SUBSTR] [--json bench/public_kernels.json]
+    python -m nkisim.public_kernels --nki-library PATH [--sdk PATH] [--extra trnblas=PATH]
+                                    [--only SUBSTR] [--json bench/public_kernels.json]
 
 PATH is a checkout of aws-neuron/nki-library (kernels imported from PATH/src/nkilib_src/nkilib) and,
-optionally, of aws-neuron/aws-neuron-sdk (tutorial kernels under PATH/nki/examples). Nothing of that code
+optionally, of aws-neuron/aws-neuron-sdk (tutorial kernels under PATH/nki/examples) and of third-party
+repositories written for the NKI >= 0.3 API (--extra NAME=PATH; known names: see EXTRA_REPOS). Nothing of that code
 lives in this repository: the kernels are imported from the user's checkout as they are. What lives here is
 ours: which kernel to call with which arguments, the seeded inputs, the numpy reference written from each
 kernel's documented semantics, the shapes and the tolerances.
@@ -19,7 +21,7 @@ relative to the checkout, content hash of the kernel file, shapes, dtypes, LNC, 
     NOT-REFUSED ran although a documented rule forbids it (a fidelity bug)
     NOT-IMPL    uses an API nkisim does not implement (yet)
     ERROR       any other exception
-    MISSING     the kernel file is not in the given checkout
+    SKIPPED     a file the kernel needs is not in the given checkout (or no checkout given): the note names it
 
 Exit status: 0 when nothing FAILed / was REFUSED unexpectedly / ERRORed, 1 otherwise, 2 for a bad checkout path.
 """
@@ -40,6 +42,10 @@ import numpy as np
 
 NKL_SUBDIR = os.path.join("src", "nkilib_src")
 SDK_SUBDIR = os.path.join("nki", "examples")
+# Third-party repositories (--extra NAME=PATH): NAME -> (GitHub repository, what a checkout must contain).
+EXTRA_REPOS = {
+    "trnblas": ("trnsci/trnblas", os.path.join("trnblas", "nki")),
+}
 
 # Documented rules that refuse some public kernels: (rule and its source, text the refusal must contain).
 RULES = {
@@ -52,6 +58,8 @@ RULES = {
     "reduce_axis": ("tensor_reduce axis numbers name real dims since NKI 0.3.0; axis=1 meaning 'last dim' of a "
                     "3D/4D tile now errors (SDK nki-0-3-0-update-guide.rst 'nisa.tensor_reduce - Axis Handling "
                     "Fix'; ref §5 tensor_reduce)", "tensor_reduce: axis"),
+    "broadcast_binop": ("binary tile ops on tiles of different shapes (broadcasting) are documented as not working on "
+                        "hardware (NKI 0.3.0/0.4.0 release notes, Known Issues; ref §5.12)", "broadcasting binary ops"),
     "psum_word": ("PE writes to PSUM in whole 4-byte words: a bf16 dst needs an even free size (KLR psum_min_align "
                   "= 4; trn2-costs.md 'Pitfalls met on real hardware': the verifier rejects the 2-byte write)",
                   "4-byte words"),
@@ -121,6 +129,40 @@ def ref_max_and_index(x):
     return xf.max(axis=-1, keepdims=True), np.argmax(xf, axis=-1)[..., None].astype(np.float64)
 
 
+def ref_norm(x, kind):
+    """Norm of all elements of x: 'l1' sum |x|, 'l2' sqrt(sum x^2), 'linf' max |x| (nkilib experimental/foreach)."""
+    v = _f64(x).ravel()
+    return {"l1": np.abs(v).sum(), "l2": np.sqrt((v * v).sum()), "linf": np.abs(v).max()}[kind]
+
+
+def ref_selective_scan(x, dt, A, B, C, D=None, initial_state=None):
+    """Mamba selective scan (nkilib experimental/scan/selective_scan docstring): per batch b, channel c, state n:
+    state_t = exp(dt_t * A[c, n]) * state_{t-1} + dt_t * x_t * B[b, n, t], starting at initial_state (or 0);
+    y_t = sum_n C[b, n, t] * state_t (+ D[c] * x_t). Returns (y, final states [b, c, n])."""
+    x, dt, A, B, C = map(_f64, (x, dt, A, B, C))
+    nb, ch, L = x.shape
+    ns = A.shape[1]
+    state = np.zeros((nb, ch, ns)) if initial_state is None else _f64(initial_state).copy()
+    y = np.zeros_like(x)
+    for t in range(L):
+        decay = np.exp(dt[:, :, t, None] * A[None, :, :])                        # [b, c, n]
+        state = decay * state + (dt[:, :, t] * x[:, :, t])[:, :, None] * B[:, None, :, t]
+        y[:, :, t] = (state * C[:, None, :, t]).sum(axis=2)
+    if D is not None:
+        y += _f64(D)[None, :, None] * x
+    return y, state
+
+
+def ref_mp2_partial_sum(T_flat, eo_c, eo_f, ev):
+    """Sum over i < ic, j < nocc, a, b < nvir of T[i,j,a,b] (2 T[i,j,a,b] - T[i,j,b,a]) / (eo_c[i] + eo_f[j] - ev[a]
+    - ev[b]) with T[i,j,a,b] = T_flat[i*nvir + a, j*nvir + b] (DF-MP2 energy, trnblas _mp2_energy_kernel)."""
+    T_flat, eo_c, eo_f, ev = map(_f64, (T_flat, eo_c, eo_f, ev))
+    ic, nocc, nvir = eo_c.size, eo_f.size, ev.size
+    T = T_flat.reshape(ic, nvir, nocc, nvir).transpose(0, 2, 1, 3)
+    den = eo_c.reshape(ic, 1, 1, 1) + eo_f.reshape(1, nocc, 1, 1) - ev.reshape(1, 1, nvir, 1) - ev.reshape(1, 1, 1, nvir)
+    return float((T * (2 * T - T.transpose(0, 1, 3, 2)) / den).sum())
+
+
 # --------------------------------------------------------------------------------------------------------------
 # comparison and result formatting (independent of the public code; unit-tested)
 # --------------------------------------------------------------------------------------------------------------
@@ -181,9 +223,10 @@ class Case:
     (what to import), `variants` (dicts: label, dtype, lnc, + case parameters), `run(kernel, v, rng)` ->
     (outputs, references, rtol, atol). `refusal`: the documented rule expected to refuse it."""
 
-    def __init__(self, name, repo, path, attr, variants, run=None, module=None, refusal=None, note=""):
+    def __init__(self, name, repo, path, attr, variants, run=None, module=None, refusal=None, note="", needs=()):
         # refusal: a RULES key, for every variant (a variant may carry its own "refusal" key instead)
-        self.name, self.repo, self.path, self.attr = name, repo, path, attr
+        # needs: further files (same checkout) the kernel imports; a missing one makes the variants SKIPPED
+        self.name, self.repo, self.path, self.attr, self.needs = name, repo, path, attr, tuple(needs)
         self.variants, self.run, self.module, self.refusal, self.note = variants, run, module, refusal, note
 
 
@@ -272,6 +315,61 @@ def _run_tensor_add(kernel, v, rng):
     return [out], [_f64(a) + _f64(b)], *_tol(v["dtype"], (1e-6, 1e-6), (4e-3, 4e-3))
 
 
+def _run_norm(kernel, v, rng):
+    x = _rand(rng, (v["n"],), v["dtype"])
+    out = _launch(kernel, v["lnc"])(x, v["n"])
+    ref = np.array([[ref_norm(x, v["kind"])]])
+    # fp32 partial sums per partition, then across partitions and cores; bf16: the result is stored as bf16
+    return [out], [ref], *_tol(v["dtype"], (1e-5, 1e-6), (8e-3, 1e-6))
+
+
+def _run_selective_scan(kernel, v, rng):
+    nb, ch, L, ns = v["shape"]
+    dt_ = v["dtype"]
+    x = _rand(rng, (nb, ch, L), dt_)
+    dt = _rand(rng, (nb, ch, L), dt_, 0.01, 0.1)            # positive time steps
+    A = _rand(rng, (ch, ns), "float32", -2.0, -0.5)          # negative: decaying state
+    B, C = _rand(rng, (nb, ns, L), dt_), _rand(rng, (nb, ns, L), dt_)
+    kw = {}
+    if v.get("skip"):
+        kw["D"] = _rand(rng, (ch,), "float32")
+    if v.get("initial"):
+        kw["initial_state"] = _rand(rng, (nb, ch, ns), "float32")
+    y, fin = _launch(kernel, v["lnc"])(x, dt, A, B, C, **kw)
+    r_y, r_fin = ref_selective_scan(x, dt, A, B, C, kw.get("D"), kw.get("initial_state"))
+    span = float(np.abs(r_y).max()) + 1.0
+    return [y, fin], [r_y, r_fin], *_tol(dt_, (1e-5, 1e-5 * span), (1e-2, 1e-2 * span))
+
+
+def _run_gemm_nn(kernel, v, rng):
+    """C = A @ B (trnblas _gemm_kernel; A [M, K], B [K, N] as given, M, K multiples of 128)."""
+    M, K, N = v["M"], v["K"], v["N"]
+    a, b = _rand(rng, (M, K), v["dtype"]), _rand(rng, (K, N), v["dtype"])
+    out = _launch(kernel, v["lnc"])(a, b)
+    scale = np.sqrt(K)
+    return [out], [_f64(a) @ _f64(b)], *_tol(v["dtype"], (1e-5, 1e-5 * scale), (8e-3, 8e-3 * scale))
+
+
+def _run_syrk(kernel, v, rng):
+    """C = A @ A.T (trnblas _syrk_kernel)."""
+    M, K = v["M"], v["K"]
+    a = _rand(rng, (M, K), v["dtype"])
+    out = _launch(kernel, v["lnc"])(a)
+    scale = np.sqrt(K)
+    return [out], [_f64(a) @ _f64(a).T], *_tol(v["dtype"], (1e-5, 1e-5 * scale), (8e-3, 8e-3 * scale))
+
+
+def _run_mp2(kernel, v, rng):
+    """trnblas _mp2_energy_kernel returns per-partition partials (P_TILE, ic, nocc); their sum is the energy."""
+    nocc, nvir, ic = v["nocc"], v["nvir"], v["ic"]
+    T = _rand(rng, (ic * nvir, nocc * nvir), v["dtype"])
+    eo = np.linspace(-1.0, -0.2, nocc).astype(np.float32)
+    ev = np.linspace(0.2, 1.0, nvir).astype(np.float32)
+    part = _launch(kernel, v["lnc"])(T, eo[None, :ic].copy(), eo[None, :], ev[:, None].copy(), ev[None, :].copy())
+    ref = ref_mp2_partial_sum(T, eo[:ic], eo, ev)
+    return [np.array(_f64(part).sum())], [np.array(ref)], 1e-4, 1e-4
+
+
 def _mm(name, attr, variants):
     return Case(f"sdk/matmul/{name}", "sdk", "matrix_multiplication/matrix_multiplication_nki_kernels.py", attr,
                 variants, _run_matmul)
@@ -339,6 +437,30 @@ CASES = [
          "nkilib/experimental/collectives/sb2sb_allgather.py", "allgather_sb2sb_tiled",
          [_v("TP2 x LNC2 [256,64]", "bfloat16", lnc=2, shape=(256, 64), tp=2)], _run_allgather,
          refusal="platform_target"),
+    Case("nkl/experimental/foreach/l2_norm", "nki-library", "nkilib/experimental/foreach/foreach_norm.py",
+         "l2_norm_kernel", [
+             _v("N=38477 (tail 77)", "float32", kind="l2", n=128 * 300 + 77),
+             _v("N=40000", "bfloat16", lnc=2, kind="l2", n=40000)], _run_norm,
+         needs=("nkilib/experimental/foreach/foreach_utils.py",)),
+    Case("nkl/experimental/foreach/l1_norm", "nki-library", "nkilib/experimental/foreach/foreach_norm.py",
+         "l1_norm_kernel", [_v("N=38477 (tail 77)", "float32", lnc=2, kind="l1", n=128 * 300 + 77)], _run_norm,
+         needs=("nkilib/experimental/foreach/foreach_utils.py",)),
+    Case("nkl/experimental/foreach/linf_norm", "nki-library", "nkilib/experimental/foreach/foreach_norm.py",
+         "linf_norm_kernel", [_v("N=38477 (tail 77)", "float32", kind="linf", n=128 * 300 + 77)], _run_norm,
+         needs=("nkilib/experimental/foreach/foreach_utils.py",),
+         note="uses nl.max as the element-wise op of tensor_tensor (undocumented; see nkisim/README.md)"),
+    Case("nkl/experimental/scan/selective_scan", "nki-library", "nkilib/experimental/scan/selective_scan.py",
+         "selective_scan", [
+             _v("[1,130,600] N=4 D+initial", "float32", shape=(1, 130, 600, 4), skip=True, initial=True),
+             _v("[2,256,300] N=3", "bfloat16", lnc=2, shape=(2, 256, 300, 3))], _run_selective_scan,
+         needs=("nkilib/experimental/scan/ssd_utils.py", "nkilib/core/utils/stream_shuffle_broadcast.py")),
+    Case("trnblas/gemm", "trnblas", "trnblas/nki/dispatch.py", "_gemm_kernel", [
+        _v("M256 K256 N512", "float32", M=256, K=256, N=512),
+        _v("M256 K256 N512", "bfloat16", M=256, K=256, N=512)], _run_gemm_nn),
+    Case("trnblas/syrk", "trnblas", "trnblas/nki/dispatch.py", "_syrk_kernel",
+         [_v("M256 K128", "float32", M=256, K=128)], _run_syrk),
+    Case("trnblas/mp2_energy", "trnblas", "trnblas/nki/dispatch.py", "_mp2_energy_kernel",
+         [_v("nocc4 nvir8 ic4", "float32", nocc=4, nvir=8, ic=4)], _run_mp2, refusal="broadcast_binop"),
 ]
 
 
@@ -354,17 +476,21 @@ def _checkout_commit(root):
         return None
 
 
+def _subdir(repo):
+    return {"nki-library": NKL_SUBDIR, "sdk": SDK_SUBDIR}.get(repo, "")
+
+
 def _file_of(case, roots):
     root = roots.get(case.repo)
     if root is None:
         return None, None
-    base = os.path.join(root, NKL_SUBDIR if case.repo == "nki-library" else SDK_SUBDIR)
+    base = os.path.join(root, _subdir(case.repo))
     return base, os.path.join(base, case.path)
 
 
-def _rel(case):
-    sub = NKL_SUBDIR if case.repo == "nki-library" else SDK_SUBDIR
-    return f"{case.repo}:{os.path.join(sub, case.path).replace(os.sep, '/')}"
+def _rel(case, path=None):
+    p = os.path.join(_subdir(case.repo), path or case.path).replace(os.sep, "/")
+    return f"{EXTRA_REPOS[case.repo][0] if case.repo in EXTRA_REPOS else case.repo}:{p}"
 
 
 _modules = {}
@@ -379,8 +505,8 @@ def _import(case, base, fpath):
                 sys.path.insert(0, base)
             modname = case.path[:-3].replace("/", ".")
             _modules[key] = importlib.import_module(modname)
-        else:
-            modname = "nkisim_sdk_" + case.path[:-3].replace("/", "_")
+        else:   # SDK tutorials and third-party files: by path (their own imports are nki, numpy, torch only)
+            modname = f"nkisim_{case.repo.replace('-', '_')}_" + case.path[:-3].replace("/", "_")
             spec = importlib.util.spec_from_file_location(modname, fpath)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[modname] = mod
@@ -406,8 +532,14 @@ def run_case(case, roots, seed=0, verbose=False):
     for i, v in enumerate(case.variants):
         row = dict(kernel=case.name, source=_rel(case), variant=v["label"], dtype=v["dtype"], lnc=v["lnc"],
                    status=None, max_abs_err=None, note="")
-        if fpath is None or not os.path.isfile(fpath):
-            row.update(status="MISSING", note="not in the checkout" if fpath else f"no --{case.repo} checkout")
+        if fpath is None:
+            flag = f"--{case.repo}" if case.repo not in EXTRA_REPOS else f"--extra {case.repo}=PATH"
+            row.update(status="SKIPPED", note=f"no {flag} checkout given")
+            rows.append(row)
+            continue
+        missing = [p for p in (case.path,) + case.needs if not os.path.isfile(os.path.join(base, p))]
+        if missing:
+            row.update(status="SKIPPED", note="missing: " + ", ".join(_rel(case, p) for p in missing))
             rows.append(row)
             continue
         with open(fpath, "rb") as f:
@@ -440,12 +572,12 @@ def run_case(case, roots, seed=0, verbose=False):
     return rows
 
 
-def _check_root(flag, path, sub):
+def _check_root(flag, path, sub, repo=None):
     if path is None:
         return None
     if not os.path.isdir(os.path.join(path, sub)):
-        print(f"error: {flag} {path!r}: no {sub.replace(os.sep, '/')} directory there "
-              f"(expected a checkout of {'aws-neuron/nki-library' if 'nkilib' in sub else 'aws-neuron/aws-neuron-sdk'})",
+        repo = repo or ("aws-neuron/nki-library" if "nkilib" in sub else "aws-neuron/aws-neuron-sdk")
+        print(f"error: {flag} {path!r}: no {sub.replace(os.sep, '/')} directory there (expected a checkout of {repo})",
               file=sys.stderr)
         raise SystemExit(2)
     return os.path.abspath(path)
@@ -457,6 +589,9 @@ def main(argv=None):
                                              "with numpy references (see the module docstring).")
     ap.add_argument("--nki-library", required=True, metavar="PATH", help="checkout of aws-neuron/nki-library")
     ap.add_argument("--sdk", metavar="PATH", help="checkout of aws-neuron/aws-neuron-sdk (tutorial kernels)")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=PATH",
+                    help="checkout of a third-party repository with NKI >= 0.3 kernels; NAME is one of "
+                         + ", ".join(f"{k} ({v[0]})" for k, v in EXTRA_REPOS.items()) + " (repeatable)")
     ap.add_argument("--only", metavar="SUBSTR", help="run only the kernels whose name contains SUBSTR")
     ap.add_argument("--json", default=os.path.join("bench", "public_kernels.json"), metavar="FILE",
                     help="where to write the results (default: bench/public_kernels.json)")
@@ -465,6 +600,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     roots = {"nki-library": _check_root("--nki-library", args.nki_library, os.path.join(NKL_SUBDIR, "nkilib")),
              "sdk": _check_root("--sdk", args.sdk, SDK_SUBDIR)}
+    for item in args.extra:
+        name, sep, path = item.partition("=")
+        if not sep or name not in EXTRA_REPOS:
+            print(f"error: --extra {item!r}: expected NAME=PATH with NAME one of {', '.join(EXTRA_REPOS)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        roots[name] = _check_root(f"--extra {name}=", path, EXTRA_REPOS[name][1], EXTRA_REPOS[name][0])
 
     import nkisim
     nkisim.install()
@@ -481,7 +623,8 @@ def main(argv=None):
     print()
     print(format_table([dict(r, variant=f"{r['variant']} {r['dtype']}") for r in rows]))
     doc = {
-        "command": "python -m nkisim.public_kernels --nki-library PATH" + (" --sdk PATH" if args.sdk else ""),
+        "command": "python -m nkisim.public_kernels --nki-library PATH" + (" --sdk PATH" if args.sdk else "")
+                   + "".join(f" --extra {k}=PATH" for k in EXTRA_REPOS if roots.get(k)),
         "seed": args.seed,
         "checkouts": {k: {"git_commit": _checkout_commit(v)} for k, v in roots.items() if v},
         "rules": {k: v[0] for k, v in RULES.items()},

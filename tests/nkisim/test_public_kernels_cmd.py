@@ -34,19 +34,40 @@ def test_sdk_path_without_examples_is_refused(tmp_path):
 def test_help_runs():
     r = subprocess.run([sys.executable, "-m", "nkisim.public_kernels", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 0 and "--nki-library" in r.stdout and "--sdk" in r.stdout
+    assert r.returncode == 0 and "--nki-library" in r.stdout and "--sdk" in r.stdout and "--extra" in r.stdout
+    assert "trnsci/trnblas" in r.stdout
 
 
-def test_empty_checkout_reports_every_kernel_missing(tmp_path, capsys):
+def test_empty_checkout_reports_every_kernel_skipped_with_the_missing_path(tmp_path, capsys):
     (tmp_path / "src" / "nkilib_src" / "nkilib").mkdir(parents=True)
     out_json = tmp_path / "r.json"
     assert pk.main(["--nki-library", str(tmp_path), "--json", str(out_json), "--only", "cumsum"]) == 0
     text = capsys.readouterr().out
-    assert "MISSING" in text and "totals: MISSING 3" in text
+    assert "SKIPPED" in text and "totals: SKIPPED 3" in text
+    assert "missing: nki-library:src/nkilib_src/nkilib/core/cumsum/cumsum.py" in text
     import json
     doc = json.loads(out_json.read_text())
     assert doc["results"][0]["source"] == "nki-library:src/nkilib_src/nkilib/core/cumsum/cumsum.py"
     assert str(tmp_path) not in out_json.read_text()          # no machine paths in the JSON
+
+
+def test_a_missing_helper_file_skips_the_kernel_and_names_the_helper(tmp_path, capsys):
+    d = tmp_path / "src" / "nkilib_src" / "nkilib" / "experimental" / "foreach"
+    d.mkdir(parents=True)
+    (d / "foreach_norm.py").write_text("raise RuntimeError('must not be imported')\n")
+    assert pk.main(["--nki-library", str(tmp_path), "--json", "", "--only", "foreach/l1"]) == 0
+    text = capsys.readouterr().out
+    assert "SKIPPED" in text and "foreach_utils.py" in text and "Error" not in text
+
+
+def test_extra_repositories_are_optional_and_checked(tmp_path, capsys):
+    (tmp_path / "src" / "nkilib_src" / "nkilib").mkdir(parents=True)
+    assert pk.main(["--nki-library", str(tmp_path), "--json", "", "--only", "trnblas/syrk"]) == 0
+    assert "no --extra trnblas=PATH checkout given" in capsys.readouterr().out
+    for bad in ("trnblas", "nope=" + str(tmp_path), "trnblas=" + str(tmp_path)):   # no '=', unknown, no trnblas/nki
+        with pytest.raises(SystemExit) as e:
+            pk.main(["--nki-library", str(tmp_path), "--json", "", "--extra", bad])
+        assert e.value.code == 2
 
 
 def test_compare_and_table():
@@ -109,3 +130,18 @@ def test_other_references_on_small_cases():
     out = pk.ref_scatter_add(np.zeros((3, 2)), np.array([2, 0, 2]), np.ones((3, 2)))
     assert out.tolist() == [[1, 1], [0, 0], [2, 2]]
     assert pk.ref_cumsum(np.array([[1.0, 2.0, 3.0]])).tolist() == [[1, 3, 6]]
+
+
+def test_new_references_on_small_cases():
+    """ref_norm, ref_selective_scan and ref_mp2_partial_sum on cases worked out by hand / by a direct loop."""
+    x = np.array([3.0, -4.0, 1.0])
+    assert pk.ref_norm(x, "l1") == 8.0 and pk.ref_norm(x, "linf") == 4.0 and pk.ref_norm(x, "l2") == np.sqrt(26)
+    # one channel, one state, A = 0 (decay 1): state = running sum of dt*x*B; y = C*state + D*x
+    xs, dt = np.array([[[1.0, 2.0, 3.0]]]), np.array([[[1.0, 1.0, 0.5]]])
+    A, B, C = np.zeros((1, 1)), np.ones((1, 1, 3)), np.full((1, 1, 3), 2.0)
+    y, fin = pk.ref_selective_scan(xs, dt, A, B, C, D=np.array([10.0]), initial_state=np.array([[[1.0]]]))
+    assert np.allclose(fin, [[[1 + 1 + 2 + 1.5]]])
+    assert np.allclose(y, [[[2 * 2 + 10, 2 * 4 + 20, 2 * 5.5 + 30]]])
+    # mp2: nvir = nocc = ic = 1: T (2T - T) / (eo_c + eo_f - 2 ev)
+    assert np.isclose(pk.ref_mp2_partial_sum(np.array([[2.0]]), np.array([-1.0]), np.array([-1.0]),
+                                             np.array([0.5])), 4.0 / -3.0)
