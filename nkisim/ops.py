@@ -2,10 +2,11 @@
 instructions and (experimental) tile-level functions (calls go to nkisim/experimental.py). Semantics from SDK-SHARED tbl-aluop and
 tbl-act-func (ref §6). All float math is done in fp32."""
 import math
+import warnings
 
 import numpy as np
 
-from .errors import NkiValidationError
+from .errors import NkiFidelityWarning, NkiValidationError
 
 F32 = np.float32
 
@@ -170,18 +171,27 @@ OPS = _mk()
 # nl.multiply, nl.max or nl.min", and SDK / NKL kernels pass op=nl.max to tensor_reduce. Filled by
 # nkisim/experimental.py (the functions live there); see get(..., reduction=True).
 REDUCTION_ALIASES = {}
+_ALIAS_WARNED = set()
 
 
 def get(op, where, arg="op", reduction=False):
-    """The Op behind ``op``. With ``reduction=True`` (the operator of a reduction: tensor_reduce, reduce_op=,
-    tensor_partition_reduce) the functions nl.max / nl.min are accepted as nl.maximum / nl.minimum."""
+    """The Op behind ``op``. The functions nl.max / nl.min stand for nl.maximum / nl.minimum: documented as
+    reduction operators (``reduction=True``: tensor_reduce, reduce_op=, tensor_partition_reduce; SDK-ISA
+    tensor_scalar_reduce: "reduce_op can be any of nl.add, nl.multiply, nl.max or nl.min"). As element-wise
+    operators no document lists them, but AWS's own nki-library relies on it (experimental/foreach/foreach_norm.py
+    linf norm: tensor_tensor(..., nl.max), covered by its hardware integration test), so they compute the
+    element-wise maximum / minimum with a NkiFidelityWarning (once per call site)."""
     if isinstance(op, Op):
         return op
     alias = REDUCTION_ALIASES.get(op) if callable(op) else None
     if alias is not None:
-        if reduction:
-            return OPS[alias]
-        raise NkiValidationError(f"{where}: {arg}=nl.{getattr(op, '__name__', '?')} is the reduction function; the "
-                        f"element-wise operator is nl.{alias} (SDK-ISA documents nl.max / nl.min only as reduction "
-                        f"operators, e.g. tensor_scalar_reduce reduce_op)")
+        if not reduction:
+            from .runtime import call_site
+            site = call_site()
+            if site not in _ALIAS_WARNED:
+                _ALIAS_WARNED.add(site)
+                warnings.warn(f"{site}: {where}: {arg}=nl.{op.__name__} as an element-wise operator is not documented "
+                              f"(only as a reduction operator); computed as nl.{alias}, as nki-library's foreach "
+                              f"norm kernel relies on. Prefer nl.{alias}.", NkiFidelityWarning, stacklevel=3)
+        return OPS[alias]
     raise TypeError(f"{where}: {arg} must be an nki.language operator such as nl.add or nl.exp, got {op!r}")

@@ -593,8 +593,9 @@ def main(argv=None):
                     help="checkout of a third-party repository with NKI >= 0.3 kernels; NAME is one of "
                          + ", ".join(f"{k} ({v[0]})" for k, v in EXTRA_REPOS.items()) + " (repeatable)")
     ap.add_argument("--only", metavar="SUBSTR", help="run only the kernels whose name contains SUBSTR")
-    ap.add_argument("--json", default=os.path.join("bench", "public_kernels.json"), metavar="FILE",
-                    help="where to write the results (default: bench/public_kernels.json)")
+    ap.add_argument("--json", metavar="FILE",
+                    help="where to write the results (default: bench/public_kernels.json for a full sweep; a "
+                         "partial --only run writes only when given --json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
     args = ap.parse_args(argv)
@@ -630,11 +631,12 @@ def main(argv=None):
         "rules": {k: v[0] for k, v in RULES.items()},
         "results": rows,
     }
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
+    out = args.json or (None if args.only else os.path.join("bench", "public_kernels.json"))
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
             json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {out}")
     return 1 if failed(rows) else 0
 
 

@@ -1,13 +1,14 @@
 """Fixes found by the second public-kernel sweep (nki-library foreach norms, trnsci/trnblas GEMM / SYRK):
 nl.max / nl.min as reduction operators, and nl.load_transpose2d of more than 128 source rows for 4-byte dtypes."""
+import warnings
+
 import numpy as np
 import pytest
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nkisim import NkiValidationError
-from nkisim_helpers import run_body
+from nkisim import NkiFidelityWarning
 
 F32 = np.float32
 
@@ -46,16 +47,29 @@ def test_nl_max_and_nl_min_are_reduction_operators():
     assert np.array_equal(rows_min[:, 0], x.min(axis=1))
 
 
-def test_nl_max_as_an_elementwise_operator_is_refused_with_the_name_to_use():
-    """No 0.6 document names nl.max as an element-wise ALU operator (the function is the reduction nl.max(x, axis));
-    nkisim refuses it in tensor_tensor / tensor_scalar and points at nl.maximum."""
-    def body(x):
-        a = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+def test_nl_max_as_an_elementwise_operator_computes_maximum_with_a_fidelity_warning():
+    """No 0.6 document names nl.max as an element-wise ALU operator, but nki-library's foreach linf norm (hardware
+    integration-tested) uses tensor_tensor(..., nl.max): nkisim computes the element-wise maximum and warns."""
+    @nki.jit
+    def k(x, y):
+        a = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        b = nl.ndarray(y.shape, nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=a, src=x)
-        nisa.tensor_tensor(dst=a, data1=a, data2=a, op=nl.max)
-    with pytest.raises(NkiValidationError, match=r"tensor_tensor: op=nl.max is the reduction function; the "
-                                                 r"element-wise operator is nl.maximum"):
-        run_body(body)
+        nisa.dma_copy(dst=b, src=y)
+        nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.max)
+        nisa.tensor_tensor(dst=b, data1=a, data2=b, op=nl.min)
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=b)
+        return out
+    rng = np.random.default_rng(7)
+    x, y = rng.standard_normal((4, 8)).astype(F32), rng.standard_normal((4, 8)).astype(F32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = k(x, y)
+    msgs = [str(w.message) for w in caught if w.category is NkiFidelityWarning]
+    assert any("op=nl.max as an element-wise operator is not documented" in m for m in msgs)
+    assert any("op=nl.min as an element-wise operator is not documented" in m for m in msgs)
+    np.testing.assert_array_equal(got, np.minimum(np.maximum(x, y), y))
 
 
 @pytest.mark.parametrize("rows", [256, 200])
