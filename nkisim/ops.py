@@ -179,7 +179,8 @@ def get(op, where, arg="op", reduction=False):
     reduction operators (``reduction=True``: tensor_reduce, reduce_op=, tensor_partition_reduce; SDK-ISA
     tensor_scalar_reduce: "reduce_op can be any of nl.add, nl.multiply, nl.max or nl.min"). As element-wise
     operators no document lists them, but AWS's own nki-library relies on it (experimental/foreach/foreach_norm.py
-    linf norm: tensor_tensor(..., nl.max), covered by its hardware integration test), so they compute the
+    linf norm: tensor_tensor(..., nl.max), covered by its integration test; weak evidence, as that repository also
+    holds kernels NKI 0.3.0 rejects), so they compute the
     element-wise maximum / minimum with a NkiFidelityWarning (once per call site)."""
     if isinstance(op, Op):
         return op
