@@ -281,7 +281,10 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if not axes or 0 in axes or axes != tuple(range(axes[0], nd)) or axes[-1] >= nd:
         raise NkiValidationError(f"{w}: axis {axis!r} for data of rank {nd}: must name the trailing contiguous free "
                                  f"axes ending at the last dim (e.g. {nd - 1}, or ({', '.join(map(str, range(1, nd)))})); "
-                                 f"the partition axis 0 cannot be reduced")
+                                 f"the partition axis 0 cannot be reduced"
+                                 + (f"; since NKI 0.3.0 axis=1 no longer means the last dim of a {nd}-D tensor "
+                                    f"(update guide, 'tensor_reduce - Axis Handling Fix')" if axes == (1,) and nd > 2
+                                    else ""))
     if len(axes) > 4:
         raise NkiValidationError(f"{w}: at most 4 free axes can be reduced")
     kept = 1
