@@ -119,15 +119,8 @@ def read_raw(op, name, t, flat=True):
 
 def read(op, name, t, flat=True):
     """Engine input: storage values converted to fp32 (ref §8); always a fresh array."""
-    st = t.storage
-    if st.data is None:
-        return None
-    if not st.full:
-        check_written(t, op, name)
-    a = raw(t)
-    if flat and st.onchip and len(t.shape) != 2:
-        a = a.reshape(t.shape[0], -1)
-    return a.astype(np.float32)
+    a = read_raw(op, name, t, flat)
+    return None if a is None else a.astype(np.float32)
 
 
 _DIRECT_FLOAT = frozenset(dtypes.FLOAT - dtypes.PACKED - {"tfloat32"})
