@@ -653,20 +653,24 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         _tile_pT(g, ident, prev)
         _tile_pv(g, st, prev)
 
-    if max_context != None:
-        if g["head"] and max_context % B:
+    if max_context != None:     # the same stages unrolled; each tile's PSUM lives in its own function scope
+        def head_tile():
             A_, B_ = _with_psum(g, bufs)
             first(B_, 0, None, True)
             last(B_)
-            del A_, B_
-        mine = list(range(c, max_context // B, nc))       # tile t starts at row r + t*B = start_c + (t - c)*B
-        for j, t in enumerate(mine):
+
+        def tile(j, t):          # tile t starts at row r + t*B = start_c + (t - c)*B
             sets = _with_psum(g, bufs)
             if j == 0:
                 first(sets[0], (t - c) * B, rt["start_reg"])
             else:
                 step(sets[j % 2], (t - c) * B, rt["start_reg"], sets[(j - 1) % 2])
-            del sets                                      # free the banks before the next tile's allocation
+
+        if g["head"] and max_context % B:
+            head_tile()
+        mine = list(range(c, max_context // B, nc))
+        for j, t in enumerate(mine):
+            tile(j, t)
         if mine:
             last(_with_psum(g, bufs)[(len(mine) - 1) % 2])
         return
