@@ -162,13 +162,7 @@ def write_view(op, name, t, out, valid, oob_mode):
         target = raw(view)
         if valid is None:
             target[...] = out.reshape(view.shape)
-            if not st.full:
-                if covers(view):
-                    if st.written is not None:
-                        st.written.fill(True)
-                    st.full = True
-                else:
-                    mask(view)[...] = True
+            mark(view)
         else:
             m = mask(view)
             vm = valid.reshape(view.shape)
