@@ -10,10 +10,12 @@ from . import hw, trace
 from .errors import (AllocationError, NkiFidelityWarning, NkiValidationError, OutOfBoundsError,
                      UninitializedReadError)
 from .frontend import NkiFrontendWarning
-from .jit import Kernel, ShapeDtype, jit, shape_only, simulate
+from .jit import Kernel, ShapeDtype, jit, register_values, shape_only, simulate
 from .jit import launch_ranks as launch
+from .registers import RegisterLoad
 from .shim import install, real_nki_available
 
-__all__ = ["install", "launch", "real_nki_available", "jit", "simulate", "Kernel", "ShapeDtype", "shape_only", "trace", "hw",
+__all__ = ["install", "launch", "real_nki_available", "jit", "simulate", "Kernel", "ShapeDtype", "shape_only", "register_values",
+           "RegisterLoad", "trace", "hw",
            "NkiValidationError", "UninitializedReadError", "AllocationError", "OutOfBoundsError", "NkiFidelityWarning",
            "NkiFrontendWarning"]

@@ -44,14 +44,31 @@ class ShapeDtype:
 
 @contextlib.contextmanager
 def shape_only():
-    """Within this block every launch runs in shape-only mode (array arguments are used for their
-    shape and dtype only)."""
+    """Within this block every launch runs in shape-only mode (float array arguments are used for their
+    shape and dtype only; integer arrays keep their values, see :func:`_convert`)."""
     prev = getattr(_flags, "shape_only", False)
     _flags.shape_only = True
     try:
         yield
     finally:
         _flags.shape_only = prev
+
+
+@contextlib.contextmanager
+def register_values(provider):
+    """Within this block every launch asks ``provider(q)`` at each ``register_load`` (``q``: a
+    :class:`nkisim.registers.RegisterLoad`). When the loaded value is known (an executing launch, or a
+    shape-only launch reading a real integer input) ``q.value`` holds it and the provider only observes;
+    otherwise (shape-only, data computed on-chip) a number it returns becomes the register's value and
+    None keeps the placeholder 0. See nkisim/README.md "Shape-only mode"."""
+    if not callable(provider):
+        raise TypeError(f"nkisim.register_values: provider must be callable, got {type(provider).__name__}")
+    prev = getattr(_flags, "register_values", None)
+    _flags.register_values = provider
+    try:
+        yield
+    finally:
+        _flags.register_values = prev
 
 
 def _is_torch(x):
@@ -94,8 +111,8 @@ def _convert(x, launch, args_out, shape_only):
             arr = _torch_to_numpy(x) if a.torch else x
             name = dtypes.normalize(arr.dtype, "kernel argument")
             shape = arr.shape
-        if shape_only:
-            arr = None
+        if shape_only and (arr is None or arr.dtype.kind not in "iu"):
+            arr = None          # shape-only: integer inputs (positions, token ids, slots) keep their values
         st = Storage(SHARED_HBM, shape, name, f"arg{len(args_out)}", with_data=arr is not None, owner=None, fill=False)
         st.is_input = True
         if arr is not None:
@@ -218,6 +235,7 @@ def run_world(fn, per_rank_args, per_rank_kwargs, tp, lnc, ndim, comms, name=Non
     W = runtime.World(name or fn.__name__, tp, lnc, ndim, so, comms, timeout)
     lint = frontend.launch_begin(getattr(fn, "__code__", None))
     W.lint = lint[0] and FRONTEND_LINT
+    W.register_values = getattr(_flags, "register_values", None)
     convs, cargs, ckws = [], [], []
     for r in range(tp):
         conv = []

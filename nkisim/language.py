@@ -9,7 +9,7 @@ from .errors import NkiValidationError
 from .memory import MemoryRegion, PSUM, SBUF, PRIVATE_HBM, SHARED_HBM
 from .ops import OPS as _OPS, Op
 from .registers import VirtualRegister
-from .runtime import current as _current
+from .runtime import call_site, current as _current
 from .tensor import NkiTensor, ds
 
 # ---- dtypes (strings, ref §3.1) --------------------------------------------------------------
@@ -223,16 +223,44 @@ def _bound(x, op):
 def _runtime_loop(op, *bounds):
     """Marks the instructions issued inside a runtime loop: its id joins ``inst.loops`` (depends_on placement
     rule) and its register bounds ``inst.loop_regs`` (traced as ``reg_reads`` of every body instruction: the
-    loop cannot start before the registers are written)."""
+    loop cannot start before the registers are written). When tracing, the loop is appended to ``Trace.loops``
+    on exit (also when it ran 0 times); the loops call :func:`_iteration` at every iteration."""
     inst = _current(op)
     inst.n_loops += 1
     saved = inst.loops, inst.loop_regs
     inst.loops = saved[0] + (inst.n_loops,)
     inst.loop_regs = saved[1] + tuple(b for b in bounds if isinstance(b, VirtualRegister))
+    iters = inst.loop_iters
+    before = _last_seqs(inst)
+    site = call_site() if inst.launch.traces else None
     try:
         yield inst
     finally:
+        lid = inst.loops[-1]
+        last = inst.loop_iters[-1] if len(inst.loop_iters) > len(iters) else None
         inst.loops, inst.loop_regs = saved
+        inst.loop_iters = iters
+        if inst.launch.traces:
+            _trace_loop(inst, op, lid, 0 if last is None else last[1] + 1, iters, before, site)
+
+
+def _iteration(inst, k):
+    """Iteration k of the innermost runtime loop starts: records carry ``loop`` = ((id, iteration), ...)."""
+    d = len(inst.loops) - 1
+    inst.loop_iters = inst.loop_iters[:d] + ((inst.loops[-1], k),)
+
+
+def _last_seqs(inst):
+    return {id(t): r["seq"] for t, r in inst.traced} if inst.traced else {}
+
+
+def _trace_loop(inst, op, lid, trips, outer, before, site):
+    """Append the loop to every capturing trace (``Trace.loops``, see trace.py), also when it ran 0 times."""
+    after = _last_seqs(inst)
+    for t, li in inst.launch.world.trace_slots:
+        t._loop({"op": op.split(".")[-1], "id": lid, "rank": inst.launch.rank, "inst": inst.pid, "launch": li,
+                 "loc": site, "trips": trips, "outer": [x[0] for x in outer],
+                 "before": before.get(id(t), -1), "last": after.get(id(t), -1)})
 
 
 def dynamic_range(start, stop=None, step=1):
@@ -241,8 +269,10 @@ def dynamic_range(start, stop=None, step=1):
         start, stop = 0, start
     if not isinstance(step, int) or step <= 0:
         raise NkiValidationError(f"nl.dynamic_range: step must be a positive compile-time int, got {step!r}")
-    with _runtime_loop("nl.dynamic_range", start, stop):
-        for i in builtins.range(_bound(start, "nl.dynamic_range"), _bound(stop, "nl.dynamic_range"), step):
+    with _runtime_loop("nl.dynamic_range", start, stop) as inst:
+        for k, i in enumerate(builtins.range(_bound(start, "nl.dynamic_range"), _bound(stop, "nl.dynamic_range"),
+                                             step)):
+            _iteration(inst, k)
             yield VirtualRegister(i, frozen=True)
 
 
@@ -250,8 +280,9 @@ def fori_loop(lower, upper, body_fun, step=1):
     """Runtime counted loop: body_fun(i) for i in range(lower, upper, step); i is a read-only register."""
     if not isinstance(step, int) or step == 0:
         raise NkiValidationError(f"nl.fori_loop: step must be a non-zero compile-time int, got {step!r}")
-    with _runtime_loop("nl.fori_loop", lower, upper):
-        for i in builtins.range(_bound(lower, "nl.fori_loop"), _bound(upper, "nl.fori_loop"), step):
+    with _runtime_loop("nl.fori_loop", lower, upper) as inst:
+        for k, i in enumerate(builtins.range(_bound(lower, "nl.fori_loop"), _bound(upper, "nl.fori_loop"), step)):
+            _iteration(inst, k)
             body_fun(VirtualRegister(i, frozen=True))
 
 
@@ -262,7 +293,10 @@ def while_loop(init, body_fun):
     r = init
     with _runtime_loop("nl.while_loop", init) as inst:
         base = inst.loop_regs[:-1]
+        k = 0
         while r.value != 0:
+            _iteration(inst, k)
+            k += 1
             inst.loop_regs = base + (r,)      # the body runs on the current condition register
             r = body_fun(r)
             if not isinstance(r, VirtualRegister):

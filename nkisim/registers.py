@@ -66,3 +66,24 @@ def value_of(x, op):
     if isinstance(x, VirtualRegister):
         return x.value
     return _scalar(x, op)
+
+
+class RegisterLoad:
+    """One ``register_load``, as a register-value provider sees it (``nkisim.register_values``).
+
+    kernel: launch kernel name; rank, core: the instance; loc / stack: kernel ``file:line`` and the
+    ``file:line:function`` frames (innermost first, as traced); function: innermost kernel function;
+    tensor: source tensor name, tensor_id: its storage id (unique per allocation), named: True when the
+    kernel gave ``name=``; memory: ``sbuf`` / ``shared_hbm`` / ...; index: flat element index of the
+    loaded element in the source tensor; dtype; value: the loaded value when known (executing, or a real
+    integer input in shape-only mode), else None."""
+    __slots__ = ("kernel", "rank", "core", "loc", "stack", "function", "tensor", "tensor_id", "named", "memory",
+                 "index", "dtype", "value")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+    def __repr__(self):
+        return (f"RegisterLoad({self.function} {self.tensor}[{self.index}] r{self.rank}c{self.core} "
+                f"value={self.value})")

@@ -45,7 +45,8 @@ def current_or_none():
     return getattr(_local, "inst", None)
 
 
-_BASENAMES = {}     # code filename -> basename, or None for nkisim's own files
+_BASENAMES = {contextlib.__file__: None}   # code filename -> basename, or None for nkisim's own files (and
+# contextlib's: a runtime loop's context manager runs between the kernel line and nkisim)
 
 
 def _kernel_frame():
@@ -145,6 +146,7 @@ class World:
         self.cc_ids = 0
         self.traces = trace.current()
         self.lint = True           # walk the helper frames for the front-end lint (jit.run_world decides)
+        self.register_values = None    # provider of register_load values (jit.register_values)
         self.ranks = [Launch(self, r) for r in range(tp)]
         self.instances = [i for L in self.ranks for i in L.instances]
         for g, i in enumerate(self.instances):
@@ -344,6 +346,8 @@ class Instance:
         self.loops = ()                                 # ids of the enclosing runtime loops (innermost last)
         self.loop_regs = ()                             # registers bounding them (traced as reg_reads)
         self.n_loops = 0
+        self.loop_iters = ()                            # ((loop id, iteration), ...) traced as "loop" (outer first)
+        self.traced = None                              # [(trace, record)] of the last traced instruction
         self.last_recs = None                           # trace records of the last instruction (Instruction)
         self.identities = {}                            # nl.shared_identity_matrix: (n, dtype) -> tensor
         self.lint_seen = {}                             # frames walked by the front-end lint (frontend.check_stack)

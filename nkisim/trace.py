@@ -14,7 +14,11 @@ ranges are byte offsets inside the allocation. Dynamic accesses carry ``"indirec
 gathers/scatters (vector) record the whole indexed extent; a scalar dynamic offset records, when executing, the
 region actually accessed (``"resolved": true``, the whole-tensor span kept in ``"extent"``) and in shape-only
 mode the whole tensor (``"resolved": false``). ``Trace.comparable()`` maps both to the data-independent form.
-See nkisim/README.md "Trace" for the instruction fields (stack, launch, reg_reads/reg_writes, depends_on, ...).
+See nkisim/README.md "Trace" for the instruction fields (stack, launch, reg_reads/reg_writes, loop, depends_on, ...).
+``Trace.loops``: one record per runtime loop executed (``fori_loop`` / ``while_loop`` / ``dynamic_range``), also
+when it ran 0 times: ``op``, ``id`` (per instance), ``rank``, ``inst``, ``launch``, ``loc``, ``trips``, ``outer``
+(ids of the enclosing loops), ``before`` / ``last`` (``seq`` of the instance's last instruction before the loop /
+at its exit, -1 if none).
 """
 import contextlib
 import json
@@ -29,6 +33,7 @@ class Trace:
         self.instructions = []
         self.allocations = []
         self.launches = []
+        self.loops = []
         self._lock = threading.Lock()
 
     def _add(self, rec):
@@ -39,6 +44,10 @@ class Trace:
     def _alloc(self, rec):
         with self._lock:
             self.allocations.append(rec)
+
+    def _loop(self, rec):
+        with self._lock:
+            self.loops.append(rec)
 
     def by_instance(self, inst):
         return [r for r in self.instructions if r["inst"] == inst]
@@ -52,7 +61,8 @@ class Trace:
         return out
 
     def to_dict(self):
-        return {"launches": self.launches, "allocations": self.allocations, "instructions": self.instructions}
+        return {"launches": self.launches, "allocations": self.allocations, "loops": self.loops,
+                "instructions": self.instructions}
 
     def to_json(self, path=None, **kw):
         s = json.dumps(self.to_dict(), **kw)

@@ -243,12 +243,13 @@ def _span(t, boffset, r):
 
 
 def _resolved_offset(t):
-    """Byte offset a scalar dynamic offset resolves to right now, or None when it is not known (shape-only mode,
-    placeholder register, unwritten index) or out of bounds (the instruction itself reports / skips that)."""
+    """Byte offset a scalar dynamic offset resolves to right now, or None when it is not known (placeholder
+    register, an index tile without data, unwritten index) or out of bounds (the instruction itself reports /
+    skips that). A register with a real value (executing, a real integer input or a register-value provider in
+    shape-only mode, a loop induction register) resolves even when the accessed tensor holds no data."""
     from ..tensor import dyn_offset
-    st = t.storage
     idx = t.indirect.index
-    if st.data is None or getattr(idx, "placeholder", False):
+    if getattr(idx, "placeholder", False):
         return None
     if isinstance(idx, NkiTensor) and (idx.storage.data is None or not (idx.storage.full or mask(idx).all())):
         return None
@@ -333,6 +334,8 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     rec = {"inst": inst.pid, "engine": eng, "op": op, "loc": loc, "stack": stack, "shapes": shapes, "dtypes": dts,
            "bytes": moved, "reads": regs_r, "writes": regs_w}
     rr.extend(inst.loop_regs)           # registers bounding the enclosing runtime loops
+    if inst.loop_iters:
+        rec["loop"] = inst.loop_iters   # ((loop id, iteration), ...) of the enclosing runtime loops
     if rr:
         ids = []
         for r in rr:
@@ -343,7 +346,7 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     if reg_writes:
         rec["reg_writes"] = [reg_id(inst, r) for r in reg_writes]
     rec.update(extra)
-    inst.last_recs = launch.record(rec)
+    inst.last_recs = inst.traced = launch.record(rec)
     return inst
 
 

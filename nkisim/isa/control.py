@@ -65,13 +65,32 @@ def register_load(dst, src):
     if dst.frozen:
         raise NkiValidationError(f"{op}: dst is a read-only loop induction register")
     inst = record(op, "SP", reads=[("src", src)], reg_writes=(dst,))
-    if inst.shape_only:
+    provider = inst.launch.world.register_values
+    known = not inst.shape_only or src.storage.data is not None     # a real integer input in shape-only mode
+    v = None
+    if known:
+        v = read_raw(op, "src", src, flat=False).reshape(-1)[0]
+        v = float(v) if dtypes.is_float(src.dtype) else int(v)
+    if provider is not None:
+        got = provider(_query(inst, src, v))
+        if v is None and got is not None:
+            v = _scalar(got, f"{op} (register-value provider)")
+    if v is None:
         dst.value, dst.placeholder = 0, True        # documented placeholder: data-dependent values read as 0
-        return Instruction(op)
-    v = read_raw(op, "src", src, flat=False).reshape(-1)[0]
-    dst.value = float(v) if dtypes.is_float(src.dtype) else int(v)
-    dst.placeholder = False
+    else:
+        dst.value, dst.placeholder = v, False
     return Instruction(op)
+
+
+def _query(inst, src, value):
+    from ..registers import RegisterLoad
+    from ..runtime import kernel_stack
+    loc, stack = kernel_stack()
+    st = src.storage
+    fn = stack[0].rsplit(":", 1)[-1] if stack else None
+    return RegisterLoad(kernel=inst.launch.world.kernel_name, rank=inst.launch.rank, core=inst.pid, loc=loc,
+                        stack=stack, function=fn, tensor=st.name, tensor_id=st.id, named=st.named,
+                        memory=st.kind.value, index=src.boffset // src.itemsize, dtype=src.dtype, value=value)
 
 
 def register_store(dst, src):

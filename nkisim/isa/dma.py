@@ -62,6 +62,22 @@ def _oob(op, name, t, mode):
                                f"(oob_mode=error)")
 
 
+def run_bytes(t):
+    """Bytes of the longest contiguous run at the innermost end of a view's access pattern, within one partition
+    row for on-chip tensors (what one DMA descriptor moves; traced as ``run_bytes``, the smaller of src and dst).
+    Dims of size 1 are skipped; a dynamic (indirect) view counts its static pattern."""
+    run = t.itemsize
+    dims = range(len(t.shape) - 1, 0 if t.storage.onchip else -1, -1)
+    for d in dims:
+        n = t.shape[d]
+        if n == 1:
+            continue
+        if t.bstrides[d] != run:
+            break
+        run *= n
+    return run
+
+
 def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, engine=E.unknown, name=None):
     op = OP
     for nm, t in (("dst", dst), ("src", src)):
@@ -108,7 +124,8 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
         if t.buffer in ON_CHIP and t.indirect is None:
             geom(op, nm, t, start_rule=False)       # DMA is not bound by the start-partition rule
     inst = record(op, "DMA", reads=[("src", src)], writes=[("dst", dst)],
-                  dge_mode=dge_mode.name, cast=src.dtype != dst.dtype)
+                  dge_mode=dge_mode.name, cast=src.dtype != dst.dtype, trigger=engine.name,
+                  run_bytes=min(run_bytes(src), run_bytes(dst)))
     if inst.shape_only:
         return Instruction(op)
     _execute(op, dst, src, oob_mode)
