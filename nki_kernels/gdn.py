@@ -107,10 +107,12 @@ def core_split(hk_r, hv_r, n_cores, core):
     ([key head, first, end) of consecutive local value heads sharing a key head), own ((o0, o1): local key
     heads whose window columns this core writes), shared (a key head is used by both cores).
 
-    Written in the Python subset the NKI front end traces (loops, lists, asserts; no comprehensions).
+    Written in the Python subset the NKI front end traces (loops, lists, explicit checks that raise; no comprehensions).
     """
-    assert hv_r % hk_r == 0, f"gdn: {hv_r} value heads are not a multiple of {hk_r} key heads"
-    assert hv_r % n_cores == 0, f"gdn: {hv_r} value heads do not split over {n_cores} cores"
+    if hv_r % hk_r:
+        raise ValueError(f"gdn: {hv_r} value heads are not a multiple of {hk_r} key heads")
+    if hv_r % n_cores:
+        raise ValueError(f"gdn: {hv_r} value heads do not split over {n_cores} cores")
     g = hv_r // hk_r
     hv_c = hv_r // n_cores
     for c in range(n_cores):
@@ -120,8 +122,9 @@ def core_split(hk_r, hv_r, n_cores, core):
             vh0, kh0, hk_c = v0, v0 // g, count
     for c in range(n_cores):
         v0 = c * hv_c
-        assert (v0 + hv_c - 1) // g - v0 // g + 1 == hk_c, (
-            f"gdn: {hv_r} value heads over {hk_r} key heads cannot be split evenly over {n_cores} cores")
+        if (v0 + hv_c - 1) // g - v0 // g + 1 != hk_c:
+            raise ValueError(f"gdn: {hv_r} value heads over {hk_r} key heads cannot be split evenly over "
+                             f"{n_cores} cores")
     key_of = []
     runs = []
     for i in range(hv_c):
@@ -229,26 +232,31 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     n_launch = nl.num_programs(0) if nl.program_ndim() != 0 else 1
     core = nl.program_id(0) if nl.program_ndim() != 0 else 0
     # ---- compile-time checks ------------------------------------------------------------------
-    assert pdim == P and 1 <= T and T <= MAX_T, (
-        f"gdn: xT has shape {xT.shape}, expected [{P}, H/{P}, T] with T in 1..{MAX_T}")
-    assert n_cores == n_launch, (f"gdn: weights are laid out for {n_cores} cores but the launch has {n_launch} "
-                                 f"(gdn_weight_layout(lnc=...) must match kernel[lnc])")
-    assert Jw == J and Dk == D and Dv == D and hv_r2 == hv_r and window.shape[0] == slots and window.shape[1] == Km1, (
-        f"gdn: inconsistent shapes: xT {xT.shape}, w_in {w_in.shape}, conv_w {conv_w.shape}, state {state.shape}, "
-        f"window {window.shape}")
-    assert slots >= T, f"gdn: {slots} checkpoint slots cannot hold the {T} tokens of the launch"
-    assert D > T and D <= P, f"gdn: head dim {D} must be in ({T}, {P}]"
+    if pdim != P or not (1 <= T and T <= MAX_T):
+        raise ValueError(f"gdn: xT has shape {xT.shape}, expected [{P}, H/{P}, T] with T in 1..{MAX_T}")
+    if n_cores != n_launch:
+        raise ValueError(f"gdn: weights are laid out for {n_cores} cores but the launch has {n_launch} "
+                         f"(gdn_weight_layout(lnc=...) must match kernel[lnc])")
+    if not (Jw == J and Dk == D and Dv == D and hv_r2 == hv_r and window.shape[0] == slots
+            and window.shape[1] == Km1):
+        raise ValueError(f"gdn: inconsistent shapes: xT {xT.shape}, w_in {w_in.shape}, conv_w {conv_w.shape}, "
+                         f"state {state.shape}, window {window.shape}")
+    if slots < T:
+        raise ValueError(f"gdn: {slots} checkpoint slots cannot hold the {T} tokens of the launch")
+    if not (T < D and D <= P):
+        raise ValueError(f"gdn: head dim {D} must be in ({T}, {P}]")
     kd_r = (C_rank - hv_r * D) // 2
     hk_r = kd_r // D
     s = core_split(hk_r, hv_r, n_cores, core)
     hv_c, hk_c, vh0, kh0 = s["hv_c"], s["hk_c"], s["vh0"], s["kh0"]
-    assert NH == 2 * hk_c + hv_c and N == NH * D + hv_c * D + 2 * hv_c, (
-        f"gdn: w_in/conv_w column counts {N}/{NH} do not match {hk_c} key and {hv_c} value heads of dim {D} per core")
-    assert w_out.shape[1] == D and w_out.shape[2] == hv_c and w_out.shape[3] == H and norm_w.shape[0] == D, (
-        f"gdn: w_out {w_out.shape} / norm_w {norm_w.shape} do not match the heads of the core")
-    assert window.dtype == adt and w_in.dtype == adt and w_out.dtype == adt and state.dtype == nl.float32, (
-        f"gdn: dtypes: activations {adt}, w_in {w_in.dtype}, w_out {w_out.dtype}, window {window.dtype} must agree; "
-        f"state must be float32 (got {state.dtype})")
+    if NH != 2 * hk_c + hv_c or N != NH * D + hv_c * D + 2 * hv_c:
+        raise ValueError(f"gdn: w_in/conv_w column counts {N}/{NH} do not match {hk_c} key and {hv_c} value heads "
+                         f"of dim {D} per core")
+    if not (w_out.shape[1] == D and w_out.shape[2] == hv_c and w_out.shape[3] == H and norm_w.shape[0] == D):
+        raise ValueError(f"gdn: w_out {w_out.shape} / norm_w {norm_w.shape} do not match the heads of the core")
+    if not (window.dtype == adt and w_in.dtype == adt and w_out.dtype == adt and state.dtype == nl.float32):
+        raise ValueError(f"gdn: dtypes: activations {adt}, w_in {w_in.dtype}, w_out {w_out.dtype}, window "
+                         f"{window.dtype} must agree; state must be float32 (got {state.dtype})")
     Cc = NH * D                        # conv channels of the core
     cz, cb, ca = Cc, Cc + hv_c * D, Cc + hv_c * D + hv_c
     f32 = nl.float32
@@ -500,7 +508,8 @@ def load_feature_major(x):
     """HBM ``x [T, H]`` (token-major) -> SBUF ``xT [128, H/128, T]`` (same dtype) by exact PE transposes."""
     T, H = x.shape
     J = H // P
-    assert H % P == 0, f"gdn: hidden size {H} is not a multiple of {P}"
+    if H % P:
+        raise ValueError(f"gdn: hidden size {H} is not a multiple of {P}")
     x_sb = nl.ndarray((T, H), x.dtype, buffer=nl.sbuf, name="x_in")
     nisa.dma_copy(dst=x_sb, src=x)
     ident = nl.shared_identity_matrix(n=T, dtype=x.dtype)

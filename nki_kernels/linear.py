@@ -34,7 +34,8 @@ def columns_body(xT, w):
     """
     _, J, T = xT.shape
     wp, wj, nc = w.shape
-    assert wp == P and wj == J, f"columns_body: weight is {list(w.shape)}, expected [{P}, {J}, Nc]"
+    if wp != P or wj != J:
+        raise ValueError(f"columns_body: weight is {list(w.shape)}, expected [{P}, {J}, Nc]")
     w_sb = nl.ndarray((P, J, nc), w.dtype, buffer=nl.sbuf, name="lin_w")
     nisa.dma_copy(dst=w_sb, src=w)
     y = nl.ndarray((T, nc), nl.float32, buffer=nl.sbuf, name="lin_y")

@@ -76,7 +76,10 @@ BIG_INDEX = 16777216.0   # 2^24 > any index: the penalty that removes non-maxima
 # ---- geometry (shared by kernel and host helpers) -------------------------------------------------
 def vocab_blocks(vc: int):
     """[(start, size)] of the NB-column blocks covering a core's ``vc`` vocabulary rows."""
-    return [(b0, min(NB, vc - b0)) for b0 in range(0, vc, NB)]
+    blocks = []
+    for b0 in range(0, vc, NB):
+        blocks.append((b0, min(NB, vc - b0)))
+    return blocks
 
 
 def scan_geometry(vc: int, T: int):

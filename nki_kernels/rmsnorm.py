@@ -56,8 +56,10 @@ def rmsnorm_weight_layout(w):
 
 def _check_x(x_sb):
     T, H = x_sb.shape
-    assert 1 <= T and T <= MAX_T, f"rmsnorm: x has {T} token rows, expected 1..{MAX_T}"
-    assert H % P == 0, f"rmsnorm: hidden size {H} is not a multiple of {P} (the partition count)"
+    if not (1 <= T and T <= MAX_T):
+        raise ValueError(f"rmsnorm: x has {T} token rows, expected 1..{MAX_T}")
+    if H % P:
+        raise ValueError(f"rmsnorm: hidden size {H} is not a multiple of {P} (the partition count)")
     return T, H
 
 
@@ -68,8 +70,9 @@ def rmsnorm_body(x_sb, w1, eps):
     """
     T, H = _check_x(x_sb)
     J = H // P
-    assert w1.shape[0] == P and w1.shape[1] == J and w1.dtype == nl.float32, (
-        f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got {w1.dtype}{w1.shape}")
+    if not (w1.shape[0] == P and w1.shape[1] == J and w1.dtype == nl.float32):
+        raise ValueError(f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
+                         f"{w1.dtype}{w1.shape}")
     w_sb = nl.ndarray((P, J), nl.float32, buffer=nl.sbuf, name="rms_w1")
     nisa.dma_copy(dst=w_sb, src=w1)
 

@@ -291,7 +291,7 @@ def test_core_split():
     assert s["runs"] == [[0, 0, 2], [1, 2, 4]]
     s = kg.core_split(1, 2, 2, 1)
     assert (s["kh0"], s["hk_c"], s["own"], s["shared"]) == (0, 1, (0, 0), True)
-    with pytest.raises(AssertionError, match="split"):
+    with pytest.raises(ValueError, match="split"):
         kg.core_split(2, 6, 4, 0)
 
 
@@ -304,10 +304,10 @@ def test_refusals():
     win = torch.zeros(2, 3, dims.conv_dim)
     st = torch.zeros(2, dims.hv, dims.dk, dims.dv)
     rs = torch.zeros(1, 1, dtype=torch.int32)
-    with pytest.raises(AssertionError, match="laid out for 2 cores"):
+    with pytest.raises(ValueError, match="laid out for 2 cores"):
         kg.gdn_kernel(x, L["w_in"], L["conv_w"], L["A_log"], L["dt_bias"], L["norm_w"], L["w_out"], win, st, rs,
                       1e-6)
-    with pytest.raises(AssertionError, match="checkpoint slots"):
+    with pytest.raises(ValueError, match="checkpoint slots"):
         kg.gdn_kernel[2](torch.randn(4, cfg.hidden_size), L["w_in"], L["conv_w"], L["A_log"], L["dt_bias"],
                          L["norm_w"], L["w_out"], win, st, rs, 1e-6)
     bad = dict(w)
