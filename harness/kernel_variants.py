@@ -18,7 +18,7 @@ from harness.nxdi.assembly import round_inputs, rope_rows, step_inputs
 from harness.variants import RoundOutput, Variant
 from megakernel import layerwise as lw  # importing nki_kernels installs nkisim where the SDK is absent
 from megakernel.round import RoundSpec, build_kernel, mutated_names
-from megakernel.sharded import gather_state, kv_groups, rank_state, rank_weights
+from megakernel.sharded import gather_state, kv_groups, moe_weights, rank_state, rank_weights
 from model.config import FULL, ModelConfig
 from model.tp.embed_head import vocab_per_core
 from nki_kernels.embedding import embedding_kernel
@@ -124,9 +124,12 @@ class LayerwiseVariant(KernelVariant):
     def _moe(self, x, norm: str, prefix: str, layer):
         k = self.cfg.num_experts_per_tok
         eps = float(self.cfg.rms_norm_eps)
+        if layer is None:
+            tables = [(w[prefix + "router"], w[prefix + "experts"], w[prefix + "shared"], None) for w in self.weights]
+        else:  # the layer's stacked group (int32 offsets) and its index in it
+            tables = [moe_weights(w, layer) for w in self.weights]
         return self.launch(lw.moe_stage[self.lnc], [
-            (x, w[norm], w[prefix + "router"], w[prefix + "experts"], w[prefix + "shared"], k, layer, eps)
-            for w in self.weights])
+            (x, w[norm], r, e, s, k, i, eps) for w, (r, e, s, i) in zip(self.weights, tables)])
 
     def _head(self, x, norm: str):
         """(greedy token ids [T], post-norm hidden [T, H]) with the lowest global index winning ties."""

@@ -29,13 +29,13 @@ import hashlib
 import importlib.util
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
+from megakernel.sharded import moe_weights
 from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
@@ -57,23 +57,31 @@ RUNTIME_INPUTS = {
 }
 
 
-@dataclass(frozen=True)
-class RoundSpec:
-    """Compile-time constants of the round kernel (everything else is a tensor argument)."""
+class RoundSpec(nl.NKIObject):
+    """Compile-time constants of the round kernel (everything else is a tensor argument).
 
-    layer_types: tuple[str, ...]
-    kv_groups: int  # KV heads per rank: attention bodies per attention layer
-    tp: int
-    lnc: int
-    eps: float
-    top_k: int
-    vocab_per_core: int
-    mode: str  # "round" or "step"
-    max_context: int | None = None  # attention loop specialisation for shape-only traces (None: general)
+    An ``NKIObject`` (SDK-LG "Class Support": only its ``__dict__`` crosses into the kernel): plain fields,
+    no properties. The generated kernel builds it from literals (:func:`build_kernel`), so the kernel is a
+    pure function of its arguments and source (SDK-LG "Kernel Caching")."""
 
-    @property
-    def tokens(self) -> int:
-        return 2 if self.mode == "round" else 1
+    def __init__(self, layer_types, kv_groups, tp, lnc, eps, top_k, vocab_per_core, mode, max_context=None):
+        if mode not in ("round", "step"):
+            raise ValueError(f"RoundSpec: mode must be 'round' or 'step', got {mode!r}")
+        self.layer_types = tuple(layer_types)
+        self.kv_groups = kv_groups          # KV heads per rank: attention bodies per attention layer
+        self.tp = tp
+        self.lnc = lnc
+        self.eps = float(eps)
+        self.top_k = top_k
+        self.vocab_per_core = vocab_per_core
+        self.mode = mode                    # "round" or "step"
+        self.max_context = max_context      # attention loop specialisation for shape-only traces (None: general)
+        self.tokens = 2 if mode == "round" else 1   # tokens of the verify
+
+    def fields(self) -> tuple:
+        """The constructor arguments, in order (host side: the kernel cache key and the generated source)."""
+        return (self.layer_types, self.kv_groups, self.tp, self.lnc, self.eps, self.top_k, self.vocab_per_core,
+                self.mode, self.max_context)
 
 
 def _add_into(x, y):
@@ -98,9 +106,15 @@ def _attention(a, s, prefix, xT, pos, cos, sin, core, regs):
     return y
 
 
-def _moe(a, s, prefix, xT, regs, layer):
-    return moe_tkg_body(xT, a[prefix + "router"], a[prefix + "experts"], a[prefix + "shared"], s.top_k,
-                        prefetch=MOE_PREFETCH, regs=regs["moe"], layer=layer)
+def _moe(a, s, xT, regs, layer):
+    """MoE of trunk layer ``layer`` (its stacked group, ``megakernel.sharded.moe_weights``), or of the MTP
+    layer when layer is None."""
+    if layer == None:
+        router, experts, shared, index = a["mtp_moe_router"], a["mtp_moe_experts"], a["mtp_moe_shared"], None
+    else:
+        router, experts, shared, index = moe_weights(a, layer)
+    return moe_tkg_body(xT, router, experts, shared, s.top_k, prefetch=MOE_PREFETCH, regs=regs["moe"],
+                        layer=index)
 
 
 def _trunk_layer(a, s, x, i, rg, regs, pos, cos, sin, core):
@@ -114,7 +128,7 @@ def _trunk_layer(a, s, x, i, rg, regs, pos, cos, sin, core):
                      a[g + "w_out"], a[pre + "_window"], a[pre + "_state"], a["read_slot"], s.eps)
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, a[pre + "_post_norm"], s.eps)
-    return _add_into(x, allreduce_partials(_moe(a, s, "moe_", xT, regs, i), rg))
+    return _add_into(x, allreduce_partials(_moe(a, s, xT, regs, i), rg))
 
 
 def _mtp_layer(a, s, ids, h, rg, regs, pos, cos, sin, core):
@@ -127,19 +141,19 @@ def _mtp_layer(a, s, ids, h, rg, regs, pos, cos, sin, core):
     uT = nl.ndarray((P, 2 * J, 1), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
-    fc = allgather_cores(columns_body(uT, a["mtp_fc"][core]), rg)
+    fc = allgather_cores(columns_body(uT, a["mtp_fc"][core]), rg, s.tp)
     x = nl.ndarray((1, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
     nisa.tensor_copy(dst=x, src=fc)
     xT = rmsnorm_body(x, a["mtp_in_norm"], s.eps)
     x = _add_into(x, allreduce_partials(_attention(a, s, "mtp", xT, pos, cos, sin, core, regs), rg))
     xT = rmsnorm_body(x, a["mtp_post_norm"], s.eps)
-    x = _add_into(x, allreduce_partials(_moe(a, s, "mtp_moe_", xT, regs, None), rg))
+    x = _add_into(x, allreduce_partials(_moe(a, s, xT, regs, None), rg))
     return rmsnorm_body(x, a["mtp_norm"], s.eps)
 
 
 def _greedy(a, s, xT, rg, core):
     """Global argmax over the vocabulary (split over every core): SBUF [T, 2] float32 (value, index)."""
-    return argmax_combine(lm_head_argmax_body(xT, a["lm_head"][core]), s.vocab_per_core, rg)
+    return argmax_combine(lm_head_argmax_body(xT, a["lm_head"][core]), s.vocab_per_core, rg, s.tp)
 
 
 def _forced(best, force):
@@ -198,7 +212,8 @@ def round_body(s: RoundSpec, a: dict):
     """The whole launch on one core. ``a`` maps argument names to the kernel's HBM tensors."""
     n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
     core = nl.program_id(0) if nl.program_ndim() != 0 else 0
-    assert n == s.lnc, f"round kernel built for LNC={s.lnc}, launched with {n} cores"
+    if n != s.lnc:
+        raise ValueError(f"round kernel built for LNC={s.lnc}, launched with {n} cores")
     T = s.tokens
     H = a["embed"].shape[1]
     # outputs first, before any program_id-dependent code (LNC=2 aliases shared-HBM allocations by order)
@@ -253,16 +268,15 @@ _KERNELS: dict = {}
 def build_kernel(spec: RoundSpec, names: list[str]):
     """The @nki.jit round kernel for ``spec`` taking exactly the tensors ``names`` (sorted) as named
     parameters. Generated once per (spec, names), written to a source file and imported."""
-    key = (spec, tuple(names))
+    key = (spec.fields(), tuple(names))
     if key in _KERNELS:
         return _KERNELS[key]
     params = ", ".join(names)
     entries = ", ".join(f"{n!r}: {n}" for n in names)
     src = (f'"""Generated by megakernel.round.build_kernel: one named parameter per HBM tensor."""\n'
-           f"from megakernel.round import RoundSpec, round_body\n\n"
-           f"SPEC = {spec!r}\n\n\n"
+           f"from megakernel.round import RoundSpec, round_body\n\n\n"
            f"def round_kernel({params}):\n"
-           f"    return round_body(SPEC, {{{entries}}})\n")
+           f"    return round_body(RoundSpec{spec.fields()!r}, {{{entries}}})\n")
     digest = hashlib.sha1(src.encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / "megakernel_generated" / f"round_{digest}.py"
     path.parent.mkdir(exist_ok=True)

@@ -10,13 +10,16 @@ weights (rank r of ``tp``, ``lnc`` cores; layouts documented in each nki_kernels
   per trunk layer i: ``l{i}_in_norm``, ``l{i}_post_norm`` [P, J] float32; GDN layers ``l{i}_gdn_*``
   (``nki_kernels.gdn.gdn_weight_layout``); attention layers, per KV-head group g of the rank,
   ``l{i}_g{g}_{wqg,wk,wv,wo,norm_w}`` (``nki_kernels.attention.attention_layout``);
-  MoE of all trunk layers stacked ``moe_router`` / ``moe_experts`` / ``moe_shared`` [L, ...]
-  (``nki_kernels.moe.moe_hbm_layout``); MTP ``mtp_norm_emb``, ``mtp_norm_hidden``, ``mtp_fc``
+  MoE of the trunk layers stacked in groups of G layers, ``moe_router_{g}`` / ``moe_experts_{g}`` /
+  ``moe_shared_{g}`` [G, ...] holding layers g*G .. g*G + G - 1 (``nki_kernels.moe.moe_hbm_layout``; G keeps
+  every element offset of a group's experts table within int32, :func:`moe_group_size`, and
+  :func:`moe_weights` finds a layer's group); MTP ``mtp_norm_emb``, ``mtp_norm_hidden``, ``mtp_fc``
   [lnc, P, 2J, H/(tp*lnc)] (``nki_kernels.linear.column_layout``), ``mtp_in_norm``, ``mtp_post_norm``,
   ``mtp_g{g}_*`` attention, ``mtp_moe_{router,experts,shared}``, ``mtp_norm``.
 state
   ``l{i}_window`` [slots, K-1, C_rank], ``l{i}_state`` [slots, Hv_rank, D, D] float32 (GDN);
-  ``l{i}_g{g}_k``, ``l{i}_g{g}_v`` [1, L, D] (attention, L >= one KV tile); ``mtp_g{g}_k``/``_v``.
+  ``l{i}_g{g}_k``, ``l{i}_g{g}_v`` [1, L, D] (attention, L >= one KV tile per core, :func:`cache_length`);
+  ``mtp_g{g}_k``/``_v``.
 
 A rank with several KV heads (TP=1 or 2 with two KV heads) runs its attention once per KV-head
 group; the groups' o_proj partials add up.
@@ -36,7 +39,7 @@ from nki_kernels.attention import KV_TILE, attention_layout
 from nki_kernels.gdn import gdn_weight_layout
 from nki_kernels.linear import column_layout
 from nki_kernels.lm_head import rank_lm_head_layout
-from nki_kernels.moe import moe_hbm_layout
+from nki_kernels.moe import layers_per_table, moe_hbm_layout
 from nki_kernels.rmsnorm import rmsnorm_weight_layout
 
 
@@ -67,9 +70,30 @@ def _attention(params, prefix, cfg, rank, tp, name) -> dict:
     return out
 
 
-def _moe(params, prefixes, cfg, rank, tp, lnc) -> dict:
+def _moe(params, prefixes, cfg, rank, tp, lnc) -> list[dict]:
+    """The MoE layouts of ``prefixes`` stacked in groups of :func:`moe_group_size` layers: one dict of
+    ``router`` / ``experts`` / ``shared`` [G, ...] per group."""
     layouts = [moe_hbm_layout(shard_moe(params, p, cfg, rank, tp), n_cores=lnc) for p in prefixes]
-    return {k: torch.stack([lay[k] for lay in layouts]) for k in ("router", "experts", "shared")}
+    size = moe_group_size(layouts[0]["experts"])
+    groups = []
+    for g0 in range(0, len(layouts), size):
+        part = layouts[g0:g0 + size]
+        groups.append({k: torch.stack([lay[k] for lay in part]) for k in ("router", "experts", "shared")})
+    return groups
+
+
+def moe_group_size(experts: torch.Tensor) -> int:
+    """Layers per stacked MoE group: as many as keep every element offset of the stacked experts table
+    within int32 (``nki_kernels.moe.layers_per_table``; 10 at the real per-rank shapes, 201M elements each)."""
+    return layers_per_table(experts.numel())
+
+
+def moe_weights(w: dict, layer: int):
+    """(router, experts, shared, index in the group) of trunk layer ``layer`` in a rank's weights ``w``:
+    the stacked group ``moe_{router,experts,shared}_{layer // G}`` and ``layer % G``, G = the group size."""
+    size = w["moe_experts_0"].shape[0]
+    g, i = divmod(layer, size)
+    return w[f"moe_router_{g}"], w[f"moe_experts_{g}"], w[f"moe_shared_{g}"], i
 
 
 def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int, lnc: int
@@ -95,7 +119,8 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
             for k, v in gdn_weight_layout(shard_gdn(params, pre, cfg, rank, tp), lnc=lnc).items():
                 w[f"l{i}_gdn_{k}"] = v
     moe = _moe(params, [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)], cfg, rank, tp, lnc)
-    w.update({f"moe_{k}": v for k, v in moe.items()})
+    for g, group in enumerate(moe):
+        w.update({f"moe_{k}_{g}": v for k, v in group.items()})
     if cfg.mtp_num_hidden_layers:
         nc = H // n_cores
         fc = params["mtp.fc.weight"]
@@ -105,15 +130,16 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
         w["mtp_in_norm"] = rmsnorm_weight_layout(params["mtp.layers.0.input_layernorm.weight"])
         w["mtp_post_norm"] = rmsnorm_weight_layout(params["mtp.layers.0.post_attention_layernorm.weight"])
         w.update(_attention(params, "mtp.layers.0", cfg, rank, tp, "mtp"))
-        moe = _moe(params, ["mtp.layers.0"], cfg, rank, tp, lnc)
+        moe = _moe(params, ["mtp.layers.0"], cfg, rank, tp, lnc)[0]
         w.update({f"mtp_moe_{k}": v[0] for k, v in moe.items()})
         w["mtp_norm"] = rmsnorm_weight_layout(params["mtp.norm.weight"])
     return w
 
 
 def cache_length(max_len: int) -> int:
-    """KV cache rows the attention kernel needs: at least one KV tile."""
-    return max(max_len, KV_TILE)
+    """KV cache rows the attention kernel needs: at least one KV tile per core of an LNC=2 rank (the head
+    tiles of a rank read rows 0 .. 2*KV_TILE - 1, ``nki_kernels.attention``)."""
+    return max(max_len, 2 * KV_TILE)
 
 
 def _rank_cache(cache: torch.Tensor, head: int, length: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ Inputs by token position (host side, :func:`rope_tables` == ``model.functional.r
 and loop bounds (``nl.fori_loop`` with register bounds); nothing branches on it in Python.
 
 KV caches: ``k_cache``, ``v_cache`` HBM ``[1, L, D]`` act dtype (the rank's KV head, row = position); written
-in place at rows p..p+T-1 and also returned. ``L >= kv_tile`` is required (see the head tile below).
+in place at rows p..p+T-1 and also returned. ``L >= n_cores * kv_tile`` is required (see the head tiles below).
 
 On-chip layout of the work (per core, nq = T*Hc query rows of its own heads, row r = t*Hc + h):
 
@@ -61,37 +61,59 @@ Core c of ``n_cores`` projects query heads [c*Hc, (c+1)*Hc) (Hc = Hq_r / n_cores
 o_proj partial over those heads' columns. The KV head is projected ONCE: core 0 computes k (norm + RoPE) and
 writes the K rows, core n_cores-1 computes v and writes the V rows -- each cache row is written exactly once
 per call. With LNC=2 the cores then swap their transposed queries (core 0 adds the new keys^T) in ONE
-``nisa.sendrecv`` of whole tiles, and split the KV tiles instead of the heads: each core attends with all 4
-heads over every other tile (the KV cache is read once per rank, and each core runs half the tiles); core 0
-also takes the head tile, the last core the new block. A second sendrecv swaps the partial softmax states
-``[O | l | nm]`` of the other core's heads, merged with the usual max-rescaling. Neither core reads a cache
-row the other core writes in this call (the new rows are attended from SBUF), so no core_barrier is needed;
-the exchanged tiles are whole tiles on both sides (trn2-costs pitfall: a sendrecv into a partial view
-silently delivers nothing).
+``nisa.sendrecv`` of whole tiles, and split the KEYS instead of the heads: each core attends with all 4 heads
+over its half of every rank tile (below), so the KV cache is read once per rank and each core streams half of
+it; the last core also takes the new block. A second sendrecv swaps the partial softmax states
+``[O | l | nm]`` of the other core's heads, merged with the usual max-rescaling. The exchanged tiles are whole
+tiles on both sides (trn2-costs pitfall: a sendrecv into a partial view silently delivers nothing).
+
+Both cores run the SAME runtime loops with the same trip counts at every position (SDK lnc.rst "Final
+Notes": the cores of an LNC=2 kernel must run the same dynamic control flow): every loop bound and trip count
+below is a function of p alone, and the cores differ only in static code (the row offset c*B of their DMAs,
+the head-tile mask threshold, which core writes K / V and attends the new block). Alternatives considered:
+splitting the query heads between the cores reads the whole cache on both cores (2x the KV traffic of the
+DMA-bound tile loop); interleaving tiles over the cores (the previous design) gives the cores different trip
+counts whenever the tile count is odd and runs the head tile on one core only; giving each core ceil(n/2)
+interleaved tiles needs a neutral (fully masked) extra tile on one core and still a head tile on both: the
+same masked work as the rank tiles here, with two masked tile kinds.
+The rank-tile split has one tile kind per core, one masked (head) tile per core, and ONE pipeline shared by
+both cores. Its price: a masked head tile on both cores (2B rows read for the r < 2B head rows, where the
+previous design read B rows for r < B). The cost model (``harness.costmodel.predict`` of the shape-only
+trace, T=2, bf16, real shapes; B = 512) gives the same 58.5 us as before at context 4096, within 1.5 us of
+the previous design at 700..32700 except 1100 / 1536 (+2 / +7 us: two tiles per core instead of a 2+1
+split); kv_tile = 256 would be 2-8 us faster below 6K but 4-18 us slower from 8K (32700: 159 vs 141 us).
+
+The rows a core reads are the rows the OTHER core writes in this call only inside masked head tiles (rows
+>= p, zeroed in SBUF whatever they hold), so no core_barrier is needed (the new rows are attended from SBUF).
 
 KV tiling and how p is applied
 ------------------------------
-Keys are the cache rows 0..p-1 plus the T new rows. With r = p mod B and nfull = p // B computed on-chip
-(``bitwise_and`` / ``right_shift`` on int32, then ``register_load``):
+Keys are the cache rows 0..p-1 plus the T new rows. A rank tile is S = n_cores * B rows (B = ``kv_tile``
+keys per core, 512); core c takes rows [c*B, (c+1)*B) of each. With r = p mod S and n = p // S computed
+on-chip (``bitwise_and`` / ``right_shift`` on int32, then ``register_load``; the same values on both cores):
 
-* full tiles: rows [r + jB, r + (j+1)B) for j < nfull (they end exactly at row p), no masking; core c takes
-  j = c, c + n_cores, ...: a runtime ``nl.fori_loop`` over pairs of tiles whose register induction variable is
-  the DMA row offset (``.ap(scalar_offset=reg, indirect_dim=1)``), plus 0/1-trip loops for the pipeline's
-  prologue and its even / odd epilogue.
-* head tile: rows [0, B) with keys >= r masked, run only when r > 0 (a fori_loop with a 0/1 trip count).
-  When p < B this tile necessarily reads rows >= p (the cache's first B rows; ``L >= kv_tile``): those rows
-  are zeroed in SBUF with a predicated copy (NaN-safe) and masked in the scores. This is the ONLY read of rows
-  outside the valid prefix, and only for contexts shorter than one tile.
+* head tiles: rows [c*B, (c+1)*B) of the cache start with keys >= r masked (key k of core c's tile is row
+  c*B + k: masked iff k >= r - c*B, so core 1's tile is entirely masked when r <= B), run only when r > 0 (a
+  fori_loop with a 0/1 trip count). These tiles read rows >= r, possibly >= p (``L >= n_cores * kv_tile``):
+  those rows are zeroed in SBUF with a predicated copy (NaN-safe) and masked in the scores. This is the ONLY
+  read of rows outside the valid prefix.
+* full tiles: rank tile j covers rows [r + jS, r + (j+1)S) for j < n (they end exactly at row p), no
+  masking: a runtime ``nl.fori_loop`` over pairs of rank tiles whose register induction variable (the same on
+  both cores) plus the core's static c*B is the DMA row offset (``.ap(scalar_offset=reg, indirect_dim=1)``),
+  plus 0/1-trip loops for the pipeline's prologue and its even / odd epilogue.
 * new block: the T new keys from SBUF with a static causal mask (key t' visible to query t iff t' <= t).
-Masks add NEG = -1e30 (finite: exp underflows to exactly 0, no inf arithmetic).
+Masks add NEG = -1e30 (finite: exp underflows to exactly 0, no inf arithmetic). The running negated max
+starts at M_INIT = 1e20 (a running max of -1e20): below every real scaled score and far above every masked
+one (-1e30 / sqrt(D)), so a fully masked tile leaves the softmax state exactly unchanged (its exp is 0 and the
+rescale factor exp(0) = 1) and a core that saw no key at all merges with weight exactly 0.
 
 Shape-only tracing (``max_context``)
 ------------------------------------
 nkisim's shape-only mode reads registers as 0, so the runtime loops above run 0 times. Passing the
-compile-time ``max_context = N`` specialises the loop structure to a context of N tokens: the head tile runs
-iff N mod B > 0 and the full tiles are unrolled statically (DMA offsets still come from the run-time r). The
+compile-time ``max_context = N`` specialises the loop structure to a context of N tokens: the head tiles run
+iff N mod S > 0 and the full tiles are unrolled statically (DMA offsets still come from the run-time r). The
 instruction stream then equals that of a launch at p = N (tested), so a shape-only trace costs context N.
-The specialised kernel is correct for every p with p // B == N // B and (p mod B > 0) == (N mod B > 0)
+The specialised kernel is correct for every p with p // S == N // S and (p mod S > 0) == (N mod S > 0)
 (tested); leave ``max_context=None`` for the general kernel.
 """
 
@@ -110,7 +132,7 @@ KV_TILE = 512           # keys per KV tile: one PSUM bank of fp32 scores (gemm_m
 PSUM_COLS = 512         # fp32 columns of one PSUM bank (psum_bank_fmax)
 KP = 32                 # partition of the first key row in the q|k tile (a legal compute-engine start)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
-M_INIT = 1.0e30         # initial negated running max ("-inf"), finite
+M_INIT = 1.0e20         # initial negated running max: below every real scaled score, above every masked one
 REGISTER_NAMES = ("p", "head", "start", "pro", "pair_end", "even", "odd")
 ATTENTION_REGISTERS = len(REGISTER_NAMES)   # registers one body call loads (pass ``regs`` to reuse them)
 F32 = nl.float32
@@ -170,8 +192,9 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
     if B < P or B > PSUM_COLS or B % P or B & (B - 1):
         raise ValueError(f"attention: kv_tile {B} must be a power of two in [{P}, {PSUM_COLS}]")
     L = k_cache.shape[1]
-    if L < B:
-        raise ValueError(f"attention: cache length {L} is shorter than one KV tile ({B}); use a smaller kv_tile")
+    if L < n_cores * B:
+        raise ValueError(f"attention: cache length {L} is shorter than one KV tile per core ({n_cores} x {B} rows: "
+                         f"the head tiles read rows 0..{n_cores * B - 1}); use a longer cache or a smaller kv_tile")
     nq = T * Hc
     if nq > KP:
         raise ValueError(f"attention: {nq} query rows per core exceed {KP} (T * heads per core)")
@@ -199,7 +222,7 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
         raise ValueError(f"attention: core {core} outside 0..{n_cores - 1}")
     g["core"], g["n_cores"] = core, n_cores
     g["do_k"], g["do_v"] = core == 0, core == n_cores - 1       # K rows: core 0; V rows + new block: last core
-    g["head"], g["new"] = core == 0, core == n_cores - 1
+    g["new"] = core == n_cores - 1
     act, T, nq, nr, D = g["act"], g["T"], g["nq"], g["nr"], g["D"]
 
     # ScalarE runs only exp (and table-free copies) in this kernel: load the exp table now, while the weights
@@ -299,40 +322,37 @@ def _runtime_scalars(g, pos, regs=None):
     """Run-time values derived from p on-chip (int32 on VectorE / GpSimd; exact below 2^24) and loaded into
     registers (the loop bounds and DMA offsets of :func:`_tiles`).
 
-    p_reg: p (cache write offset). rem = p mod B (head-tile mask threshold: fp32 column rem_f; head_reg =
-    rem > 0). The nfull = p >> log2(B) full tiles end at row p and are interleaved over the cores: this core's
-    n_c = ceil((nfull - core) / n_cores) tiles start at rows start_c + j*S (S = n_cores * B, start_c = rem +
-    core*B; start_reg). Pipeline registers: pro = (n_c >= 1); pairs run from start_c to pair_end = start_c +
-    2S * (max(n_c - 1, 0) // 2); even = (n_c even, >= 2; the last tile is then at pair_end + S); odd = n_c & 1.
+    With S = n_cores * B (one rank tile: B rows per core): p_reg: p (cache write offset). r = p mod S (head
+    rows; head_reg = r > 0; this core's head-tile threshold r - c*B as an fp32 column, rem_f). The n = p // S
+    full rank tiles start at rows r + j*S (start_reg = r; core c adds the static c*B). Pipeline registers:
+    pro = (n >= 1); pairs run from r to pair_end = r + 2S * (max(n - 1, 0) // 2); even = (n even, >= 2; the
+    last tile is then at pair_end + S); odd = n & 1. Every register value is the same on both cores.
     ``ATTENTION_REGISTERS`` registers in all (``regs`` reuses the caller's)."""
     B, c, nc = g["B"], g["core"], g["n_cores"]
-    S = nc * B                                          # row stride between this core's tiles
+    S = nc * B                                          # rows of one rank tile (B per core)
     i32 = nl.int32
     pos_i = nl.ndarray((P, 1), i32, buffer=nl.sbuf, name="att_pos")
     nisa.dma_copy(dst=pos_i, src=pos.ap(pattern=[[0, P], [1, 1]], offset=0))
-    rem_i = _int_op(nl.ndarray((P, 1), i32, buffer=nl.sbuf, name="att_rem"), pos_i, nl.bitwise_and, B - 1)
-    rem_f = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="att_rem_f")
-    nisa.tensor_copy(dst=rem_f, src=rem_i)
+    rem_i = _int_op(nl.ndarray((P, 1), i32, buffer=nl.sbuf, name="att_rem"), pos_i, nl.bitwise_and, S - 1)
+    r_f = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="att_rem_f")
+    nisa.tensor_copy(dst=r_f, src=rem_i)
+    rem_f = r_f
+    if c > 0:                                           # this core's head tile starts at row c*B
+        rem_f = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="att_rem_core_f")
+        nisa.tensor_scalar(dst=rem_f, data=r_f, op0=nl.add, operand0=float(-c * B))
     rt = {"rem_f": rem_f}
-    vals = {"p": pos_i[0:1, :]}
-    vals["head"] = _int_op(nl.ndarray((1, 1), i32, buffer=nl.sbuf, name="att_has_head"), rem_i[0:1, :],
-                           nl.greater, 0.0)
+    vals = {"p": pos_i[0:1, :], "start": rem_i[0:1, :]}
+    vals["head"] = _int_op(_one("att_has_head"), rem_i[0:1, :], nl.greater, 0.0)
     # (computed also with max_context, so that a shape-only trace has exactly a data launch's instructions)
-    n_c = _int_op(_one("att_nfull"), pos_i[0:1, :], nl.right_shift, B.bit_length() - 1)
-    if nc == 2:
-        n_c = _int_op(_one("att_ntiles_pre"), n_c, nl.add, float(1 - c))
-        n_c = _int_op(_one("att_ntiles"), n_c, nl.right_shift, 1)
-    start_f = _one("att_start_f", F32)
-    nisa.tensor_scalar(dst=start_f, data=rem_f[0:1, :], op0=nl.add, operand0=float(c * B))
-    vals["start"] = _int_op(_one("att_start"), start_f, nl.add, 0.0)
-    vals["pro"] = _int_op(_one("att_pro"), n_c, nl.greater_equal, 1.0)
-    m = _int_op(_one("att_m_pre"), n_c, nl.add, -1.0, nl.maximum, 0.0)
+    n = _int_op(_one("att_nfull"), pos_i[0:1, :], nl.right_shift, S.bit_length() - 1)
+    vals["pro"] = _int_op(_one("att_pro"), n, nl.greater_equal, 1.0)
+    m = _int_op(_one("att_m_pre"), n, nl.add, -1.0, nl.maximum, 0.0)
     m = _int_op(_one("att_pairs"), m, nl.right_shift, 1)
-    vals["pair_end"] = _int_op(_one("att_pair_end"), m, nl.multiply, float(2 * S), nl.add, start_f)
-    half = _int_op(_one("att_half"), n_c, nl.right_shift, 1)
+    vals["pair_end"] = _int_op(_one("att_pair_end"), m, nl.multiply, float(2 * S), nl.add, r_f[0:1, :])
+    half = _int_op(_one("att_half"), n, nl.right_shift, 1)
     vals["even"] = _one("att_even")
     nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
-    vals["odd"] = _int_op(_one("att_odd"), n_c, nl.bitwise_and, 1)
+    vals["odd"] = _int_op(_one("att_odd"), n, nl.bitwise_and, 1)
     if regs != None and len(regs) < len(REGISTER_NAMES):
         raise ValueError(f"attention: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
     for i, k in enumerate(REGISTER_NAMES):
@@ -349,12 +369,10 @@ def _project(g, xT, w):
     wqg, and wk / wv where this core projects them): the DMA of chunk c + WR is issued after chunk c's
     matmuls (it reuses that slot), so the chunks arrive in order and the matmuls of chunk c overlap the
     transfer of the later ones instead of waiting for every weight byte."""
-    act, KT, Hc, Hq, D, T, nq, nr = g["act"], g["KT"], g["Hc"], g["Hq"], g["D"], g["T"], g["nq"], g["nr"]
+    act, KT, Hc, D, T, nq, nr = g["act"], g["KT"], g["Hc"], g["D"], g["T"], g["nq"], g["nr"]
     JG = 2 if KT % 2 == 0 else 1
     NK = KT // JG
     WR = min(3, NK)
-    h0 = g["core"] * Hc
-    row = 2 * Hq * D                                   # elements of one wqg row (input feature)
     kv_names = []
     for nm, on in (("wk", g["do_k"]), ("wv", g["do_v"])):
         if on:
@@ -372,15 +390,8 @@ def _project(g, xT, w):
         for nm in kv_names:
             slot[nm] = nl.ndarray((P, JG, D), act, buffer=nl.sbuf, name=f"att_{nm}_ring{i}")
         ring.append(slot)
-
-    def load(ck):
-        slot, j0 = ring[ck % WR], ck * JG
-        nisa.dma_copy(dst=slot["wqg"], src=w["wqg"].ap(pattern=[[row, P], [P * row, JG], [Hq * D, 2], [1, Hc * D]],
-                                                       offset=j0 * P * row + h0 * D))
-        for nm in kv_names:
-            nisa.dma_copy(dst=slot[nm], src=w[nm].ap(pattern=[[D, P], [P * D, JG], [1, D]], offset=j0 * P * D))
     for ck in range(WR):
-        load(ck)
+        _load_chunk(g, w, ring[ck % WR], ck * JG, JG, kv_names)
     ps = nl.ndarray((nr, 2, D), F32, buffer=nl.psum, name="att_qg_psum")
     vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum") if g["do_v"] else None
     first = True
@@ -398,8 +409,20 @@ def _project(g, xT, w):
             if g["do_v"]:
                 nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=slot["wv"][:, jj, :], accumulate=j > 0)
         if ck + WR < NK:
-            load(ck + WR)
+            _load_chunk(g, w, ring[(ck + WR) % WR], (ck + WR) * JG, JG, kv_names)
     return ps, vps
+
+
+def _load_chunk(g, w, slot, j0, JG, kv_names):
+    """DMA input-feature tiles j0..j0+JG-1 of this core's heads of wqg (and of wk / wv in ``kv_names``) into
+    one ring slot of :func:`_project`."""
+    Hc, Hq, D = g["Hc"], g["Hq"], g["D"]
+    row = 2 * Hq * D                                   # elements of one wqg row (input feature)
+    h0 = g["core"] * Hc
+    nisa.dma_copy(dst=slot["wqg"], src=w["wqg"].ap(pattern=[[row, P], [P * row, JG], [Hq * D, 2], [1, Hc * D]],
+                                                   offset=j0 * P * row + h0 * D))
+    for nm in kv_names:
+        nisa.dma_copy(dst=slot[nm], src=w[nm].ap(pattern=[[D, P], [P * D, JG], [1, D]], offset=j0 * P * D))
 
 
 def _project_out(g, psums):
@@ -523,18 +546,18 @@ def _attend_setup(g, rt):
     st["nm"] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name="att_negmax")       # -(running max), scaled
     nisa.memset(dst=st["nm"], value=M_INIT)
 
-    masks = None
-    if g["head"]:   # head-tile masks (static iotas vs the run-time r); score column (c, p) is key NC*p + c
-        key_s = nl.ndarray((QA, NC, P), F32, buffer=nl.sbuf, name="att_key_cols")
-        nisa.iota(dst=key_s, pattern=[[1, NC], [NC, P]], offset=0, channel_multiplier=0)
-        mask_s = nl.ndarray((QA, NC * P), F32, buffer=nl.sbuf, name="att_head_mask")
-        nisa.tensor_scalar(dst=mask_s, data=key_s, op0=nl.greater_equal, operand0=rt["rem_f"][0:QA, :],
-                           op1=nl.multiply, operand1=NEG)
-        key_r = nl.ndarray((P, NC), F32, buffer=nl.sbuf, name="att_key_rows")
-        nisa.iota(dst=key_r, pattern=[[1, NC]], offset=0, channel_multiplier=NC)
-        dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
-        nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
-        masks = {"score": mask_s, "dead": dead}
+    # head-tile masks (static iotas vs this core's run-time threshold r - c*B); score column (c, p) is key
+    # NC*p + c of the tile
+    key_s = nl.ndarray((QA, NC, P), F32, buffer=nl.sbuf, name="att_key_cols")
+    nisa.iota(dst=key_s, pattern=[[1, NC], [NC, P]], offset=0, channel_multiplier=0)
+    mask_s = nl.ndarray((QA, NC * P), F32, buffer=nl.sbuf, name="att_head_mask")
+    nisa.tensor_scalar(dst=mask_s, data=key_s, op0=nl.greater_equal, operand0=rt["rem_f"][0:QA, :],
+                       op1=nl.multiply, operand1=NEG)
+    key_r = nl.ndarray((P, NC), F32, buffer=nl.sbuf, name="att_key_rows")
+    nisa.iota(dst=key_r, pattern=[[1, NC]], offset=0, channel_multiplier=NC)
+    dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
+    nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
+    masks = {"score": mask_s, "dead": dead}
     bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
     return {"st": st, "masks": masks, "bufs": bufs}
 
@@ -621,87 +644,108 @@ def _with_psum(g, bufs):
     return sets
 
 
+def _first(kx, b, row0, reg, masked=False):
+    """Stage 1 of a tile: load, K^T, scores, softmax statistics and exp. ``kx``: the tile context of
+    :func:`_tiles`; row0 / reg: the tile's first cache row (static part, run-time register or None)."""
+    g, st = kx["g"], kx["st"]
+    _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], b, row0, reg, masked)
+    _tile_evict(g, b)
+    _tile_scores(g, kx["qa"], kx["masks"], b, masked)
+    _softmax_stats(g, st, b)
+    _softmax_exp(g, st, b)
+
+
+def _step(kx, b, row0, reg, prev):
+    """Stage 1 of tile j interleaved with stage 2 (P^T, PV, [O | l] update) of tile j-1 (buffer set prev), in
+    the order that keeps every in-order engine queue busy: PE T(j) P^T(j-1) QK(j) PV(j-1); ACT evict(j)
+    evictP^T(j-1) exp(j); DVE evict(j) stats(j) update(j-1)."""
+    g, st = kx["g"], kx["st"]
+    _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], b, row0, reg, False)
+    _tile_evict(g, b)
+    _tile_pT(g, kx["ident"], prev)
+    _tile_scores(g, kx["qa"], kx["masks"], b, False)
+    _softmax_stats(g, st, b)
+    _tile_pv(g, st, prev)
+    _softmax_exp(g, st, b)
+
+
+def _last(kx, prev):
+    """Stage 2 of the final tile."""
+    _tile_pT(kx["g"], kx["ident"], prev)
+    _tile_pv(kx["g"], kx["st"], prev)
+
+
+def _head_tile(kx, bufs):
+    """This core's part of the head: rows [c*B, (c+1)*B), keys >= r - c*B masked (module docstring)."""
+    A_, B_ = _with_psum(kx["g"], bufs)
+    _first(kx, B_, kx["g"]["core"] * kx["g"]["B"], None, True)
+    _last(kx, B_)
+
+
+def _unrolled_tile(kx, bufs, j):
+    """Full tile j of this core (max_context): rows r + j*S + c*B (r from the start register); each tile's PSUM
+    lives in this function's scope."""
+    g = kx["g"]
+    sets = _with_psum(g, bufs)
+    row0 = g["core"] * g["B"] + j * g["n_cores"] * g["B"]
+    if j == 0:
+        _first(kx, sets[0], row0, kx["rt"]["start_reg"])
+    else:
+        _step(kx, sets[j % 2], row0, kx["rt"]["start_reg"], sets[(j - 1) % 2])
+
+
+def _unrolled_last(kx, bufs, j):
+    """Stage 2 of the last full tile j (max_context)."""
+    _last(kx, _with_psum(kx["g"], bufs)[j % 2])
+
+
 def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     """This core's KV tiles, software-pipelined two deep (tile j's load / K^T / scores overlap tile j-1's
-    softmax / P^T / PV; tiles alternate between two buffer sets): prologue, a runtime loop over pairs of
-    steps, and a 0/1-trip epilogue for an even or odd tile count. The head tile (core 0, iff r > 0) runs on
-    its own first. With max_context the same sequence is emitted unrolled (shape-only costing)."""
-    B, nc, c = g["B"], g["n_cores"], g["core"]
-    S = nc * B
-    x = (g, qa, k_cache, v_cache, ident, masks)
-
-    def first(b, row0, reg, masked=False):         # stage 1: load, K^T, scores, softmax statistics and exp
-        _tile_load(*x, b, row0, reg, masked)
-        _tile_evict(g, b)
-        _tile_scores(g, qa, masks, b, masked)
-        _softmax_stats(g, st, b)
-        _softmax_exp(g, st, b)
-
-    def step(b, row0, reg, prev):
-        # stage 1 of tile j interleaved with stage 2 (P^T, PV, [O | l] update) of tile j-1, in the order that
-        # keeps every in-order engine queue busy: PE T(j) P^T(j-1) QK(j) PV(j-1); ACT evict(j) evictP^T(j-1)
-        # exp(j); DVE evict(j) stats(j) update(j-1)
-        _tile_load(*x, b, row0, reg, False)
-        _tile_evict(g, b)
-        _tile_pT(g, ident, prev)
-        _tile_scores(g, qa, masks, b, False)
-        _softmax_stats(g, st, b)
-        _tile_pv(g, st, prev)
-        _softmax_exp(g, st, b)
-
-    def last(prev):                                # stage 2 of the final tile
-        _tile_pT(g, ident, prev)
-        _tile_pv(g, st, prev)
+    softmax / P^T / PV; tiles alternate between two buffer sets): the head tile (iff r > 0), a prologue, a
+    runtime loop over pairs of steps, and a 0/1-trip epilogue for an even or odd tile count. Every trip count
+    and every loop bound is a function of p alone, so both cores of a rank run the same runtime loops; the
+    cores differ only in the static row offset c*B of their DMAs (module docstring, LNC split). With
+    max_context the same sequence is emitted unrolled (shape-only costing)."""
+    B, c = g["B"], g["core"]
+    S = g["n_cores"] * B
+    c0 = c * B                                      # this core's static row offset inside every rank tile
+    kx = {"g": g, "st": st, "qa": qa, "k_cache": k_cache, "v_cache": v_cache, "ident": ident, "masks": masks,
+          "rt": rt}
 
     if max_context != None:     # the same stages unrolled; each tile's PSUM lives in its own function scope
-        def head_tile():
-            A_, B_ = _with_psum(g, bufs)
-            first(B_, 0, None, True)
-            last(B_)
-
-        def tile(j, t):          # tile t starts at row r + t*B = start_c + (t - c)*B
-            sets = _with_psum(g, bufs)
-            if j == 0:
-                first(sets[0], (t - c) * B, rt["start_reg"])
-            else:
-                step(sets[j % 2], (t - c) * B, rt["start_reg"], sets[(j - 1) % 2])
-
-        if g["head"] and max_context % B:
-            head_tile()
-        mine = list(range(c, max_context // B, nc))
-        for j, t in enumerate(mine):
-            tile(j, t)
-        if mine:
-            last(_with_psum(g, bufs)[(len(mine) - 1) % 2])
+        if max_context % S:
+            _head_tile(kx, bufs)
+        n = max_context // S
+        for j in range(n):
+            _unrolled_tile(kx, bufs, j)
+        if n > 0:
+            _unrolled_last(kx, bufs, n - 1)
         return
 
-    if g["head"]:
-        def head_body(i):
-            A_, B_ = _with_psum(g, bufs)
-            first(B_, 0, None, True)
-            last(B_)
-        nl.fori_loop(0, rt["head_reg"], head_body)
+    def head_body(i):
+        _head_tile(kx, bufs)
+    nl.fori_loop(0, rt["head_reg"], head_body)
 
-    def prologue(i):                               # tile 0 at start_c (iff n_c >= 1)
+    def prologue(i):                               # rank tile 0 at r (iff n >= 1)
         A_, B_ = _with_psum(g, bufs)
-        first(A_, 0, rt["start_reg"])
+        _first(kx, A_, c0, rt["start_reg"])
     nl.fori_loop(0, rt["pro_reg"], prologue)
 
-    def pair_body(i):                              # i = start_c + 2m*S: tiles 2m+1 (B) and 2m+2 (A) loaded
+    def pair_body(i):                              # i = r + 2m*S: rank tiles 2m+1 (B) and 2m+2 (A) loaded
         A_, B_ = _with_psum(g, bufs)
-        step(B_, S, i, A_)
-        step(A_, 2 * S, i, B_)
+        _step(kx, B_, c0 + S, i, A_)
+        _step(kx, A_, c0 + 2 * S, i, B_)
     nl.fori_loop(rt["start_reg"], rt["pair_end_reg"], pair_body, step=2 * S)
 
-    def even_tail(i):                              # n_c even: load the last tile (B, at pair_end + S), finish both
+    def even_tail(i):                              # n even: load the last tile (B, at pair_end + S), finish both
         A_, B_ = _with_psum(g, bufs)
-        step(B_, S, rt["pair_end_reg"], A_)
-        last(B_)
+        _step(kx, B_, c0 + S, rt["pair_end_reg"], A_)
+        _last(kx, B_)
     nl.fori_loop(0, rt["even_reg"], even_tail)
 
-    def odd_tail(i):                               # n_c odd: the last tile (A) is loaded, finish it
+    def odd_tail(i):                               # n odd: the last tile (A) is loaded, finish it
         A_, B_ = _with_psum(g, bufs)
-        last(A_)
+        _last(kx, A_)
     nl.fori_loop(0, rt["odd_reg"], odd_tail)
 
 
@@ -896,16 +940,16 @@ def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only:
               context: int = 4096):
     """(kernel, args) for one rank at the config's shapes: ``attention_kernel[2]`` at position p = context.
 
-    Data mode: deterministic random weights/caches, cache length ceil((context + T) / 512) * 512, the general
-    kernel (run-time loops). Shape-only: ``nkisim.ShapeDtype`` arguments and ``max_context = context`` so the
-    trace holds the tiles a launch at p = context runs."""
+    Data mode: deterministic random weights/caches, cache length max(1024, ceil((context + T) / 512) * 512),
+    the general kernel (run-time loops). Shape-only: ``nkisim.ShapeDtype`` arguments and ``max_context =
+    context`` so the trace holds the tiles a launch at p = context runs."""
     import nkisim
     H, D, R = cfg.hidden_size, cfg.head_dim, cfg.rotary_dim
     if cfg.num_attention_heads % tp or tp % cfg.num_key_value_heads:
         raise ValueError(f"attention: tp={tp} must divide the {cfg.num_attention_heads} query heads and be a "
                          f"multiple of the {cfg.num_key_value_heads} KV heads (one KV head per rank)")
     hq = cfg.num_attention_heads // tp
-    L = -(-(context + T) // KV_TILE) * KV_TILE
+    L = max(2 * KV_TILE, -(-(context + T) // KV_TILE) * KV_TILE)     # LNC=2: one KV tile per core at least
     shapes = {"xT": ((P, H // P, T), dtype), "wqg": ((H, 2, hq, D), dtype), "wk": ((H, D), dtype),
               "wv": ((H, D), dtype), "wo": ((hq * D, H), dtype), "norm_w": ((2, D), "float32"),
               "cos": ((T, R), "float32"), "sin": ((T, R), "float32"), "k_cache": ((1, L, D), dtype),

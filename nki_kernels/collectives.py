@@ -66,13 +66,11 @@ def _lnc():
     return nl.num_programs(0), nl.program_id(0)
 
 
-def _tp_of(rg):
-    if rg == None:
-        return 1
-    g = [list(x) for x in rg.groups]
-    if len(g) != 1 or g[0] != list(range(len(g[0]))):
-        raise ValueError(f"collectives: expected one rank list [0, 1, .., tp-1] (slot = rank id), got {rg.groups}")
-    return len(g[0])
+def _check_group(rg, tp, where):
+    """rg must be ``tp_group(tp)``: None exactly when tp == 1 (a ReplicaGroup exposes no attributes in the
+    NKI 0.6 API, so the group's size travels as the compile-time int ``tp``)."""
+    if tp < 1 or (rg == None) != (tp == 1):
+        raise ValueError(f"{where}: replica group and tp={tp} disagree (pass rg = tp_group(tp): None iff tp == 1)")
 
 
 def _dense(t, where):
@@ -128,9 +126,10 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
     return total
 
 
-def allgather_cores(x, rg, pipe_id: int = 0, via_all_reduce: bool = True):
+def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = True):
     """Concatenate every core's ``x [T, F]`` along the free axis in global core order.
 
+    rg, tp: ``tp_group(tp)`` and the TP degree (compile time).
     Returns SBUF ``[T, n*F]`` (n = tp * lnc), block g = core ``g = rank*lnc + core``'s x; same bits on
     every core. Cost: 1 collective per lane + 1 sendrecv + lnc strided copies.
 
@@ -140,10 +139,10 @@ def allgather_cores(x, rg, pipe_id: int = 0, via_all_reduce: bool = True):
     all-reduce at 13.3 us vs 22-35 us for a tiny ring all-gather (trn2-costs). via_all_reduce=False:
     ``ncc.all_gather`` (bit-exact for every value, moves tp times fewer bytes).
     """
+    _check_group(rg, tp, "allgather_cores")
     x = _dense(x, "allgather_cores")
     T, F = x.shape
     lnc, pid = _lnc()
-    tp = _tp_of(rg)
     if rg != None:
         lane = nl.ndarray((T, tp * F), x.dtype, buffer=nl.sbuf, name="ag_lane")
         if via_all_reduce:
@@ -163,11 +162,12 @@ def allgather_cores(x, rg, pipe_id: int = 0, via_all_reduce: bool = True):
     return out
 
 
-def argmax_combine(best, vc: int, rg, pipe_id: int = 0):
+def argmax_combine(best, vc: int, rg, tp: int, pipe_id: int = 0):
     """Global greedy token from every core's LM-head winner, with ONE packed collective.
 
     best: SBUF ``[T, 2]`` float32 ``(value, local index)`` from ``lm_head_argmax_body(..., index_base=0)``.
     vc:   vocabulary rows per core; core g's local index i is global index ``g*vc + i``.
+    rg, tp: ``tp_group(tp)`` and the TP degree (compile time).
     Returns SBUF ``[T, 2]`` float32 ``(max logit, lowest global index holding it)`` -- torch.argmax over
     the full vocabulary -- identical on every core.
 
@@ -182,10 +182,10 @@ def argmax_combine(best, vc: int, rg, pipe_id: int = 0):
     if tuple(best.shape[1:]) != (2,) or best.dtype != nl.float32:
         raise ValueError(f"argmax_combine: best must be [T, 2] float32 (value, index), got {list(best.shape)} "
                          f"{best.dtype}")
+    _check_group(rg, tp, "argmax_combine")
     best = _dense(best, "argmax_combine")
     T = best.shape[0]
     lnc, pid = _lnc()
-    tp = _tp_of(rg)
     n = tp * lnc
     if n * vc >= 2 ** 24:
         raise ValueError(f"argmax_combine: global indices up to {n * vc} are not exact in fp32")

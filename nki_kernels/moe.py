@@ -42,17 +42,23 @@ activation scaled by its own weight (0 when it did not choose the expert).
 HWDGE). Slots k..S-1 are wrapped in ``nl.fori_loop(0, flag_s, body)`` with ``flag_s`` in {0, 1}: a
 run-time conditional (the nki-library "conditional iteration" pattern), so an invalid slot moves no
 byte and computes nothing, and the nkisim trace of an executing run shows exactly the distinct
-experts' DMAs. Nothing branches in Python on data. Across those device loops only SBUF state is
-live (neuronx-cc rejects PSUM written by the PE inside a device loop but allocated outside it,
-NCC_IBIR092); the always-valid slots and the shared expert accumulate in PSUM.
+experts' DMAs. Nothing branches in Python on data. No PSUM value is live across a device loop (loop
+state is carried in SBUF, SDK-NL fori_loop; neuronx-cc rejects PSUM written inside a device loop but
+allocated outside it, NCC_IBIR092): the shared expert and the always-valid slots accumulate in PSUM in
+straight-line code with no loop inside the accumulation group, which is evicted to an SBUF fold before
+the first conditional slot; each conditional slot computes into a PSUM bank allocated inside its loop
+body and adds it into that SBUF fold. A table argument's every element offset fits int32 (SDK-LG "NKI
+Values"); stacked tables are therefore split into groups of layers (``megakernel.sharded``).
 
 **Weight stream.** Host-side, each expert's slice for (rank, core) is one contiguous
 ``[P, F]`` block, partition-major (a 6 KiB run per partition at the real bf16 shapes, one DMA of
 768 KiB per expert per core): the gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down
 rows folded over the partitions, ``R = P / ic`` row groups each holding ``H / R`` columns. The ring
-of ``prefetch`` buffers keeps up to ``prefetch - 1`` expert DMAs in flight ahead of the compute
-(software pipelined in program order); the shared expert and router weights are issued first,
-before the routing is known.
+of ``D = min(prefetch, S, SBUF budget)`` buffers takes the first D slots' DMAs before any expert compute
+(software pipelined in program order: slot s + D reuses slot s's buffer once slot s has run; a
+conditional slot's fetch that would fall inside the PSUM accumulation group of the always-valid slots
+is issued right after that group is evicted, so with D < S some conditional DMAs start later); the
+shared expert and router weights are issued first, before the routing is known.
 
 **Expert compute** (per slot, per core, ``ic`` = intermediate columns of the core):
 ``gu[T, 2ic] = sum_j xT[:, j, :]^T W_gu[j]`` (H/P matmuls, weights moving, PSUM), ``silu`` on ACT,
@@ -91,6 +97,7 @@ P = 128            # partitions (nl.tile_size.pmax; shapes need a Python int, NK
 BANK = 512         # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
+INT32_MAX = 2 ** 31 - 1    # every element offset into an HBM table must fit int32 (SDK-LG "NKI Values")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +140,14 @@ def _geometry(width, hidden, what):
 # ---------------------------------------------------------------------------------------------
 # host-side layout helpers (torch; run once per checkpoint)
 # ---------------------------------------------------------------------------------------------
+
+def layers_per_table(layer_elems: int) -> int:
+    """How many layers' expert tables of ``layer_elems`` elements each may be stacked into one HBM tensor so
+    that every element offset (and the end offset) fits int32: the stacking group size of the megakernel."""
+    if not 0 < layer_elems <= INT32_MAX:
+        raise ValueError(f"moe: one layer's expert table of {layer_elems} elements does not fit int32 offsets")
+    return INT32_MAX // layer_elems
+
 
 def expert_blocks(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, n_cores: int) -> torch.Tensor:
     """One rank's expert slices in PyTorch layout -> the kernel's HBM blocks.
@@ -379,6 +394,52 @@ def _expert_mlp(xT, wbuf, geo, wcol, mask, acc_ps, acc_sb, first):
             nisa.tensor_tensor(dst=acc_sb[:, c0:c0 + n], data1=acc_sb[:, c0:c0 + n], data2=loc, op=nl.add)
 
 
+def _acc_of(accs, R):
+    """The accumulator entry ``[R, psum, sbuf fold, written]`` of fold factor R in ``accs``, or None."""
+    for a in accs:
+        if a[0] == R:
+            return a
+    return None
+
+
+def _issue(stream, s):
+    """Issue the expert DMA of slot s into its ring buffer (``stream``: the table, ring and registers of
+    :func:`moe_tkg_body`). Slots below top_k always run (a single token selects top_k distinct experts);
+    slot s >= top_k is a 0/1-trip runtime loop on its flag, so an unused slot moves no byte."""
+    if s >= stream["S"]:
+        return
+    D = len(stream["ring"])
+    buf, rid = stream["ring"][s % D], stream["id_regs"][s % D]
+    nisa.register_load(rid, stream["ids"][0:1, s:s + 1])
+    if s < stream["top_k"]:
+        _expert_dma(stream, buf, rid)
+        return
+    rf = stream["flag_regs"][s % D]
+    nisa.register_load(rf, stream["flags"][0:1, s:s + 1])
+
+    def fetch(i):
+        _expert_dma(stream, buf, rid)
+
+    nl.fori_loop(0, rf, fetch)
+
+
+def _conditional_slot(xT, buf, geo, wcol, mask, acc_sb, flag):
+    """Slot of ring buffer buf iff the register ``flag`` is 1: :func:`_expert_mlp` into the SBUF fold acc_sb."""
+    def compute(i):
+        _expert_mlp(xT, buf, geo, wcol, mask, None, acc_sb, False)
+
+    nl.fori_loop(0, flag, compute)
+
+
+def _expert_dma(stream, buf, rid):
+    """buf [P, F] <- the block of expert ``rid`` (a register) of this core: HWDGE, scalar offset on the
+    expert axis of the base table."""
+    F = stream["F"]
+    nisa.dma_copy(dst=buf, src=stream["table"].ap(pattern=[[F, P], [1, F]], offset=stream["offset"],
+                                                  scalar_offset=rid, indirect_dim=stream["edim"]),
+                  dge_mode=nisa.dge_mode.hwdge)
+
+
 def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None):
     """Sparse MoE of T tokens on one core: SBUF xT in, SBUF partial y out.
 
@@ -402,11 +463,21 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     base = 0                # element offset of this layer's expert table inside `experts`
     stacked = experts
     if layer != None:
+        if len(experts.shape) != 5 or not 0 <= layer < experts.shape[0]:
+            raise ValueError(f"moe_tkg: layer {layer} of stacked experts {list(experts.shape)}: expected "
+                             f"[L, E, n_cores, {P}, F] with 0 <= layer < L")
         base = layer * experts.shape[1] * experts.shape[2] * experts.shape[3] * experts.shape[4]
         experts, router, shared = experts[layer], router[layer], shared[layer]
     elif len(experts.shape) != 4:
         raise ValueError(f"moe_tkg: experts {list(experts.shape)}: expected [E, n_cores, {P}, F], or stacked "
                          f"[L, E, n_cores, {P}, F] with layer=")
+    n_elems = 1
+    for d in stacked.shape:
+        n_elems = n_elems * d
+    if n_elems > INT32_MAX:
+        raise ValueError(f"moe_tkg: the experts table {list(stacked.shape)} holds {n_elems} elements; its element "
+                         f"offsets must fit int32 (SDK-LG 'NKI Values'): stack at most "
+                         f"{layers_per_table(n_elems // stacked.shape[0])} layers per table (layers_per_table)")
     if xT.shape[0] != P:
         raise ValueError(f"moe_tkg: xT has {xT.shape[0]} partitions, expected {P} (layout [P, H/P, T])")
     if adt not in (nl.bfloat16, nl.float32):
@@ -443,7 +514,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # 2. routing
     gate, wsel, ids, flags = _route(xT, r_sb, top_k, S, lnc, pid)
 
-    # 3. the expert stream: a ring of D buffers, D - 1 DMAs ahead of the compute
+    # 3. the expert stream: a ring of D buffers; the first D slots' DMAs are issued before any compute
     D = max(2, min(prefetch, S, RING_BUDGET // (F * (2 if adt == nl.bfloat16 else 4))))
     ring = []
     for i in range(D):
@@ -455,72 +526,52 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         regs = tuple(pool)
     if len(regs) < 2 * D:
         raise ValueError(f"moe_tkg: {len(regs)} registers given, the ring of {D} needs {2 * D}")
-    id_regs, flag_regs = regs[0:D], regs[D:2 * D]
-    edim = 0 if layer == None else 1      # the expert axis of the base tensor (scalar_offset stride)
+    stream = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if layer == None else 1, "F": F,
+              "ring": ring, "id_regs": regs[0:D], "flag_regs": regs[D:2 * D], "ids": ids, "flags": flags,
+              "top_k": top_k, "S": S}
+    for s in range(D):
+        _issue(stream, s)
 
-    def issue(s):
-        if s >= S:
-            return
-        buf, rid = ring[s % D], id_regs[s % D]
-        nisa.register_load(rid, ids[0:1, s:s + 1])
-        if s < top_k:           # always valid: a single token selects top_k distinct experts
-            nisa.dma_copy(dst=buf, src=stacked.ap(pattern=[[F, P], [1, F]], offset=base + pid * P * F,
-                                                  scalar_offset=rid, indirect_dim=edim),
-                          dge_mode=nisa.dge_mode.hwdge)
-            return
-        rf = flag_regs[s % D]
-        nisa.register_load(rf, flags[0:1, s:s + 1])
-
-        def fetch(i, buf=buf, rid=rid):
-            nisa.dma_copy(dst=buf, src=stacked.ap(pattern=[[F, P], [1, F]], offset=base + pid * P * F,
-                                                  scalar_offset=rid, indirect_dim=edim),
-                          dge_mode=nisa.dge_mode.hwdge)
-
-        nl.fori_loop(0, rf, fetch)
-
-    for s in range(D - 1):
-        issue(s)
-
-    masks = {}
-    for g in (geo, geo_s):
-        if g["R"] > 1 and g["ic"] not in masks:
-            masks[g["ic"]] = _fold_mask(g["ic"], T)
-    accs = {}               # R -> [acc_ps (static slots), acc_sb (device-loop slots) or None, first write]
+    # 4. the shared expert (weighted by its gate) and the always-valid slots 0..k-1 accumulate in PSUM: one
+    # accumulation group per fold factor R, with no runtime loop inside it (a static slot's buffer reuse by a
+    # later always-valid slot is a plain DMA; a conditional slot's fetch loop waits until the group is evicted)
+    accs = []               # [R, PSUM accumulator, SBUF fold, written yet]
     for g in (geo_s, geo):
-        if g["R"] not in accs:
-            accs[g["R"]] = [nl.ndarray((g["R"] * T, g["HR"]), dtype=f32, buffer=nl.psum), None, True]
-    if S > top_k:
-        acc_sb = nl.ndarray((geo["R"] * T, geo["HR"]), dtype=f32, buffer=nl.sbuf)
-        nisa.memset(dst=acc_sb, value=0.0)
-        accs[geo["R"]][1] = acc_sb
+        if _acc_of(accs, g["R"]) == None:
+            accs.append([g["R"], nl.ndarray((g["R"] * T, g["HR"]), dtype=f32, buffer=nl.psum), None, False])
+    mask_s = _fold_mask(geo_s["ic"], T) if geo_s["R"] > 1 else None
+    if geo["ic"] == geo_s["ic"]:
+        mask = mask_s
+    else:
+        mask = _fold_mask(geo["ic"], T) if geo["R"] > 1 else None
+    acc = _acc_of(accs, geo_s["R"])
+    _expert_mlp(xT, sh, geo_s, gate, mask_s, acc[1], None, not acc[3])
+    acc[3] = True
+    acc = _acc_of(accs, geo["R"])
+    for s in range(top_k):
+        _expert_mlp(xT, ring[s % D], geo, wsel[:, s:s + 1], mask, acc[1], None, not acc[3])
+        acc[3] = True
+        if s + D < top_k:
+            _issue(stream, s + D)
+    for a in accs:          # evict every accumulator before the first runtime loop of the slots
+        a[2] = nl.ndarray((a[0] * T, H // a[0]), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=a[2], src=a[1])
 
-    # 4. shared expert (weighted by its gate), then the routed slots
-    acc = accs[geo_s["R"]]
-    _expert_mlp(xT, sh, geo_s, gate, masks.get(geo_s["ic"]), acc[0], None, acc[2])
-    acc[2] = False
-    acc = accs[geo["R"]]
-    mask = masks.get(geo["ic"])
-    for s in range(S):
-        issue(s + D - 1)
-        buf, wcol = ring[s % D], wsel[:, s:s + 1]
-        if s < top_k:
-            _expert_mlp(xT, buf, geo, wcol, mask, acc[0], None, acc[2])
-            acc[2] = False
-        else:
-            def compute(i, buf=buf, wcol=wcol, mask=mask, acc_sb=acc[1]):
-                _expert_mlp(xT, buf, geo, wcol, mask, None, acc_sb, False)
+    # 5. the conditional slots k..S-1: each runs iff its flag is 1 (a 0/1-trip runtime loop), adding into the
+    # SBUF fold through a PSUM bank of its own (loop state stays in SBUF)
+    for s in range(top_k):
+        if s + D >= top_k and s + D < S:
+            _issue(stream, s + D)
+    acc_sb = _acc_of(accs, geo["R"])[2]
+    for s in range(top_k, S):
+        _conditional_slot(xT, ring[s % D], geo, wsel[:, s:s + 1], mask, acc_sb, stream["flag_regs"][s % D])
+        if s + D < S:
+            _issue(stream, s + D)
 
-            nl.fori_loop(0, flag_regs[s % D], compute)
-
-    # 5. fold back: y[t, g*H/R + c] = acc[g*T + t, c]
+    # 6. fold back: y[t, g*H/R + c] = fold[g*T + t, c]
     parts = []
-    for R in accs:
-        acc_ps, acc_sb, _ = accs[R]
-        fold = nl.ndarray((R * T, H // R), dtype=f32, buffer=nl.sbuf)
-        if acc_sb != None:
-            nisa.tensor_tensor(dst=fold, data1=acc_sb, data2=acc_ps, op=nl.add)
-        else:
-            nisa.tensor_copy(dst=fold, src=acc_ps)
+    for a in accs:
+        R, fold = a[0], a[2]
         if R == 1:
             parts.append(fold)
             continue

@@ -73,7 +73,7 @@ def _case(name, dtype, T, p, lnc, rank=0, L=None, kv_tile=att.KV_TILE, seed=1, p
     """Run twin and kernel; returns (cfg, kernel partials [lnc, T, H], twin [T, H], caches before/after)."""
     cfg, sh = _shard(name, dtype, rank, edit)
     g = torch.Generator().manual_seed(seed)
-    L = L or max(kv_tile, -(-(p + T + 3) // 128) * 128)
+    L = L or max(lnc * kv_tile, -(-(p + T + 3) // 128) * 128)
     D = cfg.head_dim
     x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
     k0 = torch.randn(1, L, D, generator=g).to(dtype)
@@ -232,12 +232,14 @@ def _weight_reads(tr, names):
     return reads
 
 
-@pytest.mark.parametrize("T,lnc", [(1, 2), (4, 2), (4, 1)])
-def test_every_weight_byte_read_once(T, lnc):
+@pytest.mark.parametrize("T,lnc,context", [(1, 2, 2048), (4, 2, 1536), (4, 1, 1536)])
+def test_every_weight_byte_read_once(T, lnc, context):
     """Shape-only trace at real shapes: over the launch (both cores) each weight tensor is read exactly once,
-    whatever T, and so is each cache row below p (the KV tiles are split between the cores)."""
+    whatever T. The cores split every rank tile of S = lnc * kv_tile cache rows, so the cache rows below p are
+    read once when S divides p; otherwise the head tiles (one B-row tile per core, masked at r = p mod S) read
+    S rows for the r head rows: S * ceil(p / S) rows in all."""
     cfg = preset(REAL)
-    kernel, args = att.demo_args(cfg, T=T, shape_only=True, context=1536)
+    kernel, args = att.demo_args(cfg, T=T, shape_only=True, context=context)
     if lnc == 1:
         kernel = att.attention_kernel
     with nkisim.trace.capture() as tr:
@@ -251,7 +253,8 @@ def test_every_weight_byte_read_once(T, lnc):
         if want is not None:
             assert reads[f"arg{i}"] == want, f"{nm}: read {reads[f'arg{i}']} B, holds {want} B"
     row = cfg.head_dim * 2
-    assert reads["arg8"] == reads["arg9"] == 1536 * row
+    S = lnc * att.KV_TILE
+    assert reads["arg8"] == reads["arg9"] == -(-context // S) * S * row
 
 
 def test_max_context_specialisation_matches_and_traces_like_data_run():

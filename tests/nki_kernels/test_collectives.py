@@ -30,7 +30,7 @@ def _lnc():
 
 
 @nki.jit
-def allreduce_kernel(y, rg):
+def allreduce_kernel(y, rg, tp):
     """y: HBM [lnc, T, H] float32, this rank's per-core partials -> [lnc, T, H] each core's result."""
     lnc, pid = _lnc()
     _, T, H = y.shape
@@ -43,33 +43,33 @@ def allreduce_kernel(y, rg):
 
 
 @nki.jit
-def allgather_kernel(x, rg, via_all_reduce=True):
+def allgather_kernel(x, rg, tp, via_all_reduce=True):
     lnc, pid = _lnc()
     _, T, F = x.shape
-    n = (1 if rg == None else len(rg.groups[0])) * lnc  # noqa: E711 (NKI rejects 'is')
+    n = tp * lnc
     out = nl.ndarray((lnc, T, n * F), x.dtype, buffer=nl.shared_hbm, name="ag_out")
     t = nl.ndarray((T, F), x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=t, src=x[pid])
-    g = cc.allgather_cores(t, rg, via_all_reduce=via_all_reduce)
+    g = cc.allgather_cores(t, rg, tp, via_all_reduce=via_all_reduce)
     nisa.dma_copy(dst=out[pid], src=g)
     return out
 
 
 @nki.jit
-def combine_kernel(best, vc, rg):
+def combine_kernel(best, vc, rg, tp):
     """best: HBM [lnc, T, 2] (value, local index) per core -> [lnc, T, 2] global winner seen by each core."""
     lnc, pid = _lnc()
     _, T, K = best.shape
     out = nl.ndarray((lnc, T, 2), nl.float32, buffer=nl.shared_hbm, name="am_out")
     t = nl.ndarray((T, K), nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=t, src=best[pid])
-    g = cc.argmax_combine(t, vc, rg)
+    g = cc.argmax_combine(t, vc, rg, tp)
     nisa.dma_copy(dst=out[pid], src=g)
     return out
 
 
 @nki.jit
-def lm_head_greedy_kernel(xT, w, rg):
+def lm_head_greedy_kernel(xT, w, rg, tp):
     """End to end: each core's vocab shard -> local winner -> global token (one packed all-gather)."""
     lnc, pid = _lnc()
     Pp, KT, T = xT.shape
@@ -78,13 +78,13 @@ def lm_head_greedy_kernel(xT, w, rg):
     xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xs, src=xT)
     local = lm.lm_head_argmax_body(xs, w[pid], index_base=0)
-    g = cc.argmax_combine(local, vc, rg)
+    g = cc.argmax_combine(local, vc, rg, tp)
     nisa.dma_copy(dst=out[pid], src=g)
     return out
 
 
 @nki.jit
-def greedy_then_embed_kernel(xT, w, table, rg):
+def greedy_then_embed_kernel(xT, w, table, rg, tp):
     """The D1 -> verify seam without a host round trip: LM head on 8 cores, packed combine, then the
     embedding of the chosen token, all in one launch."""
     lnc, pid = _lnc()
@@ -93,7 +93,7 @@ def greedy_then_embed_kernel(xT, w, table, rg):
     out = nl.ndarray((lnc, T, table.shape[1]), table.dtype, buffer=nl.shared_hbm, name="seam_out")
     xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xs, src=xT)
-    best = cc.argmax_combine(lm.lm_head_argmax_body(xs, w[pid]), vc, rg)
+    best = cc.argmax_combine(lm.lm_head_argmax_body(xs, w[pid]), vc, rg, tp)
     x = emb.embedding_body(table, emb.token_ids_from_best(best))
     nisa.dma_copy(dst=out[pid], src=x)
     return out
@@ -101,7 +101,7 @@ def greedy_then_embed_kernel(xT, w, table, rg):
 
 def _launch(kernel, per_rank, tp, lnc):
     rg = cc.tp_group(tp)
-    return nkisim.launch(kernel, [tuple(a) + (rg,) for a in per_rank], tp=tp, lnc=lnc)
+    return nkisim.launch(kernel, [tuple(a) + (rg, tp) for a in per_rank], tp=tp, lnc=lnc)
 
 
 def fixed_order_sum(ys, lnc):
@@ -143,7 +143,7 @@ def test_allgather_cores(tp, lnc, dtype, via_all_reduce):
     rng = np.random.default_rng(tp * 10 + lnc)
     xs = [(rng.standard_normal((lnc, T, F)) * 1e3).astype(st) for r in range(tp)]
     xs[0][0, 0, :3] = [np.inf, -np.inf, np.nan]          # non-finite values travel intact either way
-    per_rank = [(x, cc.tp_group(tp), via_all_reduce) for x in xs]
+    per_rank = [(x, cc.tp_group(tp), tp, via_all_reduce) for x in xs]
     outs = nkisim.launch(allgather_kernel, per_rank, tp=tp, lnc=lnc)
     want = np.concatenate([xs[r][c] for r in range(tp) for c in range(lnc)], axis=1)   # g = r*lnc + c
     for r in range(tp):
@@ -269,7 +269,7 @@ def test_one_collective_per_reduction_in_the_trace():
 
 
 @nki.jit
-def allreduce_bf16_kernel(y, rg):
+def allreduce_bf16_kernel(y, rg, tp):
     t = nl.ndarray(y.shape, y.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=t, src=y)
     s = cc.allreduce_partials(t, rg)
@@ -283,3 +283,5 @@ def test_argument_checks():
         _launch(allreduce_bf16_kernel, [(np.zeros((2, 128), np.float16),)] * 2, 2, 2)
     with pytest.raises(ValueError, match=r"best must be \[T, 2\] float32"):
         _launch(combine_kernel, [(np.zeros((2, 2, 3), F32), 10)] * 2, 2, 2)
+    with pytest.raises(ValueError, match="replica group and tp=2 disagree"):
+        nkisim.launch(combine_kernel, [(np.zeros((2, 2, 2), F32), 10, None, 2)] * 2, tp=2, lnc=2)
