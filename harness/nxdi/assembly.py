@@ -1,7 +1,9 @@
 """Everything the NxDI adapter needs that is plain logic: names, shapes, dtypes and order of the round
-kernel's per-rank arguments, the run-time inputs of a launch, the per-rank weights of each backend, the
-NxDI state dict and the input/output aliasing of the traced graphs. Tested on CPU
-(tests/harness/test_nxdi.py); the trn2-only module ``harness.nxdi.modeling`` only wires these into NxDI.
+kernel's per-rank arguments, the run-time inputs of a launch, the per-rank weights of each backend, each
+rank's pre-sharded checkpoint, which state buffers each graph takes and aliases, the reset graph, and NxD's
+shape-only routing. Tested on CPU (tests/harness/test_nxdi.py); the trn2-only module
+``harness.nxdi.modeling`` only wires these into NxDI. Line numbers cite aws-neuron/neuronx-distributed-inference
+0.9.0 and aws-neuron/neuronx-distributed 0.18.0 (harness/nxdi/README.md "Sources").
 
 Vocabulary used below
 ---------------------
@@ -10,19 +12,14 @@ backend
     weights in the kernels' HBM layouts (``megakernel.sharded.rank_weights``).
     ``"xla"`` -- the same round as plain traceable PyTorch (``harness.nxdi.xla_math``); weights in
     PyTorch layout, sharded like the model/tp twins.
-mode
+mode / graph
     ``"round"`` (D1 draft + 2-token verify + D2 replay), ``"step"`` (plain decode of one token) --
     the two modes of ``megakernel.round.RoundSpec`` -- and ``"reset"`` (zero every decode-state buffer
-    before a new sequence; a tiny graph of its own, see :func:`reset_aliases`).
+    before a new sequence; a tiny graph of its own, :func:`reset_outputs`).
 per-rank tensor
-    Rank r's tensor of a flat name (``l3_g0_wqg``, ``l5_window``, ...). NxDI holds one parameter per
-    name whose GLOBAL value is the concatenation of the ranks' tensors along dim 0; NxD's checkpoint
-    sharding (``partition_dim=0``) hands rank r its slice, so on the device each rank sees exactly its
-    per-rank tensor. This is the mechanism of NxD's ``SPMDRank`` (``rank_util.rank`` is
-    ``arange(tp)`` in the checkpoint, one element per rank): neuronx-distributed
-    ``src/neuronx_distributed/parallel_layers/layers.py`` (``SPMDRank``) and ``parallel_layers/utils.py``
-    (``set_tensor_model_parallel_attributes``); NxDI's Qwen3-MoE writes ``rank_util.rank`` the same way in
-    ``src/neuronx_distributed_inference/models/qwen3_moe/modeling_qwen3_moe.py``.
+    Rank r's tensor of a flat name (``l3_g0_wqg``, ``l5_window``, ...). The NxDI module registers one
+    parameter per name WITH THE PER-RANK SHAPE, and rank r's checkpoint file holds rank r's tensor
+    (:func:`rank_checkpoint`), written once by ``harness.nxdi.convert``; NxD's own sharding is not used.
 
 Decode state uses the kernels' per-rank layout (``megakernel.sharded`` docstring) for BOTH backends:
 ``l{i}_window`` [slots, K-1, C_rank] (activation dtype), ``l{i}_state`` [slots, Hv_rank, Dk, Dv] float32,
@@ -38,7 +35,7 @@ import torch
 
 from megakernel.round import RUNTIME_INPUTS, RoundSpec, mutated_names
 from megakernel.sharded import cache_length, kv_groups
-from model.config import FULL, LINEAR, ModelConfig
+from model.config import LINEAR, ModelConfig
 from model.tp.embed_head import vocab_per_core
 from model.tp.gdn import GdnDims
 from nki_kernels.attention import rope_tables
@@ -48,16 +45,28 @@ BACKENDS = ("xla", "megakernel")
 MODES = ("round", "step")
 SLOTS = 2  # GDN checkpoint slots: one per verified token of a round
 
-# The traced forward's positional parameters. Every graph of the application is the same nn.Module
-# class, so they share ONE signature (NxD's NxDModel refuses submodels with different signatures and
-# routes a call by the names and shapes of the arguments provided); each mode passes a PREFIX of this
-# tuple: reset 1, step 5, round 10 (see forward_inputs).
-FORWARD_INPUTS = ("pending", "read_slot", "pos", "cos_v", "sin_v", "hidden", "force", "pos_d1", "cos_d1", "sin_d1")
-RESET_INPUTS = ("pending",)
+# The graphs of the application, in the order they are registered with NxD. The FIRST registered graph
+# is special in NxD's (legacy) ModelBuilder, which NxDI 0.9 uses: its outputs define the output packer
+# applied to EVERY graph's outputs and its aliased parameters are the only decode state the state
+# initializer creates on the device (neuronx-distributed src/neuronx_distributed/trace/model_builder.py
+# lines 1002-1022, 1034-1051, 1086 at 0.18.0). The round graph aliases every state buffer, so it goes first.
+GRAPHS = ("round", "step", "reset")
+
+# The positional inputs of each graph's traced forward. NxD's NxDModel routes a call to a graph by the
+# SHAPES of the inputs alone (trace/spmd.py lines 215-219; the shape map is built in model_builder.py
+# lines 1076-1084), so every graph's input shapes must differ (check_routes); names play no part.
+GRAPH_INPUTS = {
+    "round": ("pending", "read_slot", "pos", "cos_v", "sin_v", "hidden", "force", "pos_d1", "cos_d1", "sin_d1"),
+    "step": ("pending", "read_slot", "pos", "cos_v", "sin_v"),
+    "reset": ("keep",),
+}
+# What every graph returns first, before the state buffers it aliases: the first graph's packer is
+# applied to all graphs' non-aliased outputs (above), so all graphs return these three, in this order.
+LEADING_OUTPUTS = ("draft", "targets", "hidden")
 
 WEIGHTS_PREFIX = "weights."   # nn.ParameterDict holding the per-rank weights
 STATES_PREFIX = "states."     # nn.ParameterDict holding the per-rank decode state
-RANK_UTIL = "rank_util.rank"  # NeuronBaseModel's SPMDRank parameter, arange(tp) in the checkpoint
+RANK_UTIL = "rank_util.rank"  # NeuronBaseModel's SPMDRank parameter: rank r's checkpoint holds [r]
 
 
 class AssemblyError(ValueError):
@@ -113,7 +122,7 @@ def check_sharding(cfg: ModelConfig, tp: int, lnc: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Per-rank weights, state, and the NxDI state dict
+# Per-rank weights, state, and each rank's checkpoint
 # --------------------------------------------------------------------------------------------------
 def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str, rank: int, tp: int, lnc: int
                  ) -> dict[str, torch.Tensor]:
@@ -156,57 +165,25 @@ def zero_states(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[s
     return {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in specs.items()}
 
 
-def neuron_state_dict(cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str, tp: int, lnc: int,
-                      progress=None) -> dict[str, torch.Tensor]:
-    """The NxDI checkpoint of the application: ``weights.<name>`` = the ranks' tensors concatenated along
-    dim 0 (rank r's rows first-to-last in rank order), plus ``rank_util.rank`` = arange(tp) int32.
+def rank_checkpoint(weights: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank``'s pre-sharded checkpoint file holds: ``weights.<name>`` = the rank's tensor (per-rank
+    shape, the shape the module registers) and ``rank_util.rank`` = [rank] int32 (the slice of arange(tp) that
+    NxD's sharding would give NeuronBaseModel's ``SPMDRank``, neuronx-distributed
+    ``src/neuronx_distributed/parallel_layers/layers.py`` lines 1543-1566).
 
-    params: canonical parameters (``model.weights.load_checkpoint``). Every name must have the same
-    per-rank shape and dtype on every rank (the sharding is symmetric); anything else is an error.
-    progress: optional callable(rank) called after each rank's conversion."""
-    check_sharding(cfg, tp, lnc)
-    ranks = []
-    for r in range(tp):
-        ranks.append(rank_weights(cfg, params, backend, r, tp, lnc))
-        if progress:
-            progress(r)
-    out: dict[str, torch.Tensor] = {}
-    for name, first in ranks[0].items():
-        for r, w in enumerate(ranks[1:], start=1):
-            t = w.get(name)
-            if t is None or t.shape != first.shape or t.dtype != first.dtype:
-                got = "missing" if t is None else f"{list(t.shape)} {t.dtype}"
-                raise AssemblyError(f"weight {name!r}: rank 0 has {list(first.shape)} {first.dtype}, rank {r} {got}")
-        if first.dim() == 0:
-            raise AssemblyError(f"weight {name!r} is a scalar; per-rank tensors need a dim 0 to concatenate along")
-        out[WEIGHTS_PREFIX + name] = torch.cat([w[name] for w in ranks], dim=0)
-    out[RANK_UTIL] = torch.arange(tp, dtype=torch.int32)
+    NxDI's ``load_weights`` reads exactly these files, ``weights/tp{rank}_sharded_checkpoint.safetensors``,
+    when ``save_sharded_checkpoint`` is set (``models/application_base.py`` lines 389-399 at 0.9.0).
+    Why we write them ourselves: NxD shards a checkpoint only for parameters of its parallel layer types
+    (``trace/trace.py`` ``__SUPPORTED_SHARDED_MODULES`` lines 49-59, checked in ``shard_children`` line 752);
+    our ``nn.ParameterDict`` is not one of them, so NxD would copy every full tensor into every rank's file."""
+    out = {WEIGHTS_PREFIX + k: v.contiguous() for k, v in weights.items()}
+    out[RANK_UTIL] = torch.tensor([rank], dtype=torch.int32)
     return out
 
 
-def rank_slice(state_dict: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s per-rank weights from a ``neuron_state_dict`` (what NxD's sharding along dim 0 gives it)."""
-    out = {}
-    for key, t in state_dict.items():
-        if not key.startswith(WEIGHTS_PREFIX):
-            continue
-        if t.shape[0] % tp:
-            raise AssemblyError(f"{key}: dim 0 of {list(t.shape)} does not split over tp={tp}")
-        n = t.shape[0] // tp
-        out[key[len(WEIGHTS_PREFIX):]] = t[rank * n:(rank + 1) * n]
-    return out
-
-
-def param_specs(state_dict: dict[str, torch.Tensor], tp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (per-rank shape, dtype) of the weights in a ``neuron_state_dict``: the shapes the NxDI
-    module registers its parameters with."""
-    out = {}
-    for key, t in state_dict.items():
-        if key.startswith(WEIGHTS_PREFIX):
-            if t.shape[0] % tp:
-                raise AssemblyError(f"{key}: dim 0 of {list(t.shape)} does not split over tp={tp}")
-            out[key[len(WEIGHTS_PREFIX):]] = ((t.shape[0] // tp, *t.shape[1:]), t.dtype)
-    return out
+def tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype)."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
 
 
 def specs_to_json(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
@@ -225,7 +202,8 @@ def specs_from_json(d: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 # --------------------------------------------------------------------------------------------------
 def kernel_arg_names(weight_names, state_names, mode: str) -> list[str]:
     """The round kernel's parameters for ``mode``, in the order ``megakernel.round.build_kernel`` declares
-    them: every weight, every state buffer and the mode's run-time inputs, sorted by name."""
+    them: every weight, the graph's state buffers (:func:`graph_states`) and the mode's run-time inputs,
+    sorted by name."""
     runtime = RUNTIME_INPUTS[mode]
     groups = [("weight", list(weight_names)), ("state", list(state_names)), ("run-time input", list(runtime))]
     seen: dict[str, str] = {}
@@ -255,33 +233,97 @@ def kernel_kwargs(names: list[str], weights: dict, states: dict, runtime: dict) 
 def output_names(spec: RoundSpec) -> list[str]:
     """What a round/step graph returns, in order: draft [1, 1] int32, targets [T, 1] int32, hidden [T, H]
     (activation dtype), then the state buffers the launch writes (``megakernel.round.mutated_names``)."""
-    return ["draft", "targets", "hidden", *mutated_names(spec)]
+    return [*LEADING_OUTPUTS, *mutated_names(spec)]
+
+
+def graph_states(mode: str, spec: RoundSpec | None, state_names) -> list[str]:
+    """The decode-state buffers a graph takes, in output order: exactly those it overwrites (and aliases).
+
+    round / step: ``megakernel.round.mutated_names(spec)`` (a step does not take the MTP KV caches);
+    reset: every buffer. A graph must not take a state it does not alias: NxD treats a non-aliased
+    parameter as a WEIGHT, to be loaded from the checkpoint, where no state is."""
+    names = list(state_names)
+    if mode == "reset":
+        return names
+    want = mutated_names(spec)
+    missing = sorted(set(want) - set(names))
+    if missing:
+        raise AssemblyError(f"{mode}: the graph writes state buffers that do not exist: {missing[:8]}")
+    return want
 
 
 def state_aliases(spec: RoundSpec) -> dict[str, int]:
-    """State buffer name -> index of the graph output that is its new value (NxD input/output aliasing:
-    the buffer is updated in place on the device, nothing goes back to the host)."""
-    return {n: i for i, n in enumerate(output_names(spec)) if i >= 3}
+    """State buffer name -> index of the round/step graph output that is its new value (NxD input/output
+    aliasing: the buffer is updated in place on the device, nothing goes back to the host)."""
+    return {n: i for i, n in enumerate(output_names(spec)) if i >= len(LEADING_OUTPUTS)}
 
 
 def reset_aliases(state_names) -> dict[str, int]:
-    """The reset graph returns ``pending`` (so it has a non-state output) then zeros for every state
-    buffer, in the given order: name -> output index."""
-    return {n: 1 + i for i, n in enumerate(state_names)}
+    """The reset graph returns the leading outputs then every state buffer, in the given order."""
+    return {n: len(LEADING_OUTPUTS) + i for i, n in enumerate(state_names)}
+
+
+def check_graph_states(mode: str, taken, aliased, expected) -> None:
+    """Raise unless the state buffers a graph takes (registers, passes to the kernel), the ones it aliases
+    and the ones it overwrites are the same set."""
+    taken, aliased, expected = set(taken), set(aliased), set(expected)
+    if not taken == aliased == expected:
+        raise AssemblyError(f"{mode}: state buffers taken {sorted(taken ^ expected)[:6]} / aliased "
+                            f"{sorted(aliased ^ expected)[:6]} differ from those the graph overwrites")
+
+
+def reset_outputs(keep: torch.Tensor, states: dict[str, torch.Tensor], hidden_size: int, dtype: torch.dtype
+                  ) -> list[torch.Tensor]:
+    """The reset graph (traceable): leading outputs (zeros of the step graph's shapes) then each state buffer
+    as ``where(keep != 0, state, 0)``; the host passes keep = 0, so every buffer becomes zero.
+
+    keep: int32 [1, 1]. Why not ``torch.zeros_like(state)``: that never READS the state, so the traced graph
+    has no parameter for it and NxD has nothing to alias the output to -- the device buffer would keep its
+    old contents (in torch-neuronx's tracer an aliased tensor must be a parameter of the lowered graph).
+    ``where`` reads the buffer and provably overwrites all of it whatever it held (NaN included)."""
+    flag = keep.reshape(1, 1)
+    out = [flag * 0, flag * 0, (flag.to(dtype) * 0).expand(1, hidden_size).contiguous()]
+    for t in states.values():
+        out.append(torch.where(flag.reshape([1] * t.dim()) != 0, t, torch.zeros_like(t)))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
 # Run-time inputs
 # --------------------------------------------------------------------------------------------------
-def forward_inputs(mode: str) -> tuple[str, ...]:
-    """The positional inputs a mode passes to the traced forward (a prefix of FORWARD_INPUTS)."""
-    if mode == "reset":
-        return RESET_INPUTS
-    if mode not in MODES:
-        raise AssemblyError(f"mode must be one of {MODES + ('reset',)}, found {mode!r}")
-    names = FORWARD_INPUTS[:len(RUNTIME_INPUTS[mode])]
-    assert set(names) == set(RUNTIME_INPUTS[mode]), (mode, names)
+def graph_inputs(mode: str) -> tuple[str, ...]:
+    """The positional inputs of a graph's traced forward (:data:`GRAPH_INPUTS`)."""
+    if mode not in GRAPH_INPUTS:
+        raise AssemblyError(f"graph must be one of {GRAPHS}, found {mode!r}")
+    names = GRAPH_INPUTS[mode]
+    if mode != "reset" and set(names) != set(RUNTIME_INPUTS[mode]):
+        raise AssemblyError(f"{mode}: graph inputs {names} differ from the kernel's {RUNTIME_INPUTS[mode]}")
     return names
+
+
+def named_inputs(mode: str, inputs) -> dict:
+    """A graph's positional inputs as {name: tensor}; the count must match."""
+    names = graph_inputs(mode)
+    if len(inputs) != len(names):
+        raise AssemblyError(f"{mode}: the graph takes {len(names)} inputs {names}, got {len(inputs)}")
+    return dict(zip(names, inputs))
+
+
+def route_key(tensors) -> tuple[tuple[int, ...], ...]:
+    """The key NxD's NxDModel routes a call by: the list of input shapes (trace/spmd.py ``router``)."""
+    return tuple(tuple(t.shape) for t in tensors)
+
+
+def check_routes(examples: dict) -> None:
+    """Raise if two graphs' example inputs have the same shapes: NxD keys its routing table by shapes only,
+    so the graph registered later would silently receive the other graph's calls."""
+    seen: dict = {}
+    for mode, ex in examples.items():
+        key = route_key(ex)
+        if key in seen:
+            raise AssemblyError(f"graphs {seen[key]!r} and {mode!r} take inputs of the same shapes {list(key)}: "
+                                f"NxD routes by shapes only and could not tell them apart")
+        seen[key] = mode
 
 
 def rope_rows(cfg: ModelConfig, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
@@ -334,21 +376,27 @@ def step_inputs(cfg: ModelConfig, token: int, pos: int, read_slot: int) -> dict:
     return out
 
 
+def reset_inputs() -> dict:
+    """Run-time inputs of the reset graph: keep = 0 (every state buffer becomes zero)."""
+    return {"keep": i32(0)}
+
+
 def runtime_example(cfg: ModelConfig, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Zero tensors with the exact shapes and dtypes of a mode's run-time inputs (the example inputs the
-    graph is traced with)."""
+    """Zero tensors with the exact shapes and dtypes of a graph's run-time inputs (the example inputs the
+    graph is traced with, and NxD's routing key)."""
     T = 2 if mode == "round" else 1
     r = cfg.rotary_dim
     shapes = {"pending": ((1, 1), torch.int32), "read_slot": ((1, 1), torch.int32), "pos": ((1, 1), torch.int32),
               "cos_v": ((T, r), torch.float32), "sin_v": ((T, r), torch.float32),
               "hidden": ((1, cfg.hidden_size), dtype), "force": ((1, 2), torch.int32),
-              "pos_d1": ((1, 1), torch.int32), "cos_d1": ((1, r), torch.float32), "sin_d1": ((1, r), torch.float32)}
-    return {n: torch.zeros(shapes[n][0], dtype=shapes[n][1]) for n in forward_inputs(mode)}
+              "pos_d1": ((1, 1), torch.int32), "cos_d1": ((1, r), torch.float32), "sin_d1": ((1, r), torch.float32),
+              "keep": ((1, 1), torch.int32)}
+    return {n: torch.zeros(shapes[n][0], dtype=shapes[n][1]) for n in graph_inputs(mode)}
 
 
 def ordered_inputs(mode: str, runtime: dict) -> tuple[torch.Tensor, ...]:
-    """A mode's run-time inputs as torch tensors in the traced forward's positional order."""
-    names = forward_inputs(mode)
+    """A graph's run-time inputs as torch tensors in the traced forward's positional order."""
+    names = graph_inputs(mode)
     if set(runtime) != set(names):
         raise AssemblyError(f"{mode}: run-time inputs {sorted(runtime)} do not match {sorted(names)}")
     return tuple(as_torch(runtime[n]) for n in names)

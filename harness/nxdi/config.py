@@ -1,24 +1,29 @@
 """Translation between ``model.config.ModelConfig`` and NxDI's configuration objects (plain, tested).
 
 NxDI splits configuration in two (``src/neuronx_distributed_inference/models/config.py`` of
-aws-neuron/neuronx-distributed-inference): ``InferenceConfig`` carries the model's attributes (what a
-Hugging Face ``PretrainedConfig`` holds; NxDI checks ``get_required_attributes()`` and saves everything to
-``neuron_config.json``), ``NeuronConfig`` the Neuron-side settings (``tp_degree``, ``logical_nc_config``,
-``batch_size``, ``seq_len``, ``torch_dtype``, ``cast_type``, ...). This module produces the attribute dict
-of the first and the keyword arguments of the second; ``harness.nxdi.modeling`` feeds them to the real
-classes.
+aws-neuron/neuronx-distributed-inference 0.9.0): ``InferenceConfig`` (lines 849-1042) carries the model's
+attributes (what a Hugging Face ``PretrainedConfig`` holds; NxDI checks ``get_required_attributes()`` in
+``validate_config``, lines 905-910, and saves everything to ``neuron_config.json``), ``NeuronConfig``
+(lines 84-782) the Neuron-side settings. This module produces the attribute dict of the first and the
+keyword arguments of the second (every keyword is one ``NeuronConfig.__init__`` pops, checked against the
+source: an unknown one is only logged, line 639-640); ``harness.nxdi.modeling`` feeds them to the real classes.
 
 Settings that matter for correctness (the rest are NxDI defaults):
 
-* ``cast_type="as-declared"``: with NxDI's default ``"config"`` every floating parameter -- and every
-  floating checkpoint tensor -- is cast to ``torch_dtype`` (``DecoderModelInstance.load_module`` in
-  ``models/model_wrapper.py``, ``checkpoint_loader_fn`` in ``models/application_base.py``); that would
-  turn the fp32 GDN recurrent state, norm weights and A_log/dt_bias into bf16.
+* ``cast_type="as-declared"`` (line 118): with NxDI's default ``"config"`` every floating parameter -- and
+  every floating checkpoint tensor -- is cast to ``torch_dtype`` (``DecoderModelInstance.load_module`` in
+  ``models/model_wrapper.py`` lines 1459-1468, ``checkpoint_loader_fn`` in ``models/application_base.py``
+  lines 677-681); that would turn the fp32 GDN recurrent state, norm weights and A_log/dt_bias into bf16.
 * ``batch_size`` 1 everywhere; no bucketing, no on-device sampling (the graphs do their own argmax),
-  ``speculation_length=0`` (NxDI's own speculation graph is not used: the round graph IS the
-  speculation).
-* ``save_sharded_checkpoint=True``: ``compile()`` writes per-rank weights once, ``load()`` reads them
-  (``NeuronApplicationBase.shard_weights`` / ``load_weights`` in ``models/application_base.py``).
+  ``speculation_length=0`` (NxDI's own speculation graph is not used: the round graph IS the speculation).
+* ``save_sharded_checkpoint=True`` (line 367): ``load()`` reads per-rank weight files
+  (``NeuronApplicationBase.load_weights``, ``models/application_base.py`` lines 389-399), which the
+  conversion writes (``harness.nxdi.convert``).
+* LNC: ``NeuronConfig._get_lnc`` (lines 729-759) takes ``NEURON_LOGICAL_NC_CONFIG`` over the
+  ``logical_nc_config`` keyword (with only a warning). The kernels' layout (LM-head vocabulary and MoE
+  splits over ``tp * lnc`` cores) is fixed when converting, so :func:`check_lnc` refuses any other LNC.
+* ``trace_tokengen_model`` is NOT passed: it is deprecated (``NeuronConfig.__getattribute__`` lines 771-781)
+  and ``__init__`` never pops it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from harness.nxdi.assembly import BACKENDS, check_sharding, dtype_name
 from model.config import ConfigError, ModelConfig, preset
 
 # Attributes of the InferenceConfig: the text model's config.json fields (ModelConfig.to_hf_dict) plus ours.
-NXDI_ATTRIBUTES = ("nxdi_backend", "nxdi_max_len", "nxdi_param_specs")
+NXDI_ATTRIBUTES = ("nxdi_backend", "nxdi_max_len", "nxdi_lnc", "nxdi_param_specs")
 _OPTIONAL_KEYS = ("bos_token_id", "eos_token_id")  # written by to_hf_dict only when set
 _MODEL_KEYS = tuple(k for k in preset("tiny").to_hf_dict() if k not in ("architectures",) + _OPTIONAL_KEYS)
 REQUIRED_ATTRIBUTES = _MODEL_KEYS + NXDI_ATTRIBUTES
@@ -52,9 +57,12 @@ def model_config_from(obj) -> ModelConfig:
     return ModelConfig.from_hf_dict(d)
 
 
-def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, param_specs_json: dict) -> Callable[[object], None]:
+def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, lnc: int, param_specs_json: dict
+                     ) -> Callable[[object], None]:
     """The ``load_config`` callable NxDI's ``InferenceConfig(neuron_config, load_config=...)`` calls with the
-    new config object: sets the model's attributes and ours."""
+    new config object (``models/config.py`` lines 863-866): sets the model's attributes and ours.
+    ``nxdi_lnc`` is the LNC the weights were converted for (``neuron_config.logical_nc_config`` may differ:
+    the environment wins there, :func:`check_lnc`)."""
     if backend not in BACKENDS:
         raise ConfigError(f"nxdi backend must be one of {BACKENDS}, found {backend!r}")
 
@@ -63,9 +71,10 @@ def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, param_specs_j
             setattr(obj, k, v)
         obj.nxdi_backend = backend
         obj.nxdi_max_len = int(max_len)
+        obj.nxdi_lnc = int(lnc)
         obj.nxdi_param_specs = param_specs_json
         if getattr(obj, "pad_token_id", None) is None:
-            obj.pad_token_id = 0  # NxDI's ModelWrapper sets this too when absent
+            obj.pad_token_id = 0  # NxDI's ModelWrapper sets this too when absent (model_wrapper.py lines 69-70)
     return load
 
 
@@ -84,12 +93,48 @@ def neuron_config_kwargs(cfg: ModelConfig, max_len: int, tp: int = 4, lnc: int =
         "seq_len": max_len, "max_context_length": max_len, "n_positions": max_len, "max_length": max_len,
         "torch_dtype": dtype_name(dtype), "cast_type": "as-declared", "padding_side": "right",
         "on_device_sampling_config": None, "enable_bucketing": False, "speculation_length": 0,
-        "trace_tokengen_model": True, "save_sharded_checkpoint": True,
+        "save_sharded_checkpoint": True,
     }
 
 
-def compiler_args(lnc: int) -> str:
-    """neuronx-cc arguments of every graph. ``--auto-cast=none`` keeps fp32 state and accumulations fp32;
-    ``--lnc`` must equal ``logical_nc_config`` (NxDI's ModelWrapper adds the same two,
-    ``models/model_wrapper.py``)."""
-    return f"--auto-cast=none --model-type=transformer --lnc={lnc} -O1"
+def compiler_args(lnc: int, backend: str) -> str:
+    """neuronx-cc arguments of every graph of ``backend``.
+
+    xla: the flags NxDI's ``ModelWrapper`` builds for its token-generation graph when given none
+    (``models/model_wrapper.py`` lines 86-128: ``cc_pipeline_tiling_factor`` forced to 1 for the
+    token-generation tag, ``-O2``, the tensorizer options). We pass them explicitly because our graphs' tags
+    are not NxDI's token-generation tag, for which alone that factor is set to 1. ``ModelWrapper`` appends
+    ``--internal-hlo2tensorizer-options='--verify-hlo=true'`` to any arguments (line 162) and NxD's
+    ``append_default_compiler_flags`` ``--verbose=35`` (``trace/model_builder.py`` lines 104-124).
+    megakernel: each graph is one NKI custom call, so the XLA tensorizer options have nothing to tune; NxD's
+    default flags (``trace/model_builder.py`` line 106) plus ``--lnc``.
+    Both keep ``--auto-cast=none`` (fp32 state and accumulations stay fp32) and ``--lnc`` = the converted LNC."""
+    if backend == "xla":
+        return ("--auto-cast=none --model-type=transformer "
+                "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=1 "
+                f"--vectorize-strided-dma ' --lnc={lnc} -O2")
+    if backend == "megakernel":
+        return f"--enable-saturate-infinity --auto-cast=none --model-type=transformer --lnc={lnc} -O1"
+    raise ConfigError(f"nxdi backend must be one of {BACKENDS}, found {backend!r}")
+
+
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+
+
+def check_lnc(running: int, converted: int) -> None:
+    """Raise ConfigError unless the LNC NxDI runs with equals the one the weights were converted for."""
+    if int(running) != int(converted):
+        raise ConfigError(f"the running LNC is {running} ({LNC_ENV} overrides logical_nc_config in NxDI) but the "
+                          f"weights were converted for lnc={converted}: set {LNC_ENV}={converted} or convert "
+                          f"again with --lnc {running}")
+
+
+def env_lnc(environ) -> int | None:
+    """The LNC ``NEURON_LOGICAL_NC_CONFIG`` sets, or None when unset (as NxDI reads it: an int)."""
+    v = environ.get(LNC_ENV)
+    if v is None or v.strip() == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"{LNC_ENV}={v!r} is not an integer") from None

@@ -3,17 +3,18 @@
 A converted directory holds
 
 * ``config.json`` -- the text model's config (``ModelConfig.to_hf_dict``);
-* ``nxdi.json`` -- ``{"format": 1, "backend", "tp", "lnc", "max_len", "dtype", "param_specs"}``, param_specs
+* ``nxdi.json`` -- ``{"format": 2, "backend", "tp", "lnc", "max_len", "dtype", "param_specs"}``, param_specs
   = per-rank shape and dtype of every weight (what the NxDI module registers its parameters with);
-* ``model.safetensors`` or ``model-NNNNN-of-NNNNN.safetensors`` + ``model.safetensors.index.json`` -- the
-  state dict of ``assembly.neuron_state_dict``: ``weights.<name>`` = the ranks' tensors concatenated along
-  dim 0, and ``rank_util.rank``.
+* ``weights/tp{r}_sharded_checkpoint.safetensors`` for r in 0..tp-1 -- rank r's checkpoint
+  (``assembly.rank_checkpoint``): ``weights.<name>`` with the per-rank shape, and ``rank_util.rank`` = [r].
 
-Conversion streams to bound host memory: each rank's weights are converted and written to a temporary
-file, then freed; the canonical parameters are freed; then each name's four rank slices are read back
-(memory-mapped) and concatenated into the output shards. Peak host memory is about the canonical
-checkpoint plus one rank's weights (~70 GB + ~19 GB for Qwen3.6-35B-A3B in bf16); scratch disk about
-twice the model. The result equals ``assembly.neuron_state_dict`` exactly (tested).
+The per-rank files have the names and the layout NxDI's ``load_weights`` reads from a compiled directory
+(``models/application_base.py`` lines 389-399, neuronx-distributed-inference 0.9.0); ``compile`` links them
+there (``Qwen36ForCausalLM.shard_weights``). NxD's own sharding is not used: it only slices parameters of
+NxD's parallel layer types (``trace/trace.py`` lines 49-59 and 752, neuronx-distributed 0.18.0).
+
+Peak host memory: the canonical checkpoint plus one rank's weights (~70 GB + ~19 GB for Qwen3.6-35B-A3B
+in bf16); disk: the model once (~70 GB).
 """
 
 from __future__ import annotations
@@ -21,101 +22,62 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from harness.nxdi import assembly as asm
 from model.config import ModelConfig
 
-FORMAT = 1
+FORMAT = 2
 META_FILE = "nxdi.json"
 CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_SHARD_BYTES = 4 << 30
+WEIGHTS_DIR = "weights"
+# What NxDI's InferenceConfig.save writes into a compiled directory (models/config.py line 23, 927-934).
+COMPILED_CONFIG_FILE = "neuron_config.json"
+META_KEYS = ("backend", "tp", "lnc", "max_len", "dtype", "param_specs")
 
 
 class ConvertError(ValueError):
-    """A converted directory that is missing, incomplete or of another format."""
+    """A converted (or compiled) directory that is missing, incomplete, of another format, or converted
+    for other settings than asked (the message says which)."""
 
 
-def _write_shards(out: Path, names_sizes: list[tuple[str, int]], produce, shard_bytes: int) -> list[str]:
-    """Write tensors (produced one at a time by produce(name)) into shards of at most shard_bytes each
-    (a bigger single tensor gets its own shard). Returns the file names."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, n in names_sizes:
-        if groups[-1] and size + n > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
-    single = len(groups) == 1
-    files = [SINGLE_FILE] if single else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    weight_map = {}
-    for fname, group in zip(files, groups):
-        tensors = {n: produce(n).contiguous() for n in group}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({n: fname for n in group})
-        del tensors
-    if not single:
-        index = {"metadata": {"total_size": sum(n for _, n in names_sizes)}, "weight_map": weight_map}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return files
+def rank_file(path: str | os.PathLike, rank: int) -> Path:
+    """Rank ``rank``'s checkpoint file under a converted (or compiled) directory."""
+    return Path(path) / WEIGHTS_DIR / f"tp{rank}_sharded_checkpoint.safetensors"
 
 
 def write_converted(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str,
-                    max_len: int, tp: int = 4, lnc: int = 2, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    progress=None) -> Path:
-    """Convert canonical ``params`` for ``backend`` and write a converted directory (module docstring).
-
-    ``params`` is consumed: its entries are deleted once every rank is converted (pass a copy of the dict
-    to keep them). progress: optional callable(str) for status lines."""
+                    max_len: int, tp: int = 4, lnc: int = 2, progress=None) -> Path:
+    """Convert canonical ``params`` (``model.weights.load_checkpoint`` names) for ``backend`` and write a
+    converted directory (module docstring), one rank at a time. progress: optional callable(str)."""
     from harness.nxdi.config import neuron_config_kwargs
     neuron_config_kwargs(cfg, max_len, tp, lnc)  # validates sharding and max_len before any work
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
+    (out / META_FILE).unlink(missing_ok=True)  # an interrupted conversion leaves no valid directory
+    for stale in (out / WEIGHTS_DIR).glob("tp*_sharded_checkpoint.safetensors"):
+        stale.unlink()
     dtype = params["model.embed_tokens.weight"].dtype
-    scratch = Path(tempfile.mkdtemp(prefix="nxdi_convert_", dir=out))
-    try:
-        rank_files, first = [], None
-        for r in range(tp):
-            w = asm.rank_weights(cfg, params, backend, r, tp, lnc)
-            if first is None:
-                first = {k: (tuple(v.shape), v.dtype) for k, v in w.items()}
-            elif {k: (tuple(v.shape), v.dtype) for k, v in w.items()} != first:
-                raise asm.AssemblyError(f"rank {r}'s weights differ in names, shapes or dtypes from rank 0's")
-            f = scratch / f"rank{r}.safetensors"
-            save_file(w, str(f))
-            rank_files.append(f)
-            del w
-            if progress:
-                progress(f"converted rank {r + 1}/{tp}")
-        params.clear()
-        handles = [safe_open(str(f), framework="pt") for f in rank_files]
-
-        def produce(key: str) -> torch.Tensor:
-            if key == asm.RANK_UTIL:
-                return torch.arange(tp, dtype=torch.int32)
-            name = key[len(asm.WEIGHTS_PREFIX):]
-            return torch.cat([h.get_tensor(name) for h in handles], dim=0)
-
-        items = [(asm.WEIGHTS_PREFIX + k, tp * torch.Size(s).numel() * torch.empty((), dtype=d).element_size())
-                 for k, (s, d) in first.items()] + [(asm.RANK_UTIL, 4 * tp)]
-        for stale in [SINGLE_FILE, INDEX_FILE, *(p.name for p in out.glob("model-*-of-*.safetensors"))]:
-            (out / stale).unlink(missing_ok=True)
-        _write_shards(out, items, produce, shard_bytes)
-        del handles
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    first = None
+    for r in range(tp):
+        w = asm.rank_weights(cfg, params, backend, r, tp, lnc)
+        specs = asm.tensor_specs(w)
+        if first is None:
+            first = specs
+        elif specs != first:
+            raise asm.AssemblyError(f"rank {r}'s weights differ in names, shapes or dtypes from rank 0's")
+        save_file(asm.rank_checkpoint(w, r), str(rank_file(out, r)), metadata={"format": "pt"})
+        del w
+        if progress:
+            progress(f"converted rank {r + 1}/{tp}")
+    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     meta = {"format": FORMAT, "backend": backend, "tp": tp, "lnc": lnc, "max_len": int(max_len),
             "dtype": asm.dtype_name(dtype), "param_specs": asm.specs_to_json(first)}
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     if progress:
         progress(f"wrote {out}")
     return out
@@ -129,23 +91,97 @@ def read_meta(path: str | os.PathLike) -> dict:
                            f"`python -m harness.nxdi.run convert` first")
     meta = json.loads(f.read_text())
     if meta.get("format") != FORMAT:
-        raise ConvertError(f"{f}: format {meta.get('format')!r}, this code reads format {FORMAT}")
-    missing = [k for k in ("backend", "tp", "lnc", "max_len", "dtype", "param_specs") if k not in meta]
+        raise ConvertError(f"{f}: format {meta.get('format')!r}, this code reads format {FORMAT}; convert again")
+    missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise ConvertError(f"{f}: missing {missing}")
     return meta
 
 
-def load_converted(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The state dict of a converted directory (every tensor, read into memory)."""
-    root = Path(path)
-    read_meta(root)
-    if (root / SINGLE_FILE).is_file():
-        return load_file(str(root / SINGLE_FILE))
-    index = root / INDEX_FILE
-    if not index.is_file():
-        raise ConvertError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}")
-    out: dict[str, torch.Tensor] = {}
-    for fname in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        out.update(load_file(str(root / fname)))
-    return out
+def check_asked(meta: dict, path, **asked) -> None:
+    """Raise ConvertError if the converted settings differ from any setting asked (None: not asked).
+    asked keys: tp, lnc, dtype (name), max_len."""
+    diff = [f"{k}={meta[k]} (asked {v})" for k, v in asked.items() if v is not None and meta[k] != v]
+    if diff:
+        raise ConvertError(f"{path} was converted for {', '.join(diff)}; convert again with the settings you want")
+
+
+def check_rank_files(path: str | os.PathLike, meta: dict) -> None:
+    """Raise ConvertError unless every rank's file exists and holds exactly the weights of ``param_specs``
+    (per-rank shape and dtype) plus ``rank_util.rank`` = [rank]. Reads the file headers, not the data."""
+    want = {asm.WEIGHTS_PREFIX + k: v for k, v in asm.specs_from_json(meta["param_specs"]).items()}
+    want[asm.RANK_UTIL] = ((1,), torch.int32)
+    for r in range(meta["tp"]):
+        f = rank_file(path, r)
+        if not f.is_file():
+            raise ConvertError(f"{path}: rank {r}'s checkpoint {f.relative_to(path)} is missing; convert again")
+        with safe_open(str(f), framework="pt") as h:
+            keys = set(h.keys())
+            missing = sorted(set(want) - keys)
+            extra = sorted(keys - set(want))
+            if missing or extra:
+                what = f"is missing {missing[:4]}{' ...' if len(missing) > 4 else ''}" if missing else \
+                    f"holds unexpected {extra[:4]}"
+                raise ConvertError(f"{f}: {what} ({len(missing)} missing, {len(extra)} unexpected); convert again")
+            for k, (shape, dtype) in want.items():
+                s = h.get_slice(k)
+                got = (tuple(s.get_shape()), asm.dtype_of(_safetensors_dtype(s.get_dtype())))
+                if got != (shape, dtype):
+                    raise ConvertError(f"{f}: {k} is {list(got[0])} {asm.dtype_name(got[1])}, expected "
+                                       f"{list(shape)} {asm.dtype_name(dtype)}; convert again")
+            rank = h.get_tensor(asm.RANK_UTIL)
+            if rank.tolist() != [r]:
+                raise ConvertError(f"{f}: {asm.RANK_UTIL} is {rank.tolist()}, expected [{r}]")
+
+
+def _safetensors_dtype(name: str) -> str:
+    names = {"BF16": "bfloat16", "F32": "float32", "F16": "float16", "I32": "int32", "I64": "int64",
+             "U8": "uint8", "I8": "int8", "BOOL": "bool"}
+    if name not in names:
+        raise ConvertError(f"unexpected safetensors dtype {name}")
+    return names[name]
+
+
+def check_converted(path: str | os.PathLike, tp: int | None = None, lnc: int | None = None,
+                    dtype: str | None = None, max_len: int | None = None) -> dict:
+    """The validated meta of a converted directory: format, the asked settings (None: take the directory's),
+    every rank's file complete."""
+    meta = read_meta(path)
+    check_asked(meta, path, tp=tp, lnc=lnc, dtype=dtype, max_len=max_len)
+    check_rank_files(path, meta)
+    return meta
+
+
+def check_compiled(compiled: str | os.PathLike, meta: dict, converted) -> None:
+    """Raise ConvertError unless the compiled directory was compiled from a conversion with ``meta``'s
+    settings. Reads the ``neuron_config.json`` NxDI wrote there (plain JSON)."""
+    f = Path(compiled) / COMPILED_CONFIG_FILE
+    if not f.is_file():
+        raise ConvertError(f"{compiled}: not a compiled NxDI application (no {COMPILED_CONFIG_FILE}); run "
+                           f"`python -m harness.nxdi.run compile` first")
+    c = json.loads(f.read_text())
+    nc = c.get("neuron_config", {})
+    have = {"backend": c.get("nxdi_backend"), "tp": nc.get("tp_degree"), "lnc": c.get("nxdi_lnc"),
+            "max_len": c.get("nxdi_max_len"), "dtype": nc.get("torch_dtype"), "param_specs": c.get("nxdi_param_specs")}
+    diff = [k for k in META_KEYS if have[k] != meta[k]]
+    if diff:
+        shown = ", ".join(f"{k}={have[k]} vs {meta[k]}" for k in diff if k != "param_specs")
+        raise ConvertError(f"{compiled} was compiled from another conversion than {converted} "
+                           f"({shown or 'other weights'}); compile again")
+
+
+def link_rank_files(converted: str | os.PathLike, dest: str | os.PathLike, tp: int, progress=None) -> None:
+    """Put the converted per-rank files into ``dest`` (a compiled directory): hard links when both are on one
+    file system (no copy of ~70 GB), else copies."""
+    for r in range(tp):
+        src, dst = rank_file(converted, r), rank_file(dest, r)
+        if not src.is_file():
+            raise ConvertError(f"{converted}: rank {r}'s checkpoint {src.name} is missing; convert again")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+        if progress:
+            progress(f"weights of rank {r + 1}/{tp} in {dst.parent}")

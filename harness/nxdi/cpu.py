@@ -103,7 +103,11 @@ class CpuEngine:
         self._world = ThreadWorld(tp)
 
     def reset(self) -> None:
-        self.states = [asm.zero_states(self.specs) for _ in range(self.tp)]
+        """The reset graph's math (``assembly.reset_outputs`` with keep = 0) on every rank."""
+        keep = torch.as_tensor(asm.reset_inputs()["keep"])
+        for st in self.states:
+            new = asm.reset_outputs(keep, st, self.cfg.hidden_size, self.dtype)[len(asm.LEADING_OUTPUTS):]
+            st.update(zip(list(st), new))
 
     def run(self, mode: str, runtime: dict) -> asm.LaunchResult:
         spec = asm.round_spec(self.cfg, self.tp, self.lnc, mode)
@@ -119,17 +123,20 @@ class CpuEngine:
     def _run_kernel(self, spec, runtime):
         import nkisim
         from megakernel.round import build_kernel
-        names = asm.kernel_arg_names(self.weights[0], self.states[0], spec.mode)
+        taken = asm.graph_states(spec.mode, spec, self.specs)
+        names = asm.kernel_arg_names(self.weights[0], taken, spec.mode)
         kernel = build_kernel(spec, names)
-        per_rank = [asm.kernel_kwargs(names, w, st, runtime) for w, st in zip(self.weights, self.states)]
+        per_rank = [asm.kernel_kwargs(names, w, {n: st[n] for n in taken}, runtime)
+                    for w, st in zip(self.weights, self.states)]
         return nkisim.launch(kernel, per_rank, tp=self.tp, lnc=self.lnc)
 
     def _run_xla(self, spec, runtime):
         from harness.nxdi.xla_math import forward
-        rt = dict(zip(asm.forward_inputs(spec.mode), asm.ordered_inputs(spec.mode, runtime)))
+        rt = asm.named_inputs(spec.mode, asm.ordered_inputs(spec.mode, runtime))
+        taken = asm.graph_states(spec.mode, spec, self.specs)
 
         def rank(r, coll, w, st):
-            draft, targets, hidden, new = forward(self.cfg, spec, w, st, rt, coll)
+            draft, targets, hidden, new = forward(self.cfg, spec, w, {n: st[n] for n in taken}, rt, coll)
             return (draft, targets, hidden, *(new[n] for n in mutated_names(spec)))
 
         return self._world.run(rank, [(w, st) for w, st in zip(self.weights, self.states)])

@@ -1,41 +1,48 @@
-"""trn2 ONLY -- NEVER EXECUTED IN THIS REPOSITORY (no machine we develop on has Trainium or the Neuron SDK).
+"""trn2 ONLY -- NEVER EXECUTED ON TRAINIUM IN THIS REPOSITORY (no machine we develop on has the chip or the SDK).
 
 The NxD Inference application of the speculative round: configuration, the traced module, its graphs
 and the engine the host loop drives. Every piece of logic lives in the plain, CPU-tested modules
 (``assembly``, ``xla_math``, ``host``, ``config``, ``convert``); this file only hands their results to
-NxDI. Importing it without neuronx-distributed-inference raises ImportError saying so.
+NxDI. Importing it without neuronx-distributed-inference raises ImportError saying so. On CPU it is
+exercised end to end against fakes that reproduce NxD/NxDI's behaviour (tests/harness/nxd_fakes.py).
 
-NxDI API relied on (aws-neuron/neuronx-distributed-inference unless noted; see harness/nxdi/README.md):
+Written against the source of aws-neuron/neuronx-distributed-inference 0.9.0 and
+aws-neuron/neuronx-distributed 0.18.0 (Neuron 2.29, the last public source; Neuron 2.30/2.31 ship
+NxDI 0.10.x, whose source is not published). Line numbers below are of those versions.
 
-* ``models/config.py``: ``InferenceConfig(neuron_config, load_config=...)`` with
-  ``get_required_attributes`` / ``get_neuron_config_cls``, ``InferenceConfig.load(path)``; ``NeuronConfig``.
-* ``models/model_base.py``: ``NeuronBaseModel(config, optimize_inference)`` calling
-  ``setup_attr_for_model`` then ``init_model`` (``optimize_inference=False``: no ``KVCacheManager``, whose
-  caches would be allocated for nothing -- our decode state is our own); it creates ``rank_util``
-  (``SPMDRank``) whose checkpoint entry ``rank_util.rank`` we write. ``NeuronBaseForCausalLM`` with
-  ``_model_cls``, ``get_config_cls``, ``enable_context_encoding`` / ``enable_token_generation`` (overridden:
-  they register our graphs), ``get_compiler_args``, ``convert_hf_to_neuron_state_dict``.
-* ``models/application_base.py``: ``compile(path)``, ``load(path)``, ``get_state_dict`` (overridden: reads a
-  converted checkpoint), ``checkpoint_loader_fn``, ``self.models``.
-* ``models/model_wrapper.py``: ``ModelWrapper(config, model_cls, tag, compiler_args, ...)`` with
-  ``input_generator`` / ``get_model_instance`` / ``_forward`` (overridden / used); the alias map of
-  ``DecoderModelInstance.get`` (state parameter -> output index) is what our instance returns.
-* neuronx-distributed: ``trace/model_builder.py`` ``BaseModelInstance``; ``parallel_layers/utils.py``
-  ``set_tensor_model_parallel_attributes`` (per-rank parameters sharded along dim 0, as ``SPMDRank`` in
-  ``parallel_layers/layers.py``); ``parallel_layers/mappings.py`` ``reduce_from_tensor_model_parallel_region``
-  and ``gather_from_tensor_model_parallel_region`` (the xla backend's collectives). NxD's ``NxDModel``
-  requires every submodel to share one forward signature and routes a call by the names and shapes of
-  the arguments given -- hence one module class and prefixes of ``assembly.FORWARD_INPUTS``.
-* NKI from PyTorch: an ``@nki.jit`` kernel called as ``kernel[lnc](**tensors)`` on the traced graph's
-  tensors becomes one custom call in the XLA graph (aws-neuron-sdk ``nki/guides/framework_custom_op.rst``;
-  NxDI calls its own kernels the same way: ``qkv_kernel = nki.jit(qkv)`` then
-  ``qkv_kernel[self.logical_nc_config](input=..., fused_qkv_weights=self.Wqkv.weight.data, ...)`` in
-  ``modules/attention/gqa.py``). ``torch_neuronx.nki_jit`` is unsupported since Neuron 2.24 (aws-neuron-sdk
-  announcement "announce-no-support-nki-jit-torch").
+What NxD/NxDI do that shapes this file:
+
+* ``NeuronBaseForCausalLM.__init__`` calls ``enable_context_encoding()`` then ``enable_token_generation()``
+  and asserts every registered graph's ``neuron_config.is_prefill_stage is not None``
+  (``models/model_base.py`` lines 3027-3073); NxDI's own ``enable_*`` give each graph a deep copy of the
+  config with that flag and its buckets (lines 3107-3153). :meth:`Qwen36ForCausalLM._add` does the same.
+* ``NeuronApplicationBase.get_builder`` registers ``self.models`` in order with NxD's legacy ModelBuilder
+  (``models/application_base.py`` lines 148-183). The FIRST graph gives the output packer applied to every
+  graph's outputs and the state initializer that creates the decode state on the device
+  (neuronx-distributed ``trace/model_builder.py`` lines 1002-1022, 1034-1051, 1086): the round graph, which
+  aliases every state buffer, is registered first and every graph returns the same three leading outputs.
+* The traced executor ``traced_model(*inputs)`` is ``torch.jit.trace``d with the LAST graph's example inputs
+  (``model_builder.py`` line 1106; ``trace/spmd.py`` lines 281-291), so it only takes that graph's input
+  count. ``NxDModel.forward(list)`` routes by input shapes (``spmd.py`` lines 215-240) and is what NxDI's
+  own warmup calls (``application_base.py`` line 363): :meth:`_GraphWrapper.forward` calls it.
+* A parameter the traced graph takes but does not alias is a weight, loaded from the checkpoint; so each
+  graph registers exactly the state buffers it overwrites and aliases them (``assembly.graph_states``).
+* ``load()`` runs every graph once on its example inputs (``warmup``, ``application_base.py`` lines
+  340-373), which writes into the decode state: :class:`NeuronEngine` resets after loading, and the host
+  loop resets before every prefill.
+* ``NEURON_LOGICAL_NC_CONFIG`` wins over ``logical_nc_config`` (``models/config.py`` lines 729-759); the
+  kernels' layout is fixed at conversion, so the application refuses another LNC (``config.check_lnc``).
+
+NKI from PyTorch: an ``@nki.jit`` kernel called as ``kernel[lnc](**tensors)`` on the traced graph's tensors
+becomes one custom call in the XLA graph (aws-neuron-sdk ``nki/guides/framework_custom_op.rst``; the LNC
+given in brackets must match ``NEURON_LOGICAL_NC_CONFIG``, ``nki/api/nki/__init__.py`` ``jit`` docstring;
+NxDI calls its kernels the same way, ``qkv_kernel[self.logical_nc_config](...)`` in
+``modules/attention/gqa.py``).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -62,15 +69,15 @@ from harness.nxdi import assembly as asm
 from harness.nxdi import config as nxcfg
 from harness.nxdi import convert as nxconv
 from harness.nxdi import xla_math
-from megakernel.round import build_kernel, mutated_names
+from megakernel.round import build_kernel
 from model.config import ModelConfig
 
-TAGS = {"reset": "reset_state_model", "step": "step_model", "round": "round_model"}
+TAGS = {"round": "round_model", "step": "step_model", "reset": "reset_state_model"}
 
 
 class Qwen36InferenceConfig(InferenceConfig):
     """The model's attributes (``harness.nxdi.config.model_attributes``) plus ``nxdi_backend``,
-    ``nxdi_max_len`` and ``nxdi_param_specs``."""
+    ``nxdi_max_len``, ``nxdi_lnc`` and ``nxdi_param_specs``."""
 
     def get_required_attributes(self) -> list[str]:
         return list(nxcfg.REQUIRED_ATTRIBUTES)
@@ -87,19 +94,19 @@ class Qwen36InferenceConfig(InferenceConfig):
         meta = nxconv.read_meta(converted)
         cfg = ModelConfig.from_json_file(Path(converted) / nxconv.CONFIG_FILE)
         kwargs = nxcfg.neuron_config_kwargs(cfg, meta["max_len"], meta["tp"], meta["lnc"], asm.dtype_of(meta["dtype"]))
-        return cls(NeuronConfig(**kwargs),
-                   load_config=nxcfg.attribute_loader(cfg, meta["backend"], meta["max_len"], meta["param_specs"]))
+        return cls(NeuronConfig(**kwargs), load_config=nxcfg.attribute_loader(
+            cfg, meta["backend"], meta["max_len"], meta["lnc"], meta["param_specs"]))
 
 
 class Qwen36NeuronModel(NeuronBaseModel):
-    """One graph of the application (``mode``: reset, step or round); weights and decode state are
-    parameters with per-rank shapes. Traced by NxD; never run eagerly."""
+    """One graph of the application (``mode``: round, step or reset). Weights and the graph's decode-state
+    buffers are parameters with per-rank shapes. Traced by NxD; never run eagerly on trn2."""
 
     def __init__(self, config: Qwen36InferenceConfig, mode: str = "round"):
         self.mode = mode
-        super().__init__(config, optimize_inference=False)
+        super().__init__(config, optimize_inference=False)  # no KVCacheManager: the decode state is ours
 
-    def setup_attr_for_model(self, config):
+    def setup_attr_for_model(self, config):  # the attributes NeuronBaseModel asks for (model_base.py 120-131)
         nc = config.neuron_config
         self.on_device_sampling = False
         self.tp_degree = nc.tp_degree
@@ -113,45 +120,54 @@ class Qwen36NeuronModel(NeuronBaseModel):
         self.cfg = config.model_config()
         self.backend = config.nxdi_backend
         self.lnc = config.neuron_config.logical_nc_config
+        nxcfg.check_lnc(self.lnc, config.nxdi_lnc)
         tp = self.tp_degree
+        self.act_dtype = config.neuron_config.torch_dtype
         self.weights = nn.ParameterDict()
         for name, (shape, dtype) in asm.specs_from_json(config.nxdi_param_specs).items():
             p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+            # Documents the truth (global tensor = the ranks' tensors along dim 0); NxD's sharding never reads it
+            # here, since ParameterDict is not one of its parallel layer types (trace/trace.py line 752).
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1, num_partitions=tp)
             self.weights[name] = p
-        act = config.neuron_config.torch_dtype
-        self.states = nn.ParameterDict({
-            name: nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
-            for name, (shape, dtype) in asm.state_specs(self.cfg, tp, config.nxdi_max_len, act).items()})
+        specs = asm.state_specs(self.cfg, tp, config.nxdi_max_len, self.act_dtype)
         self.spec = None if self.mode == "reset" else asm.round_spec(self.cfg, tp, self.lnc, self.mode)
+        # output order of the graph's states (a ParameterDict built from a dict iterates its keys SORTED)
+        self.state_order = asm.graph_states(self.mode, self.spec, specs)
+        self.states = nn.ParameterDict({
+            n: nn.Parameter(torch.zeros(specs[n][0], dtype=specs[n][1]), requires_grad=False)
+            for n in self.state_order})
+        self.kernel_names = None
         if self.backend == "megakernel" and self.spec is not None:
             self.kernel_names = asm.kernel_arg_names(self.weights.keys(), self.states.keys(), self.mode)
             self.kernel = build_kernel(self.spec, self.kernel_names)
 
     def aliases(self) -> dict:
-        names = list(self.states.keys())
+        """{state parameter: output index}, as NxDI's DecoderModelInstance.get returns (model_wrapper.py
+        lines 1578-1627); every state the graph takes is aliased (checked)."""
+        names = self.state_order
         idx = asm.reset_aliases(names) if self.spec is None else asm.state_aliases(self.spec)
+        taken = [n for n in self.kernel_names if n in self.states] if self.kernel_names else list(self.states)
+        asm.check_graph_states(self.mode, taken, idx, asm.graph_states(self.mode, self.spec, names))
         return {self.states[n]: i for n, i in idx.items()}
 
-    def forward(self, pending, read_slot=None, pos=None, cos_v=None, sin_v=None, hidden=None, force=None,
-                pos_d1=None, cos_d1=None, sin_d1=None):
-        if self.spec is None:  # reset: zeros for every state buffer (aliased in place)
-            return [pending] + [torch.zeros_like(p) for p in self.states.values()]
-        given = dict(zip(asm.FORWARD_INPUTS, (pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
-                                              sin_d1)))
-        rt = {n: given[n] for n in asm.forward_inputs(self.mode)}
+    def forward(self, *inputs):
+        rt = asm.named_inputs(self.mode, inputs)
+        st = {n: self.states[n].data for n in self.state_order}
+        if self.spec is None:
+            return asm.reset_outputs(rt["keep"], st, self.hidden_size, self.act_dtype)
         w = {k: p.data for k, p in self.weights.items()}
-        st = {k: p.data for k, p in self.states.items()}
         if self.backend == "megakernel":  # the token-generation hook: ONE kernel launch per rank
             return list(self.kernel[self.lnc](**asm.kernel_kwargs(self.kernel_names, w, st, rt)))
         coll = xla_math.Collectives(all_reduce=reduce_from_tensor_model_parallel_region,
                                     gather_last=gather_from_tensor_model_parallel_region)
         draft, targets, hid, new = xla_math.forward(self.cfg, self.spec, w, st, rt, coll)
-        return [draft, targets, hid, *(new[n] for n in mutated_names(self.spec))]
+        return [draft, targets, hid, *(new[n] for n in self.state_order)]
 
 
 class _GraphInstance(BaseModelInstance):
-    """What NxD's ModelBuilder traces for one graph: the module and its state aliasing."""
+    """What NxD's ModelBuilder traces for one graph: the module and its state aliasing (the interface of
+    ``BaseModelInstance``, ``trace/model_builder.py`` lines 381-391)."""
 
     def __init__(self, model_cls, config, mode: str):
         self.model_cls, self.config, self.mode = model_cls, config, mode
@@ -173,20 +189,30 @@ class _GraphWrapper(ModelWrapper):
         self.mode = mode
 
     def input_generator(self):
-        cfg = self.config.model_config()
-        ex = asm.runtime_example(cfg, "step", self.neuron_config.torch_dtype) if self.mode == "reset" else \
-            asm.runtime_example(cfg, self.mode, self.neuron_config.torch_dtype)
-        return [tuple(ex[n] for n in asm.forward_inputs(self.mode))]
+        ex = asm.runtime_example(self.config.model_config(), self.mode, self.neuron_config.torch_dtype)
+        return [tuple(ex[n] for n in asm.graph_inputs(self.mode))]
 
     def get_model_instance(self):
         return _GraphInstance(self.model_cls, self.config, self.mode)
 
     def forward(self, *inputs):
-        return self._forward(*inputs)
+        # NOT self._forward / self.model(*inputs): the traced executor takes only the last graph's input count.
+        return self.model.nxd_model.forward(list(inputs))
+
+
+def graph_config(config, mode: str):
+    """A graph's own config: a deep copy with ``is_prefill_stage=False`` (none of our graphs is a prefill
+    graph in NxDI's sense) and one bucket of ``seq_len``, as NxDI's ``enable_token_generation`` does."""
+    new = copy.deepcopy(config)
+    nc = new.neuron_config
+    nc.is_prefill_stage = False
+    nc.buckets = [nc.seq_len]
+    nc.n_active_tokens = 2 if mode == "round" else 1
+    return new
 
 
 class Qwen36ForCausalLM(NeuronBaseForCausalLM):
-    """The application: graphs ``reset_state_model``, ``step_model``, ``round_model`` sharing weights and
+    """The application: graphs ``round_model``, ``step_model``, ``reset_state_model`` sharing weights and
     decode state. No context-encoding graph: prompts are teacher-forced through step/round
     (``harness.nxdi.host`` docstring). ``model_path`` is a converted directory (``harness.nxdi.convert``)."""
 
@@ -197,37 +223,43 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
         return Qwen36InferenceConfig
 
     def _add(self, mode: str):
-        wrapper = _GraphWrapper(self.config, self._model_cls, mode, self.get_compiler_args())
+        wrapper = _GraphWrapper(graph_config(self.config, mode), self._model_cls, mode, self.get_compiler_args())
         self.models.append(wrapper)
         self.graphs = {**getattr(self, "graphs", {}), mode: wrapper}
 
-    def enable_context_encoding(self):
-        self._add("reset")
-        self._add("step")
+    def enable_context_encoding(self, **kwargs):
+        """No context-encoding graph (prompts are teacher-forced through the decode graphs)."""
 
     def enable_token_generation(self, *args, **kwargs):
-        self._add("round")
+        nxcfg.check_lnc(self.neuron_config.logical_nc_config, self.config.nxdi_lnc)
+        cfg = self.config.model_config()
+        asm.check_routes({m: tuple(asm.runtime_example(cfg, m, self.neuron_config.torch_dtype).values())
+                          for m in asm.GRAPHS})
+        for mode in asm.GRAPHS:  # the round graph first (module docstring)
+            self._add(mode)
 
     def get_compiler_args(self):
-        return nxcfg.compiler_args(self.neuron_config.logical_nc_config)
+        return nxcfg.compiler_args(self.neuron_config.logical_nc_config, self.config.nxdi_backend)
 
     @classmethod
     def get_state_dict(cls, model_name_or_path, config) -> dict:
-        return nxconv.load_converted(model_name_or_path)
+        raise NotImplementedError("the converted checkpoint is pre-sharded per rank (harness.nxdi.convert); the whole "
+                                  "model is never loaded into host memory")
 
-    @staticmethod
-    def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
-        """Canonical parameters (``model.weights.load_checkpoint`` names) -> the NxDI state dict."""
-        nc = config.neuron_config
-        return asm.neuron_state_dict(config.model_config(), state_dict, config.nxdi_backend, nc.tp_degree,
-                                     nc.logical_nc_config)
+    def checkpoint_loader_fn(self, mmap: bool = False):
+        return self.get_state_dict(self.model_path, self.config)
+
+    def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
+        """Instead of NxD's sharding (which would copy every full tensor to every rank): the converted per-rank
+        files, linked into ``compiled/weights/`` where ``load_weights`` reads them."""
+        nxconv.link_rank_files(self.model_path, compiled_model_path, self.neuron_config.tp_degree)
 
     def launch(self, mode: str, runtime: dict) -> asm.LaunchResult:
         outs = self.graphs[mode](*asm.ordered_inputs(mode, runtime))
-        return asm.read_outputs(*outs[:3])
+        return asm.read_outputs(*outs[:len(asm.LEADING_OUTPUTS)])
 
     def reset_state(self) -> None:
-        self.graphs["reset"](torch.zeros((1, 1), dtype=torch.int32))
+        self.launch("reset", asm.reset_inputs())
 
 
 class NeuronEngine:
@@ -242,14 +274,19 @@ class NeuronEngine:
 
     @staticmethod
     def compile(converted: str | Path, compiled: str | Path) -> None:
+        nxconv.check_converted(converted)
         app = Qwen36ForCausalLM(str(converted), config=Qwen36InferenceConfig.from_converted(converted))
         app.compile(str(compiled))
 
     @classmethod
-    def load(cls, converted: str | Path, compiled: str | Path) -> "NeuronEngine":
+    def load(cls, converted: str | Path, compiled: str | Path, warmup: bool = True) -> "NeuronEngine":
+        meta = nxconv.check_converted(converted)
+        nxconv.check_compiled(compiled, meta, converted)
         app = Qwen36ForCausalLM(str(converted), config=Qwen36InferenceConfig.load(str(compiled)))
-        app.load(str(compiled))
-        return cls(app)
+        app.load(str(compiled), skip_warmup=not warmup)
+        engine = cls(app)
+        engine.reset()  # warmup ran every graph on example inputs and wrote into the state
+        return engine
 
     def reset(self) -> None:
         self.app.reset_state()

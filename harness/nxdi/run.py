@@ -7,8 +7,12 @@
 
 ``decode --executor neuron`` (default) drives the compiled NxDI application; ``--executor cpu`` runs the
 same per-rank work on this machine (``harness.nxdi.cpu``: the xla backend over one thread per rank, the
-megakernel under nkisim) behind the same host loop -- what the tests run. Bad input prints one line to
-stderr and exits with status 2; so does a neuron command on a machine without the Neuron SDK.
+megakernel under nkisim) behind the same host loop. Before touching the Neuron SDK, ``compile`` and
+``decode --executor neuron`` check the converted directory: its TP, LNC, dtype and max length against
+``--tp/--lnc/--dtype/--max-len`` when given and the LNC NxDI will run with (``NEURON_LOGICAL_NC_CONFIG``
+wins over the config in NxDI), every rank's checkpoint complete, and (decode) that the compiled directory
+comes from it. Bad input prints one line to stderr and exits with status 2; so does a neuron command on a
+machine without the Neuron SDK.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ def parse_args(argv):
     c.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
 
     k = sub.add_parser("compile", help="trace and compile the application (trn2 only)")
-    k.add_argument("--converted", type=Path, required=True)
-    k.add_argument("--compiled", type=Path, required=True)
+    k.add_argument("--converted", type=Path, required=True, help="converted directory (`convert`)")
+    k.add_argument("--compiled", type=Path, required=True, help="output directory")
+    _expected(k)
 
     d = sub.add_parser("decode", help="speculative (or --no-spec) greedy decoding")
     d.add_argument("--executor", choices=["neuron", "cpu"], default="neuron")
@@ -54,8 +59,8 @@ def parse_args(argv):
     d.add_argument("--compiled", type=Path, help="compiled directory (neuron executor)")
     d.add_argument("--model-path", type=Path, help="Hugging Face checkpoint (cpu executor; tokenizer for --prompt)")
     d.add_argument("--backend", choices=["xla", "megakernel"], default="xla", help="cpu executor's backend")
-    d.add_argument("--tp", type=int, default=4, help="cpu executor's tensor-parallel ranks")
-    d.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="cpu executor's dtype")
+    _expected(d, cpu=True)
+    d.add_argument("--skip-warmup", action="store_true", help="neuron executor: skip NxDI's warmup at load")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer: --model-path)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -63,6 +68,36 @@ def parse_args(argv):
     d.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     return ap.parse_args(argv)
+
+
+def _expected(parser, cpu: bool = False):
+    what = ("cpu executor: the value to run with (default {}); neuron executor: " if cpu else "") + \
+        "refuse a converted directory with another value (default: take the directory's)"
+    parser.add_argument("--tp", type=int, help=what.format(4))
+    parser.add_argument("--lnc", type=int, help=what.format(2))
+    parser.add_argument("--dtype", choices=list(DTYPES), help=what.format("bfloat16"))
+    if not cpu:
+        parser.add_argument("--max-len", type=int, help=what)
+
+
+def _checked_conversion(args, max_len=None) -> dict:
+    """The converted directory's meta after every check that needs no SDK (module docstring)."""
+    import os
+    from harness.nxdi.config import check_lnc, env_lnc
+    from harness.nxdi.convert import ConvertError, check_converted
+    from model.config import ConfigError
+    try:
+        meta = check_converted(args.converted, tp=args.tp, lnc=args.lnc, dtype=args.dtype,
+                               max_len=getattr(args, "max_len", None))
+        running = env_lnc(os.environ)
+        if running is not None:
+            check_lnc(running, meta["lnc"])
+    except (ConvertError, ConfigError) as e:
+        raise UsageError(str(e)) from None
+    if max_len is not None and max_len > meta["max_len"]:
+        raise UsageError(f"the sequence needs {max_len} positions (prompt + new tokens + 1); {args.converted} holds "
+                         f"{meta['max_len']} (convert again with a larger --max-len)")
+    return meta
 
 
 def _neuron():
@@ -88,6 +123,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_compile(args) -> int:
+    _checked_conversion(args)
     modeling = _neuron()
     modeling.NeuronEngine.compile(args.converted, args.compiled)
     return 0
@@ -103,14 +139,20 @@ def _engine(args, max_len: int):
         if args.model_path is None:
             raise UsageError("--executor cpu needs --model-path (a Hugging Face checkpoint)")
         try:
-            cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype])
-            return CpuEngine(cfg, params, args.backend, max_len=max_len, tp=args.tp), cfg
+            cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype or "bfloat16"])
+            return CpuEngine(cfg, params, args.backend, max_len=max_len, tp=args.tp or 4, lnc=args.lnc or 2), cfg
         except (CheckpointError, ConfigError, AssemblyError) as e:
             raise UsageError(str(e)) from None
     if args.converted is None or args.compiled is None:
         raise UsageError("--executor neuron needs --converted and --compiled")
+    from harness.nxdi.convert import ConvertError, check_compiled
+    meta = _checked_conversion(args, max_len)
+    try:
+        check_compiled(args.compiled, meta, args.converted)
+    except ConvertError as e:
+        raise UsageError(str(e)) from None
     modeling = _neuron()
-    engine = modeling.NeuronEngine.load(args.converted, args.compiled)
+    engine = modeling.NeuronEngine.load(args.converted, args.compiled, warmup=not args.skip_warmup)
     return engine, engine.cfg
 
 

@@ -1,18 +1,20 @@
-"""The NxDI adapter's plain logic (harness/nxdi), on CPU. Nothing here runs NxDI, NxD or the Neuron compiler.
+"""The NxDI adapter (harness/nxdi) on CPU. Nothing here runs NxDI, NxD or the Neuron compiler.
 
 * Import guard: ``import harness.nxdi`` works without the SDK; the trn2-only names raise a clear ImportError.
 * Assembly: the kernel's argument names (the generated signature), per-rank shapes/dtypes of weights and
-  state, the NxDI state dict and its per-rank slices, run-time inputs for several positions, the traced
-  forward's input prefixes and the state aliasing.
+  state, each rank's checkpoint, run-time inputs for several positions, the graphs' inputs, routes
+  (shape-only), leading outputs and state aliasing, which states each graph takes, the reset graph.
 * Host: the teacher-forced prefill plan, slot selection sequences, what the variant passes to an engine.
 * The xla backend (``xla_math``, the function traced on trn2): one round vs the reference round
   (fp32, 1e-4 absolute, as tests/harness/test_kernel_variants.py), teacher-forced prefill vs the
   reference prefill, tokens = plain greedy, the decode-state invariant, and no host-value dependence
   (fake tensors) and no tensors created off the inputs' device (meta tensors).
 * The megakernel backend behind the same host loop under nkisim: tokens = plain greedy.
-* Config translation, checkpoint conversion, the run.py CLI.
-* The trn2 module's wiring, against FAKE NxDI base classes that provide only what our subclasses call.
-  This checks our code (names, shapes, forward order, aliasing), not NxDI's.
+* Config translation, checkpoint conversion and its checks, the run.py CLI and its refusals.
+* The trn2 module (``harness.nxdi.modeling``) against FAITHFUL fakes of NxD/NxDI (tests/harness/nxd_fakes.py):
+  first each faked behaviour on its own (it is what broke the adapter before), then the whole
+  convert / compile / load / reset / prefill / round / step flow on CPU, xla backend and megakernel backend
+  (nkisim), tokens equal to plain greedy, also through ``python -m harness.nxdi.run``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from harness.nxdi import assembly as asm
@@ -46,6 +49,9 @@ from model.params import random_params
 from model.state import DecodeState
 from model.weights import save_checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nxd_fakes  # noqa: E402
+
 PROMPT = [5, 17, 99, 3, 250, 41]
 SDK_PRESENT = importlib.util.find_spec("neuronx_distributed_inference") is not None
 
@@ -61,13 +67,13 @@ def plain(tiny):
     return generate(XlaVariant(cfg, params), PROMPT, 12, spec=False).tokens
 
 
-def right_draft(plain_tokens):
-    return lambda seq: plain_tokens[len(seq) - len(PROMPT)] if len(seq) - len(PROMPT) < len(plain_tokens) else 0
+def right_draft(plain_tokens, n_prompt=len(PROMPT)):
+    return lambda seq: plain_tokens[len(seq) - n_prompt] if len(seq) - n_prompt < len(plain_tokens) else 0
 
 
-def alternating(plain_tokens, vocab):
+def alternating(plain_tokens, vocab, n_prompt=len(PROMPT)):
     """Right, wrong, right, ... drafts: both accept paths run."""
-    right, calls = right_draft(plain_tokens), []
+    right, calls = right_draft(plain_tokens, n_prompt), []
 
     def source(seq):
         calls.append(1)
@@ -100,7 +106,7 @@ def test_trn2_module_parses_and_imports_only_plain_project_modules():
 
 
 # --------------------------------------------------------------------------------------------------
-# Assembly: kernel arguments, shapes, state dict
+# Assembly: kernel arguments, shapes, per-rank checkpoints
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["round", "step"])
 def test_kernel_argument_names_match_the_generated_signature(tiny_cfg, mode):
@@ -108,20 +114,37 @@ def test_kernel_argument_names_match_the_generated_signature(tiny_cfg, mode):
     params = random_params(cfg, seed=0)
     weights = asm.rank_weights(cfg, params, "megakernel", 0, tp, lnc)
     specs = asm.state_specs(cfg, tp, 24, torch.bfloat16)
-    names = asm.kernel_arg_names(weights, specs, mode)
-    # what harness.kernel_variants launches with: sorted names of {weights, state, run-time inputs}
+    spec = asm.round_spec(cfg, tp, lnc, mode)
+    taken = asm.graph_states(mode, spec, specs)
+    names = asm.kernel_arg_names(weights, taken, mode)
+    # the names of harness.kernel_variants' launch, minus the states this graph does not write
     state = rank_state(cfg, DecodeState.empty(cfg, 24, 2, torch.bfloat16), 0, tp)
-    assert names == sorted({**rank_weights(cfg, params, 0, tp, lnc), **state, **dict.fromkeys(RUNTIME_INPUTS[mode])})
-    kernel = build_kernel(asm.round_spec(cfg, tp, lnc, mode), names)
+    assert names == sorted({**rank_weights(cfg, params, 0, tp, lnc), **{n: state[n] for n in taken},
+                            **dict.fromkeys(RUNTIME_INPUTS[mode])})
+    kernel = build_kernel(spec, names)
     assert list(inspect.signature(kernel).parameters) == names
     rt = asm.round_inputs(cfg, torch.bfloat16, 3, torch.zeros(cfg.hidden_size), 4, 0) if mode == "round" \
         else asm.step_inputs(cfg, 3, 4, 0)
-    kwargs = asm.kernel_kwargs(names, weights, asm.zero_states(specs), rt)
+    states = asm.zero_states(specs)
+    kwargs = asm.kernel_kwargs(names, weights, {n: states[n] for n in taken}, rt)
     assert list(kwargs) == names
     with pytest.raises(asm.AssemblyError, match="missing.*unexpected"):
-        asm.kernel_kwargs(names, weights, asm.zero_states(specs), {**rt, "bogus": 1})
+        asm.kernel_kwargs(names, weights, {n: states[n] for n in taken}, {**rt, "bogus": 1})
     with pytest.raises(asm.AssemblyError, match="both a weight and a state"):
         asm.kernel_arg_names(["l0_window"], ["l0_window"], mode)
+
+
+def test_each_graph_takes_exactly_the_states_it_overwrites(tiny_cfg):
+    specs = asm.state_specs(tiny_cfg, 4, 24, torch.bfloat16)
+    rnd, stp = (asm.graph_states(m, asm.round_spec(tiny_cfg, 4, 2, m), specs) for m in ("round", "step"))
+    assert set(rnd) == set(specs) and asm.graph_states("reset", None, specs) == list(specs)
+    assert set(stp) == set(specs) - {n for n in specs if n.startswith("mtp")} and stp == mutated_names(
+        asm.round_spec(tiny_cfg, 4, 2, "step"))  # a step does not take the MTP KV caches
+    asm.check_graph_states("step", stp, stp, stp)
+    with pytest.raises(asm.AssemblyError, match="step: state buffers taken"):
+        asm.check_graph_states("step", list(specs), stp, stp)  # takes the MTP caches without aliasing them
+    with pytest.raises(asm.AssemblyError, match="do not exist"):
+        asm.graph_states("round", asm.round_spec(tiny_cfg, 4, 2, "round"), stp)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -130,21 +153,22 @@ def test_state_specs_equal_the_kernels_state_layout(tiny_cfg, tp):
         specs = asm.state_specs(tiny_cfg, tp, 40, dtype)
         for r in range(tp):
             got = rank_state(tiny_cfg, DecodeState.empty(tiny_cfg, 40, 2, dtype), r, tp)
-            assert {k: (tuple(v.shape), v.dtype) for k, v in got.items()} == specs
+            assert asm.tensor_specs(got) == specs
 
 
 @pytest.mark.parametrize("backend", asm.BACKENDS)
-def test_neuron_state_dict_concatenates_ranks_and_slices_back(tiny_cfg, backend):
+def test_rank_checkpoints_hold_each_ranks_weights_and_rank(tiny_cfg, backend):
     cfg, tp, lnc = tiny_cfg, 4, 2
     params = random_params(cfg, seed=1)
-    sd = asm.neuron_state_dict(cfg, params, backend, tp, lnc)
-    assert torch.equal(sd[asm.RANK_UTIL], torch.arange(tp, dtype=torch.int32))
-    specs = asm.param_specs(sd, tp)
+    specs = None
     for r in range(tp):
         w = asm.rank_weights(cfg, params, backend, r, tp, lnc)
-        assert {k: (tuple(v.shape), v.dtype) for k, v in w.items()} == specs
-        got = asm.rank_slice(sd, r, tp)
-        assert set(got) == set(w) and all(torch.equal(got[k], w[k]) for k in w)
+        ck = asm.rank_checkpoint(w, r)
+        assert torch.equal(ck.pop(asm.RANK_UTIL), torch.tensor([r], dtype=torch.int32))
+        assert ck.keys() == {asm.WEIGHTS_PREFIX + k for k in w}
+        assert all(torch.equal(ck[asm.WEIGHTS_PREFIX + k], v) for k, v in w.items())
+        assert specs is None or asm.tensor_specs(w) == specs  # symmetric sharding: one set of shapes
+        specs = asm.tensor_specs(w)
     assert asm.specs_from_json(json.loads(json.dumps(asm.specs_to_json(specs)))) == specs
 
 
@@ -160,7 +184,7 @@ def test_round_inputs_for_positions(tiny_cfg, pos):
     h = torch.randn(cfg.hidden_size)
     rt = asm.round_inputs(cfg, torch.bfloat16, 11, h, pos, 1, forced_draft=42)
     ex = asm.runtime_example(cfg, "round", torch.bfloat16)
-    for name, t in zip(asm.forward_inputs("round"), asm.ordered_inputs("round", rt)):
+    for name, t in zip(asm.graph_inputs("round"), asm.ordered_inputs("round", rt)):
         assert t.shape == ex[name].shape and t.dtype == ex[name].dtype, name
     assert rt["pos"].tolist() == [[pos]] and rt["pos_d1"].tolist() == [[pos - 1]]
     assert rt["pending"].tolist() == [[11]] and rt["read_slot"].tolist() == [[1]] and rt["force"].tolist() == [[1, 42]]
@@ -172,7 +196,7 @@ def test_round_inputs_for_positions(tiny_cfg, pos):
     assert asm.round_inputs(cfg, torch.bfloat16, 11, h, pos, 0)["force"].tolist() == [[0, 0]]
     st = asm.step_inputs(cfg, 9, pos, 0)
     ex = asm.runtime_example(cfg, "step", torch.bfloat16)
-    for name, t in zip(asm.forward_inputs("step"), asm.ordered_inputs("step", st)):
+    for name, t in zip(asm.graph_inputs("step"), asm.ordered_inputs("step", st)):
         assert t.shape == ex[name].shape and t.dtype == ex[name].dtype, name
 
 
@@ -188,33 +212,72 @@ def test_runtime_input_errors(tiny_cfg):
         asm.round_inputs(tiny_cfg, torch.float32, 1, torch.zeros(7), 3, 0)
     with pytest.raises(asm.AssemblyError, match="do not match"):
         asm.ordered_inputs("step", asm.round_inputs(tiny_cfg, torch.float32, 1, h, 3, 0))
+    with pytest.raises(asm.AssemblyError, match="takes 5 inputs"):
+        asm.named_inputs("step", (torch.zeros(1),) * 10)
 
 
-def test_forward_inputs_are_prefixes_and_aliases_follow_the_outputs(tiny_cfg):
-    assert asm.forward_inputs("reset") == ("pending",)
-    assert asm.forward_inputs("round") == asm.FORWARD_INPUTS
-    assert asm.FORWARD_INPUTS[:len(asm.forward_inputs("step"))] == asm.forward_inputs("step")
+def test_graph_inputs_routes_outputs_and_aliases(tiny_cfg):
+    assert asm.GRAPHS[0] == "round"  # the first graph gives NxD's packer and state initializer
     for mode in ("round", "step"):
-        assert set(asm.forward_inputs(mode)) == set(RUNTIME_INPUTS[mode])
+        assert set(asm.graph_inputs(mode)) == set(RUNTIME_INPUTS[mode])
+    examples = {m: tuple(asm.runtime_example(tiny_cfg, m, torch.bfloat16).values()) for m in asm.GRAPHS}
+    asm.check_routes(examples)  # every graph has its own input shapes
+    with pytest.raises(asm.AssemblyError, match="same shapes"):
+        asm.check_routes({**examples, "other": examples["step"]})
     states = list(asm.state_specs(tiny_cfg, 4, 24, torch.bfloat16))
     for mode in ("round", "step"):
         spec = asm.round_spec(tiny_cfg, 4, 2, mode)
         al = asm.state_aliases(spec)
+        assert asm.output_names(spec)[:3] == list(asm.LEADING_OUTPUTS)
         assert list(al) == mutated_names(spec) and list(al.values()) == list(range(3, 3 + len(al)))
-        assert set(al) <= set(states)
     assert set(asm.state_aliases(asm.round_spec(tiny_cfg, 4, 2, "round"))) == set(states)  # a round writes all
     assert not any(n.startswith("mtp") for n in asm.state_aliases(asm.round_spec(tiny_cfg, 4, 2, "step")))
-    assert asm.reset_aliases(states) == {n: 1 + i for i, n in enumerate(states)}
+    assert asm.reset_aliases(states) == {n: 3 + i for i, n in enumerate(states)}
 
 
-def test_sharding_is_checked_up_front(tiny_cfg, small_cfg):
-    with pytest.raises(asm.AssemblyError, match="tp=3"):
-        asm.check_sharding(tiny_cfg, 3, 2)
-    with pytest.raises(asm.AssemblyError, match="does not shard"):
-        asm.check_sharding(small_cfg, 4, 2)
-    asm.check_sharding(preset("qwen3.6-35b-a3b"), 4, 2)
+def _data_inputs(fn_, *args) -> set[int]:
+    """Indices of ``args`` whose DATA reaches an output of ``fn_`` (make_fx graph; a ``*_like`` factory or
+    ``new_*`` reads only its input's shape, as in XLA): the inputs a traced graph has as parameters."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    g = make_fx(fn_)(*args)
+    shape_only = ("zeros_like", "empty_like", "ones_like", "full_like", "new_zeros", "new_empty", "new_ones", "new_full")
+    placeholders = [n for n in g.graph.nodes if n.op == "placeholder"]
+    seen, stack = set(), [n for n in g.graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_function" and any(k in str(node.target) for k in shape_only):
+            continue
+        stack.extend(x for x in node.all_input_nodes)
+    return {i for i, p in enumerate(placeholders) if p in seen}
 
 
+def test_reset_graph_reads_and_overwrites_every_state(tiny_cfg):
+    specs = asm.state_specs(tiny_cfg, 4, 24, torch.bfloat16)
+    states = {k: torch.full(s, float("nan"), dtype=d) for k, (s, d) in specs.items()}
+    keep = torch.as_tensor(asm.reset_inputs()["keep"])
+    out = asm.reset_outputs(keep, states, tiny_cfg.hidden_size, torch.bfloat16)
+    ex = asm.runtime_example(tiny_cfg, "step", torch.bfloat16)
+    assert [(tuple(o.shape), o.dtype) for o in out[:3]] == [((1, 1), torch.int32), ((1, 1), torch.int32),
+                                                              ((1, tiny_cfg.hidden_size), torch.bfloat16)]
+    assert out[0] is not out[1] and tuple(ex["pending"].shape) == (1, 1)
+    for (name, t), new in zip(states.items(), out[3:]):
+        assert new.shape == t.shape and new.dtype == t.dtype and not new.any(), name  # NaN in, zeros out
+    kept = asm.reset_outputs(torch.ones(1, 1, dtype=torch.int32), states, tiny_cfg.hidden_size, torch.bfloat16)
+    assert all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(kept[3:], states.values()))
+    # every state is an input of the traced graph (so it can be aliased); zeros_like would read none
+    names, small = list(specs)[:3], [torch.zeros(2, 3) for _ in range(3)]
+
+    def reset(keep, *ts):
+        return asm.reset_outputs(keep, dict(zip(names, ts)), 4, torch.float32)
+
+    def zeros_like_reset(keep, *ts):
+        return [keep * 0, keep * 0, keep * 0] + [torch.zeros_like(t) for t in ts]
+
+    assert _data_inputs(reset, keep, *small) == {0, 1, 2, 3}
+    assert _data_inputs(zeros_like_reset, keep, *small) == {0}
 # --------------------------------------------------------------------------------------------------
 # Host: prefill plan, slots, what reaches the engine
 # --------------------------------------------------------------------------------------------------
@@ -378,7 +441,7 @@ def test_xla_forward_has_no_host_values_and_keeps_the_device(tiny_cfg, mode):
     st = asm.zero_states(asm.state_specs(cfg, 1, 24, torch.bfloat16))
     rt = asm.round_inputs(cfg, torch.bfloat16, 3, torch.zeros(cfg.hidden_size), 5, 1) if mode == "round" \
         else asm.step_inputs(cfg, 3, 5, 1)
-    rt = dict(zip(asm.forward_inputs(mode), asm.ordered_inputs(mode, rt)))
+    rt = asm.named_inputs(mode, asm.ordered_inputs(mode, rt))
     spec = asm.round_spec(cfg, 1, 2, mode)
     with FakeTensorMode() as m:
         out = xla_math.forward(cfg, spec, *({k: m.from_tensor(t) for k, t in d.items()} for d in (w, st, rt)),
@@ -413,68 +476,147 @@ def test_thread_world_collectives_and_errors():
 # --------------------------------------------------------------------------------------------------
 # The megakernel backend behind the same host loop (nkisim)
 # --------------------------------------------------------------------------------------------------
-def test_megakernel_engine_tokens_equal_plain_greedy(tiny, plain):
+def test_megakernel_engine_tokens_equal_plain_greedy(tiny):
     cfg, params = tiny
-    n = 5
+    prompt = PROMPT[:3]
+    want = generate(XlaVariant(cfg, params), prompt, 4, spec=False).tokens
     v = NxdiVariant(CpuEngine(cfg, params, "megakernel", max_len=16, tp=4))
-    res = generate(v, PROMPT, n, draft_source=alternating(plain, cfg.vocab_size))
-    assert res.tokens == plain[:n] and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.launches == len(prefill_plan(len(PROMPT))) + res.rounds  # one launch per round, prefill included
+    res = generate(v, prompt, 4, draft_source=alternating(want, cfg.vocab_size, len(prompt)))
+    assert res.tokens == want and 1 in res.accepted_per_round and 2 in res.accepted_per_round
+    assert v.launches == len(prefill_plan(len(prompt))) + res.rounds  # one launch per round, prefill included
 
 
 # --------------------------------------------------------------------------------------------------
-# Config translation and checkpoint conversion
+# Config translation
 # --------------------------------------------------------------------------------------------------
 def test_neuron_config_for_one_trn2_chip():
     cfg = preset("qwen3.6-35b-a3b")
     kw = nxcfg.neuron_config_kwargs(cfg, 4096)
     assert (kw["tp_degree"], kw["logical_nc_config"], kw["batch_size"], kw["seq_len"]) == (4, 2, 1, 4096)
     assert kw["cast_type"] == "as-declared" and kw["torch_dtype"] == "bfloat16" and kw["speculation_length"] == 0
+    assert kw["save_sharded_checkpoint"] and "trace_tokengen_model" not in kw
     with pytest.raises(ConfigError, match="max_len"):
         nxcfg.neuron_config_kwargs(cfg, cfg.max_position_embeddings + 1)
     with pytest.raises(asm.AssemblyError):
         nxcfg.neuron_config_kwargs(cfg, 4096, tp=3)
-    args = nxcfg.compiler_args(2)
-    assert "--lnc=2" in args and "--auto-cast=none" in args
+    xla, mk = nxcfg.compiler_args(2, "xla"), nxcfg.compiler_args(2, "megakernel")
+    for args in (xla, mk):
+        assert "--lnc=2" in args and "--auto-cast=none" in args
+    assert "--cc-pipeline-tiling-factor=1" in xla and "-O2" in xla
+    # what NxDI builds itself for its token-generation graph (the fake mirrors model_wrapper.py lines 86-128)
+    nc = nxd_fakes.NeuronConfig(logical_nc_config=2)
+    tkg = nxd_fakes.ModelWrapper(types.SimpleNamespace(neuron_config=nc), nn.Module, tag="token_generation_model")
+    assert tkg.compiler_args.split() == (xla + " --internal-hlo2tensorizer-options='--verify-hlo=true'").split()
+    with pytest.raises(ConfigError, match="backend"):
+        nxcfg.compiler_args(2, "cuda")
+
+
+def test_lnc_checks():
+    nxcfg.check_lnc(2, 2)
+    with pytest.raises(ConfigError, match="NEURON_LOGICAL_NC_CONFIG=2"):
+        nxcfg.check_lnc(1, 2)
+    assert nxcfg.env_lnc({}) is None and nxcfg.env_lnc({"NEURON_LOGICAL_NC_CONFIG": "1"}) == 1
+    with pytest.raises(ConfigError, match="not an integer"):
+        nxcfg.env_lnc({"NEURON_LOGICAL_NC_CONFIG": "two"})
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3.6-35b-a3b"])
 def test_inference_attributes_round_trip(name):
     cfg = preset(name)
     obj = types.SimpleNamespace()
-    nxcfg.attribute_loader(cfg, "megakernel", 128, {"x": {"shape": [1], "dtype": "float32"}})(obj)
+    nxcfg.attribute_loader(cfg, "megakernel", 128, 2, {"x": {"shape": [1], "dtype": "float32"}})(obj)
     assert all(hasattr(obj, a) for a in nxcfg.REQUIRED_ATTRIBUTES)
-    assert nxcfg.model_config_from(obj) == cfg
+    assert nxcfg.model_config_from(obj) == cfg and obj.nxdi_lnc == 2
     reloaded = types.SimpleNamespace(**json.loads(json.dumps(vars(obj))))  # as neuron_config.json stores it
     assert nxcfg.model_config_from(reloaded) == cfg and reloaded.nxdi_backend == "megakernel"
     with pytest.raises(ConfigError, match="backend"):
-        nxcfg.attribute_loader(cfg, "cuda", 128, {})
+        nxcfg.attribute_loader(cfg, "cuda", 128, 2, {})
 
 
-@pytest.mark.parametrize("backend,shard_bytes", [("xla", 1 << 40), ("megakernel", 300_000)])
-def test_converted_checkpoint_equals_the_state_dict(tiny_cfg, tmp_path, backend, shard_bytes):
+# --------------------------------------------------------------------------------------------------
+# Checkpoint conversion and its checks
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    """A converted xla directory of the tiny model (float32, max_len 32); tests copy it before damaging it."""
+    cfg, params = tiny
+    return nxconv.write_converted(tmp_path_factory.mktemp("conv") / "xla", cfg, params, "xla", 32)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("backend", asm.BACKENDS)
+def test_converted_directory_holds_each_ranks_checkpoint(tiny_cfg, tmp_path, backend):
     cfg = tiny_cfg
     params = random_params(cfg, seed=2)
-    want = asm.neuron_state_dict(cfg, params, backend, 4, 2)
-    consumed = dict(params)
-    out = nxconv.write_converted(tmp_path / "c", cfg, consumed, backend, 64, shard_bytes=shard_bytes)
-    assert not consumed  # freed once converted
-    got = nxconv.load_converted(out)
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    meta = nxconv.read_meta(out)
-    assert (meta["backend"], meta["tp"], meta["lnc"], meta["max_len"]) == (backend, 4, 2, 64)
-    assert asm.specs_from_json(meta["param_specs"]) == asm.param_specs(want, 4)
-    assert (out / nxconv.INDEX_FILE).is_file() == (shard_bytes < 1 << 40)
+    out = nxconv.write_converted(tmp_path / "c", cfg, params, backend, 64)
+    meta = nxconv.check_converted(out)
+    assert (meta["backend"], meta["tp"], meta["lnc"], meta["max_len"], meta["dtype"]) == (backend, 4, 2, 64, "bfloat16")
+    for r in range(4):
+        got = load_file(str(nxconv.rank_file(out, r)))
+        want = asm.rank_checkpoint(asm.rank_weights(cfg, params, backend, r, 4, 2), r)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    specs = asm.tensor_specs(asm.rank_weights(cfg, params, backend, 0, 4, 2))
+    assert asm.specs_from_json(meta["param_specs"]) == specs
     from model.config import ModelConfig
     assert ModelConfig.from_json_file(out / "config.json") == cfg
     with pytest.raises(nxconv.ConvertError, match="not a converted"):
         nxconv.read_meta(tmp_path)
 
 
+def test_converted_directory_checks_refuse_with_one_line(converted, tmp_path):
+    for asked in ({"tp": 2}, {"lnc": 1}, {"dtype": "bfloat16"}, {"max_len": 4096}):
+        with pytest.raises(nxconv.ConvertError, match=f"converted for {next(iter(asked))}=") as e:
+            nxconv.check_converted(converted, **asked)
+        assert "\n" not in str(e.value)
+    nxconv.check_converted(converted, tp=4, lnc=2, dtype="float32", max_len=32)
+    # a rank file without one tensor, with a wrong shape, with an extra tensor, missing
+    cases = {"missing": lambda sd: sd.pop(next(k for k in sd if k != asm.RANK_UTIL)),
+             "expected": lambda sd: sd.update({k: sd[k][:1] for k in [next(k for k in sd if sd[k].shape[0] > 1)]}),
+             "unexpected": lambda sd: sd.update({"weights.bogus": torch.zeros(1)})}
+    for what, damage in cases.items():
+        d = _copy(converted, tmp_path / what)
+        sd = load_file(str(nxconv.rank_file(d, 3)))
+        damage(sd)
+        save_file(sd, str(nxconv.rank_file(d, 3)))
+        with pytest.raises(nxconv.ConvertError, match=what):
+            nxconv.check_converted(d)
+    d = _copy(converted, tmp_path / "gone")
+    nxconv.rank_file(d, 2).unlink()
+    with pytest.raises(nxconv.ConvertError, match="rank 2's checkpoint .* is missing"):
+        nxconv.check_converted(d)
+    old = json.loads((converted / nxconv.META_FILE).read_text())
+    d = _copy(converted, tmp_path / "old")
+    (d / nxconv.META_FILE).write_text(json.dumps({**old, "format": 1}))
+    with pytest.raises(nxconv.ConvertError, match="format 1"):
+        nxconv.read_meta(d)
+
+
+def test_link_rank_files_and_compiled_check(converted, tmp_path):
+    meta = nxconv.read_meta(converted)
+    nxconv.link_rank_files(converted, tmp_path / "k", 4)
+    for r in range(4):
+        assert nxconv.rank_file(tmp_path / "k", r).read_bytes() == nxconv.rank_file(converted, r).read_bytes()
+    with pytest.raises(nxconv.ConvertError, match="not a compiled"):
+        nxconv.check_compiled(tmp_path / "k", meta, converted)
+    nc = {"tp_degree": 4, "torch_dtype": "float32"}
+    good = {"neuron_config": nc, "nxdi_backend": "xla", "nxdi_lnc": 2, "nxdi_max_len": 32,
+            "nxdi_param_specs": meta["param_specs"]}
+    (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps(good))
+    nxconv.check_compiled(tmp_path / "k", meta, converted)
+    (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps({**good, "nxdi_max_len": 64}))
+    with pytest.raises(nxconv.ConvertError, match="max_len=64 vs 32"):
+        nxconv.check_compiled(tmp_path / "k", meta, converted)
+
+
 # --------------------------------------------------------------------------------------------------
 # run.py
 # --------------------------------------------------------------------------------------------------
-def test_run_cli_cpu_decode_convert_and_neuron_errors(tiny, plain, tmp_path, capsys):
+def test_run_cli_cpu_decode_and_convert(tiny, plain, tmp_path, capsys):
     from harness.nxdi import run
     cfg, params = tiny
     save_checkpoint(tmp_path / "hf", cfg, params)
@@ -489,123 +631,232 @@ def test_run_cli_cpu_decode_convert_and_neuron_errors(tiny, plain, tmp_path, cap
     capsys.readouterr()
     assert run.main(["convert", "--model-path", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    if not SDK_PRESENT:
-        assert run.main(["compile", "--converted", str(tmp_path / "conv"), "--compiled", str(tmp_path / "k")]) == 2
-        assert "Neuron SDK" in capsys.readouterr().err
-        assert run.main(["decode", "--converted", str(tmp_path / "conv"), "--compiled", str(tmp_path / "k"),
-                         "--prompt-ids", ids]) == 2
-        assert "Neuron SDK" in capsys.readouterr().err
+
+
+def _refused(capsys, argv, match):
+    from harness.nxdi import run
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("harness.nxdi.run: error: ") and match in err, err
+
+
+def test_run_cli_refuses_a_conversion_unlike_what_is_asked(converted, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    c, k = str(converted), str(tmp_path / "k")
+    ids = "5,17,99"
+    for cmd in (["compile", "--converted", c, "--compiled", k],
+                ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "4"]):
+        for flag, value, match in (("--lnc", "1", "lnc=2 (asked 1)"), ("--tp", "2", "tp=4 (asked 2)"),
+                                   ("--dtype", "bfloat16", "dtype=float32 (asked bfloat16)")):
+            _refused(capsys, cmd + [flag, value], match)
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+        _refused(capsys, cmd, "NEURON_LOGICAL_NC_CONFIG=2")
+        monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    _refused(capsys, ["compile", "--converted", c, "--compiled", k, "--max-len", "64"], "max_len=32 (asked 64)")
+    _refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "40"],
+             "needs 44 positions")
+    d = _copy(converted, tmp_path / "damaged")
+    sd = load_file(str(nxconv.rank_file(d, 1)))
+    sd.pop("weights.final_norm")
+    save_file(sd, str(nxconv.rank_file(d, 1)))
+    _refused(capsys, ["compile", "--converted", str(d), "--compiled", k], "is missing ['weights.final_norm']")
+    _refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "4"],
+             "not a compiled")
+    if not SDK_PRESENT:  # every check passes: the missing SDK is the one error left
+        _refused(capsys, ["compile", "--converted", c, "--compiled", k], "Neuron SDK")
 
 
 # --------------------------------------------------------------------------------------------------
-# The trn2 module's wiring against fake NxDI base classes
+# The faithful fakes, one behaviour at a time (tests/harness/nxd_fakes.py)
+# --------------------------------------------------------------------------------------------------
+class _Toy(nn.Module):
+    """A graph of a toy application: out = x + w (a weight); with a state, also state + x (its new value)."""
+
+    def __init__(self, shape=(1, 2), outputs=1, stateful=True):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2), requires_grad=False)
+        if stateful:
+            self.state = nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.shape, self.outputs, self.stateful = shape, outputs, stateful
+
+    def forward(self, x):
+        y = x.reshape(-1)[:2] + self.w
+        return [y] * self.outputs + ([self.state + x.reshape(-1)[:2]] if self.stateful else [])
+
+
+def _toy_builder(graphs):
+    """A fake ModelBuilder over toy graphs {key: (module, state aliased?)}; traced and initialized, tp=1."""
+    b = nxd_fakes.ModelBuilder(router=None, tp_degree=1, checkpoint_loader=None)
+    for key, (module, alias) in graphs.items():
+        inst = nxd_fakes.BaseModelInstance(lambda m=module: m, {module.state: module.outputs} if alias else {})
+        b.add(key, inst, [(torch.zeros(module.shape),)])
+    ex = b.trace(initialize_model_weights=False)
+    ex.nxd_model.initialize([{"w": torch.ones(2)}], torch.tensor([0]))
+    return ex
+
+
+def test_fake_causal_lm_asserts_every_graph_says_whether_it_is_prefill(monkeypatch):
+    nxd_fakes.install(monkeypatch)
+
+    class App(nxd_fakes.NeuronBaseForCausalLM):
+        def enable_context_encoding(self):
+            pass
+
+        def enable_token_generation(self):  # registers a graph with the application's own config
+            self.models.append(nxd_fakes.ModelWrapper(self.config, nn.Module, tag="g", compiler_args="-O1"))
+
+    config = nxd_fakes.InferenceConfig(nxd_fakes.NeuronConfig(), vocab_size=10)
+    assert config.neuron_config.is_prefill_stage is None
+    with pytest.raises(AssertionError, match="g doesn't indicate whether it is part of the prefill"):
+        App("unused", config=config)
+    nxd_fakes.uninstall()
+
+
+def test_fake_sharding_touches_only_nxd_parallel_layers():
+    with nxd_fakes._ParallelState.initialized(4):
+        m = nn.Module()
+        m.rank_util = nxd_fakes.SPMDRank(world_size=4)
+        m.linear = nxd_fakes.BaseParallelLinear(8, 3, tp=4)
+        m.weights = nn.ParameterDict({"a": nn.Parameter(torch.zeros(2, 3))})
+    full = {"rank_util.rank": torch.arange(4, dtype=torch.int32), "linear.weight": torch.arange(24.).reshape(8, 3),
+            "weights.a": torch.arange(24.).reshape(8, 3), "not.in.model": torch.zeros(1)}
+    ck = dict(full)
+    nxd_fakes.get_sharded_checkpoint(ck, m, rank=2, tp_degree=4)
+    assert ck["rank_util.rank"].tolist() == [2] and torch.equal(ck["linear.weight"], full["linear.weight"][4:6])
+    assert torch.equal(ck["weights.a"], full["weights.a"])  # a ParameterDict keeps the whole tensor on every rank
+    assert "not.in.model" not in ck
+
+
+def test_fake_executor_takes_the_last_graphs_arity_and_routes_by_shapes():
+    a, b = _Toy(shape=(1, 2)), _Toy(shape=(1, 3))
+    ex = _toy_builder({"a": (a, True), "b": (b, True)})
+    ex(torch.zeros(1, 2))  # the last graph's arity (one input); the route is found by the shapes
+    with pytest.raises(RuntimeError, match="expected 1 argument"):
+        ex(torch.zeros(1, 2), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="not found in input_shape_map"):
+        ex.nxd_model.forward([torch.zeros(1, 4)])
+    assert ex.nxd_model.forward([torch.ones(1, 3)])[0].tolist() == [2.0, 2.0]
+    # two graphs with the same input shapes: the later one takes the route over, silently
+    same = _toy_builder({"a": (_Toy(), True), "b": (_Toy(), True)})
+    assert set(same.nxd_model.input_shape_map.values()) == {("b", 0)}
+
+
+def test_fake_packer_and_state_come_from_the_first_graph():
+    first, second = _Toy(shape=(1, 2), outputs=1), _Toy(shape=(1, 3), outputs=2)
+    ex = _toy_builder({"a": (first, True), "b": (second, True)})
+    with pytest.raises(RuntimeError, match="packs 1 outputs, got 2"):
+        ex.nxd_model.forward([torch.zeros(1, 3)])  # the second graph's own two outputs
+    # the first graph aliases no state: the device state holds none, the second graph's state is missing
+    with pytest.raises(RuntimeError, match="'state' is not in rank 0's device state"):
+        _toy_builder({"a": (_Toy(shape=(1, 2), stateful=False), False), "b": (_Toy(shape=(1, 3)), True)})
+    # a parameter the graph takes without aliasing it is a WEIGHT: initialize needs it in the checkpoint
+    with pytest.raises(RuntimeError, match="weight 'state' is not in rank 0's checkpoint"):
+        _toy_builder({"a": (_Toy(), False)})
+
+
+def test_fake_aliased_outputs_update_the_state_in_place():
+    ex = _toy_builder({"a": (_Toy(), True)})
+    for _ in range(3):
+        ex.nxd_model.forward([torch.ones(1, 2)])
+    assert ex.nxd_model.state[0]["state"].tolist() == [3.0, 3.0]
+
+
+def test_fake_lnc_comes_from_the_environment_first(monkeypatch):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    with pytest.warns(UserWarning, match="Using NEURON_LOGICAL_NC_CONFIG"):
+        assert nxd_fakes.NeuronConfig(logical_nc_config=2).logical_nc_config == 1
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
+    assert nxd_fakes.NeuronConfig(logical_nc_config=1).logical_nc_config == 1
+    assert nxd_fakes.NeuronConfig().logical_nc_config == 2  # trn2's platform default
+
+
+# --------------------------------------------------------------------------------------------------
+# The trn2 module against the fakes: construction, compile, load, and the whole flow
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture
-def fake_nxdi(monkeypatch):
-    """Minimal stand-ins for the NxD/NxDI names modeling.py imports: enough to construct our subclasses and
-    run the module's forward eagerly at TP=1 (collectives are identities). They do NOT behave like NxDI."""
-    def module(name, **attrs):
-        m = types.ModuleType(name)
-        m.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, m)
-
-    def set_attrs(t, is_parallel, dim, stride=1):
-        t.tensor_model_parallel, t.partition_dim, t.partition_stride = is_parallel, dim, stride
-
-    class InferenceConfig:
-        def __init__(self, neuron_config, load_config=None, **kwargs):
-            self.neuron_config = neuron_config
-            if load_config is not None:
-                load_config(self)
-            self.__dict__.update(kwargs)
-            missing = [a for a in self.get_required_attributes() if not hasattr(self, a)]
-            assert not missing, missing
-
-    class NeuronConfig:
-        def __init__(self, **kw):
-            self.__dict__.update(kw)
-            self.torch_dtype = getattr(torch, kw["torch_dtype"])
-
-    class NeuronBaseModel(nn.Module):
-        def __init__(self, config, optimize_inference=True):
-            super().__init__()
-            self.config, self.neuron_config = config, config.neuron_config
-            self.setup_attr_for_model(config)
-            self.init_model(config)
-
-    class ModelWrapper(nn.Module):
-        def __init__(self, config, model_cls, tag="", compiler_args=None, **kw):
-            super().__init__()
-            self.config, self.neuron_config, self.model_cls, self.tag = config, config.neuron_config, model_cls, tag
-            self.compiler_args = compiler_args
-
-    for pkg in ("neuronx_distributed", "neuronx_distributed.parallel_layers", "neuronx_distributed.trace",
-                "neuronx_distributed_inference", "neuronx_distributed_inference.models"):
-        module(pkg)
-    module("neuronx_distributed.parallel_layers.mappings", reduce_from_tensor_model_parallel_region=lambda t: t,
-           gather_from_tensor_model_parallel_region=lambda t: t)
-    module("neuronx_distributed.parallel_layers.utils", set_tensor_model_parallel_attributes=set_attrs)
-    module("neuronx_distributed.trace.model_builder", BaseModelInstance=object)
-    module("neuronx_distributed_inference.models.config", InferenceConfig=InferenceConfig, NeuronConfig=NeuronConfig)
-    module("neuronx_distributed_inference.models.model_base", NeuronBaseModel=NeuronBaseModel,
-           NeuronBaseForCausalLM=object)
-    module("neuronx_distributed_inference.models.model_wrapper", ModelWrapper=ModelWrapper)
-    monkeypatch.delitem(sys.modules, "harness.nxdi.modeling", raising=False)
-    mod = importlib.import_module("harness.nxdi.modeling")
-    yield mod
-    sys.modules.pop("harness.nxdi.modeling", None)
-    import harness.nxdi
-    harness.nxdi.__dict__.pop("modeling", None)  # or `from harness.nxdi import modeling` would find it
+def fake_nxd(monkeypatch, tmp_path):
+    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd_work"))
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    yield nxd_fakes.install(monkeypatch)
+    nxd_fakes.uninstall()
 
 
-def test_trn2_module_wiring_with_fake_nxdi(fake_nxdi, tiny, tmp_path):
-    m = fake_nxdi
+def _count_runs(monkeypatch):
+    runs = []
+    real = nxd_fakes.TracedGraph.run
+    monkeypatch.setattr(nxd_fakes.TracedGraph, "run", lambda self, inputs: runs.append(self.key) or real(self, inputs))
+    return runs
+
+
+def test_trn2_application_against_the_fakes(fake_nxd, converted, tmp_path, monkeypatch, caplog):
+    m = fake_nxd
+    config = m.Qwen36InferenceConfig.from_converted(converted)
+    assert not [r for r in caplog.records if "Unexpected keyword" in r.getMessage()]  # every keyword is NxDI's
+    app = m.Qwen36ForCausalLM(str(converted), config=config)
+    assert [w.tag for w in app.models] == ["round_model", "step_model", "reset_state_model"]
+    assert all(w.neuron_config.is_prefill_stage is False and w.neuron_config.buckets == [32] for w in app.models)
+    assert app.config.neuron_config.is_prefill_stage is None  # each graph has its own copy
+    assert "--cc-pipeline-tiling-factor=1" in app.models[0].compiler_args
+    with pytest.raises(NotImplementedError, match="pre-sharded per rank"):
+        nxd_fakes.NeuronApplicationBase.shard_weights(app, tmp_path / "nxd_path")  # NxD's own sharding path
+    m.NeuronEngine.compile(converted, tmp_path / "k")
+    for r in range(4):
+        assert load_file(str(nxconv.rank_file(tmp_path / "k", r)))[asm.RANK_UTIL].tolist() == [r]
+    runs = _count_runs(monkeypatch)
+    app = m.Qwen36ForCausalLM(str(converted), config=m.Qwen36InferenceConfig.load(str(tmp_path / "k")))
+    app.load(str(tmp_path / "k"))
+    assert runs == ["round_model", "step_model", "reset_state_model"]  # warmup ran every graph, in order
+    state = app.traced_model.nxd_model.state
+    with pytest.raises(RuntimeError, match="expected 1 argument"):
+        app.traced_model(*asm.ordered_inputs("step", asm.step_inputs(app.config.model_config(), 1, 0, 0)))
+    app.launch("step", asm.step_inputs(app.config.model_config(), 7, 0, 0))
+    assert any(t.any() for st in state for t in st.values())  # the step wrote into the decode state ...
+    app.reset_state()
+    assert not any(t.any() for st in state for t in st.values())  # ... the reset graph zeroed all of it
+    eng = m.NeuronEngine.load(converted, tmp_path / "k", warmup=False)
+    assert not any(t.any() for st in eng.app.traced_model.nxd_model.state for t in st.values())
+
+
+def test_trn2_application_refuses_another_running_lnc(fake_nxd, converted, monkeypatch):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    with pytest.raises(ConfigError, match="running LNC is 1"), pytest.warns(UserWarning, match="does not match"):
+        fake_nxd.Qwen36ForCausalLM(str(converted), config=fake_nxd.Qwen36InferenceConfig.from_converted(converted))
+
+
+def test_trn2_xla_flow_against_the_fakes_tokens_equal_plain_greedy(fake_nxd, tiny, plain, converted, tmp_path):
     cfg, params = tiny
-    tp = 1
-    conv = nxconv.write_converted(tmp_path / "conv", cfg, dict(params), "xla", 24, tp=tp)
-    config = m.Qwen36InferenceConfig.from_converted(conv)
-    assert config.model_config() == cfg and config.neuron_config.tp_degree == tp
-    sd = m.Qwen36ForCausalLM.get_state_dict(str(conv), config)
-    want = m.Qwen36ForCausalLM.convert_hf_to_neuron_state_dict(params, config)
-    assert set(sd) == set(want) and all(torch.equal(sd[k], want[k]) for k in want)
+    fake_nxd.NeuronEngine.compile(converted, tmp_path / "k")
+    v = NxdiVariant(fake_nxd.NeuronEngine.load(converted, tmp_path / "k"))
+    res = generate(v, PROMPT, 8, draft_source=alternating(plain, cfg.vocab_size))
+    assert res.tokens == plain[:8] and 1 in res.accepted_per_round and 2 in res.accepted_per_round
+    assert v.launches == len(prefill_plan(len(PROMPT))) + res.rounds
+    assert generate(v, PROMPT, 8, spec=False).tokens == plain[:8]  # the step graph
+    assert generate(v, PROMPT, 8).tokens == plain[:8]               # the MTP's own drafts
 
-    graphs = {}
-    for mode in ("reset", "step", "round"):
-        wrapper = m._GraphWrapper(config, m.Qwen36NeuronModel, mode, "args")
-        (example,) = wrapper.input_generator()
-        assert len(example) == len(asm.forward_inputs(mode))
-        inst = wrapper.get_model_instance()
-        inst.load_module()
-        module, aliases = inst.get(None)
-        for name, p in module.weights.items():
-            assert p.partition_dim == 0 and p.tensor_model_parallel
-            p.data = asm.rank_slice(sd, 0, tp)[name].clone()
-        graphs[mode] = (module, aliases)
-    # the graphs must agree on the state buffers they share
-    names = [list(g.states) for g, _ in graphs.values()]
-    assert names[0] == names[1] == names[2]
 
-    eng = CpuEngine(cfg, params, "xla", max_len=24, tp=tp)  # the reference for the module's outputs
-    state = {k: v.clone() for k, v in eng.states[0].items()}
+def test_trn2_cli_flow_against_the_fakes(fake_nxd, plain, converted, tmp_path, capsys):
+    from harness.nxdi import run
+    k = str(tmp_path / "k")
+    assert run.main(["compile", "--converted", str(converted), "--compiled", k, "--tp", "4", "--lnc", "2"]) == 0
+    ids = ",".join(map(str, PROMPT))
+    assert run.main(["decode", "--converted", str(converted), "--compiled", k, "--prompt-ids", ids,
+                     "--max-new-tokens", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == plain[:6] and out["executor"] == "neuron"
+    other = nxconv.write_converted(tmp_path / "other", preset("tiny"), random_params(preset("tiny"), seed=4,
+                                                                                     dtype=torch.float32), "xla", 24)
+    _refused(capsys, ["decode", "--converted", str(other), "--compiled", k, "--prompt-ids", ids,
+                      "--max-new-tokens", "4"], "compiled from another conversion")
 
-    def launch(mode, runtime):
-        module, aliases = graphs[mode]
-        for k, p in module.states.items():
-            p.data = state[k]
-        outs = module(*asm.ordered_inputs(mode, runtime))
-        inv = {p: k for k, p in module.states.items()}
-        for p, i in aliases.items():
-            state[inv[p]] = outs[i]
-        return outs
 
-    outs = launch("reset", {"pending": asm.i32(0)})
-    assert all(not t.any() for t in state.values()) and len(outs) == 1 + len(state)
-    for mode, rt in (("step", asm.step_inputs(cfg, PROMPT[0], 0, 0)),
-                     ("round", asm.round_inputs(cfg, torch.float32, PROMPT[1], torch.randn(cfg.hidden_size), 1, 0,
-                                                PROMPT[2]))):
-        got = asm.read_outputs(*launch(mode, rt)[:3])
-        want = eng.run(mode, rt)
-        assert (got.draft, got.targets) == (want.draft, want.targets)
-        assert torch.equal(got.hidden, want.hidden)
-        for k in state:
-            assert torch.equal(state[k], eng.states[0][k]), k
+def test_trn2_megakernel_flow_against_the_fakes_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path):
+    """The megakernel graphs under nkisim: each rank's kernel call is one 4-rank x LNC=2 launch."""
+    cfg, params = tiny
+    prompt = PROMPT[:3]
+    want = generate(XlaVariant(cfg, params), prompt, 4, spec=False).tokens
+    conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", 16)
+    fake_nxd.NeuronEngine.compile(conv, tmp_path / "k")
+    v = NxdiVariant(fake_nxd.NeuronEngine.load(conv, tmp_path / "k", warmup=False))
+    res = generate(v, prompt, 4, draft_source=alternating(want, cfg.vocab_size, len(prompt)))
+    assert res.tokens == want and 1 in res.accepted_per_round and 2 in res.accepted_per_round
+    assert v.launches == len(prefill_plan(len(prompt))) + res.rounds
