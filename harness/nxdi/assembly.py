@@ -277,10 +277,11 @@ def reset_outputs(keep: torch.Tensor, states: dict[str, torch.Tensor], hidden_si
     """The reset graph (traceable): leading outputs (zeros of the step graph's shapes) then each state buffer
     as ``where(keep != 0, state, 0)``; the host passes keep = 0, so every buffer becomes zero.
 
-    keep: int32 [1, 1]. Why not ``torch.zeros_like(state)``: that never READS the state, so the traced graph
-    has no parameter for it and NxD has nothing to alias the output to -- the device buffer would keep its
-    old contents (in torch-neuronx's tracer an aliased tensor must be a parameter of the lowered graph).
-    ``where`` reads the buffer and provably overwrites all of it whatever it held (NaN included)."""
+    keep: int32 [1, 1]. Why not ``torch.zeros_like(state)``: that never READS the state, so the lowered graph
+    has no parameter for it and the alias has nothing to attach to -- the device buffer would keep its old
+    contents (torch-neuronx's tracer looks each aliased tensor up among the lowered graph's parameters: an
+    older ``xla_impl/hlo_conversion.py`` ``xla_trace``, harness/nxdi/README.md open risk 3). ``where`` with a
+    run-time ``keep`` reads the buffer and overwrites all of it whatever it held (NaN included)."""
     flag = keep.reshape(1, 1)
     out = [flag * 0, flag * 0, (flag.to(dtype) * 0).expand(1, hidden_size).contiguous()]
     for t in states.values():

@@ -476,6 +476,7 @@ def test_thread_world_collectives_and_errors():
 # --------------------------------------------------------------------------------------------------
 # The megakernel backend behind the same host loop (nkisim)
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the default suite runs the megakernel behind the host loop in the flow against the fakes
 def test_megakernel_engine_tokens_equal_plain_greedy(tiny):
     cfg, params = tiny
     prompt = PROMPT[:3]
