@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,7 +83,6 @@ def _expected(parser, cpu: bool = False):
 
 def _checked_conversion(args, max_len=None) -> dict:
     """The converted directory's meta after every check that needs no SDK (module docstring)."""
-    import os
     from harness.nxdi.config import check_lnc, env_lnc
     from harness.nxdi.convert import ConvertError, check_converted
     from model.config import ConfigError

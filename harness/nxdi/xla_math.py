@@ -228,7 +228,8 @@ def mtp(cfg: ModelConfig, spec: RoundSpec, w: dict, st: dict, ids: torch.Tensor,
 def forward(cfg: ModelConfig, spec: RoundSpec, w: dict, st: dict, rt: dict, coll: Collectives):
     """One rank's launch: the round (``spec.mode == "round"``) or plain step (``"step"``).
 
-    w: :func:`rank_weights`; st: the rank's decode state (``assembly.state_specs``), not modified;
+    w: :func:`rank_weights`; st: the rank's decode-state buffers the graph takes (``assembly.graph_states``:
+    a step takes no MTP cache), not modified;
     rt: run-time inputs as torch tensors (``assembly.round_inputs`` / ``step_inputs``).
     Returns (draft int32 [1, 1], targets int32 [T, 1], hidden [T, H] activation dtype, new state
     {name: tensor} for ``megakernel.round.mutated_names(spec)``) -- the kernel's outputs, in its order."""
