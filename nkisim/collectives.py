@@ -47,8 +47,17 @@ _REDUCE_OPS = ("add", "minimum", "maximum")       # SDK-CC all_reduce / reduce_s
 @dataclass
 class ReplicaGroup(NKIObject):
     """The rank-lists a collective runs on, e.g. ``ReplicaGroup([[0, 1, 2, 3]])`` (SDK-CC; NKL tests use
-    ``ReplicaGroup([list(range(tp))])``). Sub-groups must not overlap."""
+    ``ReplicaGroup([list(range(tp))])``). Sub-groups must not overlap.
+
+    Its fields are not part of the public interface (SDK-CC documents none; ../shared/docs/nki-api-0.6.json): kernel
+    code reading ``.groups`` during a launch is refused (frontend.attribute_guard); nkisim and host code may."""
     groups: list = field(default_factory=list)
+
+    def __getattribute__(self, name):
+        if name == "groups":
+            from .frontend import attribute_guard
+            attribute_guard(self, name, ())
+        return object.__getattribute__(self, name)
 
 
 # ---- validation helpers ----------------------------------------------------------------------

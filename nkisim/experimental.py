@@ -301,7 +301,8 @@ def invert(x, dtype=None):
         _fail(where, f"input must be integer typed (SDK-NL), got {x.dtype}")
     out = _unary_out(where, x, dtype)
     with _lowering(where):
-        _isa().tensor_scalar(dst=out, data=x, op0=OPS["bitwise_xor"], operand0=(1 << (8 * _dt.itemsize(x.dtype))) - 1)
+        _isa().tensor_scalar(dst=out, data=x, op0=OPS["bitwise_xor"], operand0=-1)
+        # all-ones is -1: NKI integers are 32-bit (nkisim/int32.py), 0xFFFFFFFF is not one
     return out
 
 

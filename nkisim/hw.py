@@ -45,11 +45,22 @@ AP_MAX_STRIDE = 32767                        # per-dim stride is int16, in eleme
 ENFORCE_START_PARTITION = True
 
 # --- runtime loops ----------------------------------------------------------------------------
-# A tensor-engine write inside a runtime loop (nl.fori_loop / while_loop / dynamic_range) into PSUM allocated
-# outside that loop: "error" (refused; default), "warn" (NkiFidelityWarning, once per call site) or "off".
-# Evidence: SDK-NL fori_loop ("loop state" lives in SBUF/HBM) and a public NKI 0.6 project's compiler probe
-# (neuronx-cc 2.27, NCC_IBIR092); see isa/pe.py.
+# Any instruction (every engine) inside a runtime loop (nl.fori_loop / while_loop / dynamic_range) that writes a PSUM
+# tensor allocated outside that loop: "error" (refused; default), "warn" (NkiFidelityWarning, once per call site) or
+# "off". SDK-NL fori_loop / while_loop: "carry any other loop state through SBUF/HBM"; see isa/common.py
+# _loop_psum_check.
 LOOP_PSUM_CHECK = "error"
+# A PSUM tensor whose value is live across a runtime-loop boundary (written before a loop and read or accumulated
+# inside or after it): "warn" (default: only third-party evidence, see isa/common.py _psum_live_check), "error", "off".
+LOOP_PSUM_LIVE = "warn"
+# LNC=2: both cores of a rank run the same runtime loops (SDK lnc.rst "Final Notes"; nkisim/controlflow.py):
+# "error" (default) or "off".
+LNC_UNIFORM_CHECK = "error"
+
+# --- 32-bit integers (SDK language guide "NKI Values": "32-bit integer values"; nkisim/int32.py) ---------------
+INT32_MIN = -2 ** 31
+INT32_MAX = 2 ** 31 - 1
+INT32_CHECK = "error"        # "error" (default) or "off"
 
 
 def legal_start_partitions(n):

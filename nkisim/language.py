@@ -4,7 +4,8 @@ import contextlib
 
 import numpy as np
 
-from . import dtypes as _dt, hw
+from . import controlflow, dtypes as _dt, hw
+from . import int32 as _int32
 from .errors import NkiValidationError
 from .memory import MemoryRegion, PSUM, SBUF, PRIVATE_HBM, SHARED_HBM
 from .ops import OPS as _OPS, Op
@@ -153,6 +154,7 @@ def shared_identity_matrix(n, dtype=uint8, dst=None):
         if t is not None:
             return t
         t = inst.identities[key] = ndarray((n, n), dt, sbuf, "identity")
+        t.storage.loops = ()       # a constant of the whole launch, wherever it is first asked for
     else:
         t = dst
     nbytes = t.size * t.itemsize
@@ -211,22 +213,40 @@ def affine_range(start, stop=None, step=1):
 sequential_range = static_range = affine_range
 
 
-def _bound(x, op):
+def _bound(x, op, name):
+    """A runtime-loop bound: a Python int (32-bit, SDK-LG "NKI Values") or a VirtualRegister."""
     if isinstance(x, VirtualRegister):
         return int(x.value)
-    if isinstance(x, (int, np.integer)):
-        return int(x)
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return _int32.check(int(x), f"{op}: {name}")
     raise TypeError(f"{op}: bounds must be ints or VirtualRegisters, got {type(x).__name__}")
 
 
+def _step(step, op):
+    """SDK-NL dynamic_range / fori_loop: "step size, must be a compile-time positive integer (not VirtualRegister)"
+    (SDK deep-dives/nki-dynamic-loops.rst "Parameter Constraints": the hardware loop encodes it as an immediate)."""
+    if type(step) is not int or step <= 0:
+        raise NkiValidationError(f"runtime loops: {op}: step must be a compile-time positive int (SDK-NL {op}; "
+                                 f"nki-dynamic-loops.rst 'Parameter Constraints'), got {step!r} at {call_site()}")
+    return _int32.check(step, f"{op}: step")
+
+
 @contextlib.contextmanager
-def _runtime_loop(op, *bounds):
-    """Marks the instructions issued inside a runtime loop: its id joins ``inst.loops`` (depends_on placement
-    rule) and its register bounds ``inst.loop_regs`` (traced as ``reg_reads`` of every body instruction: the
-    loop cannot start before the registers are written). When tracing, the loop is appended to ``Trace.loops``
-    on exit (also when it ran 0 times); the loops call :func:`_iteration` at every iteration."""
+def _runtime_loop(op, bounds, trips):
+    """Marks the instructions issued inside a runtime loop: its id joins ``inst.loops`` (depends_on placement and
+    PSUM loop-state rules) and its register bounds ``inst.loop_regs`` (traced as ``reg_reads`` of every body
+    instruction: the loop cannot start before the registers are written). Refuses a runtime loop inside
+    ``nl.no_reorder()`` and logs it for the LNC-uniformity check (nkisim/controlflow.py). Yields (inst, log entry)."""
     inst = _current(op)
+    if inst.no_reorder:
+        raise NkiValidationError(
+            f"runtime loops: {op} at {call_site()}: runtime loops are not supported inside an nl.no_reorder() block "
+            f"(opened at {inst.no_reorder[-1]}): SDK-NL no_reorder 'Register-based dynamic loops (nl.fori_loop, nl.while_loop) "
+            f"are not supported inside a no_reorder block'; nki-dynamic-loops.rst 'Interaction with no_reorder': "
+            f"'This is NOT supported and will error'. Put the no_reorder block inside the loop body instead")
+    entry = controlflow.enter(inst, op.split(".")[-1], trips)
     inst.n_loops += 1
+    inst.loop_events += 1
     saved = inst.loops, inst.loop_regs
     inst.loops = saved[0] + (inst.n_loops,)
     inst.loop_regs = saved[1] + tuple(b for b in bounds if isinstance(b, VirtualRegister))
@@ -234,12 +254,13 @@ def _runtime_loop(op, *bounds):
     before = _last_seqs(inst)
     site = call_site() if inst.launch.traces else None
     try:
-        yield inst
+        yield inst, entry
     finally:
         lid = inst.loops[-1]
         last = inst.loop_iters[-1] if len(inst.loop_iters) > len(iters) else None
         inst.loops, inst.loop_regs = saved
         inst.loop_iters = iters
+        inst.loop_events += 1
         if inst.launch.traces:
             _trace_loop(inst, op, lid, 0 if last is None else last[1] + 1, iters, before, site)
 
@@ -265,25 +286,29 @@ def _trace_loop(inst, op, lid, trips, outer, before, site):
 
 def dynamic_range(start, stop=None, step=1):
     """Deprecated (0.6.0) runtime loop; yields read-only registers."""
+    op = "nl.dynamic_range"
     if stop is None:
         start, stop = 0, start
-    if not isinstance(step, int) or step <= 0:
-        raise NkiValidationError(f"nl.dynamic_range: step must be a positive compile-time int, got {step!r}")
-    with _runtime_loop("nl.dynamic_range", start, stop) as inst:
-        for k, i in enumerate(builtins.range(_bound(start, "nl.dynamic_range"), _bound(stop, "nl.dynamic_range"),
-                                             step)):
+    step = _step(step, op)
+    r = builtins.range(_bound(start, op, "start"), _bound(stop, op, "stop"), step)
+    with _runtime_loop(op, (start, stop), len(r)) as (inst, _):
+        for k, i in enumerate(r):
             _iteration(inst, k)
             yield VirtualRegister(i, frozen=True)
 
 
 def fori_loop(lower, upper, body_fun, step=1):
     """Runtime counted loop: body_fun(i) for i in range(lower, upper, step); i is a read-only register."""
-    if not isinstance(step, int) or step == 0:
-        raise NkiValidationError(f"nl.fori_loop: step must be a non-zero compile-time int, got {step!r}")
-    with _runtime_loop("nl.fori_loop", lower, upper) as inst:
-        for k, i in enumerate(builtins.range(_bound(lower, "nl.fori_loop"), _bound(upper, "nl.fori_loop"), step)):
+    op = "nl.fori_loop"
+    step = _step(step, op)
+    r = builtins.range(_bound(lower, op, "lower"), _bound(upper, op, "upper"), step)
+    with _runtime_loop(op, (lower, upper), len(r)) as (inst, _):
+        for k, i in enumerate(r):
             _iteration(inst, k)
-            body_fun(VirtualRegister(i, frozen=True))
+            if body_fun(VirtualRegister(i, frozen=True)) is not None:
+                raise NkiValidationError(f"runtime loops: nl.fori_loop at {call_site()}: body_fun returned a value; "
+                                         f"'The fori_loop body function cannot return a value' (SDK migration guide "
+                                         f"0.6.0 'Rules for migrated loops'): carry state in SBUF/HBM")
 
 
 def while_loop(init, body_fun):
@@ -291,22 +316,29 @@ def while_loop(init, body_fun):
     if not isinstance(init, VirtualRegister):
         raise TypeError("nl.while_loop: init must be a VirtualRegister")
     r = init
-    with _runtime_loop("nl.while_loop", init) as inst:
+    n = 0
+    with _runtime_loop("nl.while_loop", (init,), None) as (inst, entry):
         base = inst.loop_regs[:-1]
-        k = 0
         while r.value != 0:
-            _iteration(inst, k)
-            k += 1
+            _iteration(inst, n)
             inst.loop_regs = base + (r,)      # the body runs on the current condition register
             r = body_fun(r)
+            n += 1
             if not isinstance(r, VirtualRegister):
                 raise TypeError("nl.while_loop: body_fun must return a VirtualRegister")
+    controlflow.finish(inst, entry, n)
 
 
 @contextlib.contextmanager
 def no_reorder():
-    """Scheduling constraint only; no effect in an in-order interpreter."""
-    yield
+    """Scheduling constraint only (no effect in an in-order interpreter); runtime loops inside it are refused
+    (see _runtime_loop). The block is dynamic: functions called under it are under it too (SDK how-to-scheduling)."""
+    inst = _current("nl.no_reorder")
+    inst.no_reorder.append(call_site())
+    try:
+        yield
+    finally:
+        inst.no_reorder.pop()
 
 
 # The experimental random-number wrappers (nkisim/language_random.py, built from nkisim/isa/rng.py).

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import blas, hw, trace
+from . import blas, hw, int32, trace
 from .errors import LaunchAborted, NkiValidationError
 from .memory import (PSUM, SBUF, PRIVATE_HBM, SHARED_HBM, HbmAccount, RangeAllocator, Storage,
                      attach_release)
@@ -242,6 +242,12 @@ class World:
             self.aborted = NkiValidationError(
                 f"{self.kernel_name}: deadlock, no program instance can proceed (tp={self.tp}, lnc={self.lnc}):\n"
                 + self.describe_waits())
+            for L in self.ranks:           # cores that ran different runtime loops: that is the cause
+                msg = controlflow.divergence(L)
+                if msg is not None:
+                    self.aborted = NkiValidationError(msg + "\n(this left the launch deadlocked:\n"
+                                                      + self.describe_waits() + ")")
+                    break
         self.turn = -1
         self.wake_all()
         return None
@@ -346,6 +352,9 @@ class Instance:
         self.loops = ()                                 # ids of the enclosing runtime loops (innermost last)
         self.loop_regs = ()                             # registers bounding them (traced as reg_reads)
         self.n_loops = 0
+        self.loop_events = 0                            # runtime-loop entries + exits so far (PSUM liveness rule)
+        self.loop_log = []                              # runtime loops run, in order (nkisim/controlflow.py)
+        self.no_reorder = []                            # call sites of the enclosing nl.no_reorder() blocks
         self.loop_iters = ()                            # ((loop id, iteration), ...) traced as "loop" (outer first)
         self.traced = None                              # [(trace, record)] of the last traced instruction
         self.last_recs = None                           # trace records of the last instruction (Instruction)
@@ -378,10 +387,14 @@ class Instance:
             name = ("sbuf" if buffer is SBUF else "psum" if buffer is PSUM else _BUFNAME[buffer]) + str(self.n_alloc)
         if not shape or min(shape) <= 0:
             raise ValueError(f"{op}: shape must be non-empty with positive dims, got {list(shape)}")
+        if max(shape) > hw.INT32_MAX:
+            int32.check_ints(shape, f"{op}: shape")
         if buffer is SHARED_HBM:
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
             st, new = self.launch.shared_alloc(self, shape, dtype, name)
+            if new:
+                int32.check_size(st)
             st.named = st.named or explicit
             if new and not explicit:
                 st.site = kernel_site()
@@ -395,6 +408,7 @@ class Instance:
         if self.loops:
             st.loops = self.loops
         if buffer is PRIVATE_HBM:
+            int32.check_size(st)
             if address is not None:
                 raise NkiValidationError(f"{op}: address= applies to SBUF/PSUM tensors only")
             self.private_hbm.allocate(st.nbytes, st.name)
@@ -452,6 +466,7 @@ def _run_instance(world, inst, fn, args, kwargs, results):
 
 def run(world, fn, per_rank_args, per_rank_kwargs):
     """Run every instance of the world; returns the value returned by program 0 of each rank."""
+    frontend.check_launch(fn, per_rank_args, per_rank_kwargs)     # arguments, closure, referenced code
     insts = world.instances
     if len(insts) == 1:
         inst = insts[0]
@@ -478,6 +493,7 @@ def run(world, fn, per_rank_args, per_rank_kwargs):
     world.record_memory()
     if world.aborted is not None:
         raise world.aborted
+    controlflow.check_world(world)
     return [results.get(L.instances[0].gid) for L in world.ranks]
 
 
@@ -495,3 +511,6 @@ def _timeout(world, threads):
         world.wake_all()
     for t in threads:
         t.join(0.5)
+
+
+from . import controlflow, frontend  # noqa: E402  (controlflow imports kernel_site from this module)

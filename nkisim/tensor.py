@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from . import dtypes, hw
+from . import dtypes, hw, int32
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
 from .memory import ON_CHIP, HBM, PSUM, materialize, written_array
 
@@ -274,7 +274,7 @@ class NkiTensor:
                     if v is not None and not isinstance(v, (int, np.integer)):
                         raise TypeError(f"index of dim {d} of {self.describe()}: slice bounds must be Python "
                                         f"ints, got {type(v).__name__} (runtime offsets need .ap(scalar_offset=))")
-                step = 1 if k.step is None else int(k.step)
+                step = 1 if k.step is None else int32.check(int(k.step), f"slice step of dim {d}")
                 if step == 0:
                     raise IndexError("slice step cannot be zero")
                 start, stop, _ = k.indices(n)
@@ -547,6 +547,9 @@ class NkiTensor:
                 raise TypeError(f"{op}: offset must be a Python int (runtime offsets use scalar_offset=), "
                                 f"got {type(offset).__name__}")
             boff = int(offset) * isz
+        int32.check_ints([x for p in pattern for x in p], f"{op}: pattern (flattened [step, num] pairs)")
+        if offset is not None:
+            int32.check(int(offset), f"{op}: offset")
         shape = [n for _, n in pattern]
         bstrides = [s * isz for s, _ in pattern]
         for s, n in pattern:

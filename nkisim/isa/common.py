@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from .. import dtypes, frontend, hw
+from .. import dtypes, frontend, hw, int32
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
 from ..registers import VirtualRegister
@@ -14,6 +14,7 @@ from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, ra
 from .enums import engine as E, reduce_cmd
 
 
+_INT32_MAX = hw.INT32_MAX
 ENGINE_NAME = {E.tensor: "PE", E.scalar: "ACT", E.vector: "DVE", E.gpsimd: "POOL", E.dma: "DMA", E.sync: "SP"}
 # which memories each engine reaches (ref §5.0 "Memory reachability", SDK-ARCH)
 REACH = {"PE": (SBUF, PSUM), "ACT": (SBUF, PSUM), "DVE": (SBUF, PSUM), "POOL": (SBUF,), "DMA": (SBUF,) + HBM}
@@ -45,6 +46,8 @@ def tensor(op, name, t, mems=ON_CHIP, eng=None, allow_indirect=False):
         if ind.dim == 0:
             raise NkiValidationError(f"{op}: {name} has a dynamic offset on the partition dim; an on-chip dynamic "
                                      f"select cannot target dim 0 (ref §3.2)")
+    if t.storage.nelems > _INT32_MAX:       # only such tensors can be addressed beyond int32 (nkisim/int32.py)
+        int32.check_view(op, name, t)
     return t
 
 
@@ -215,6 +218,7 @@ def scalar_or_column(op, name, x, P, need_f32=True, eng=None):
             raise NkiValidationError(f"{op}: {name} tile must be float32 for arithmetic operators, got {x.dtype}")
         return "tile", x
     if is_scalar(x):
+        int32.check_scalar(x, f"{op}: {name}")
         return "scalar", x
     raise TypeError(f"{op}: {name} must be a Python scalar or a ({P}, 1) tile, got {type(x).__name__}")
 
@@ -296,6 +300,16 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     if launch.world.aborted is not None:
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")
+    for lst in (writes, reads):
+        for _, t in lst:
+            if type(t) is NkiTensor:
+                st = t.storage
+                if st.psum or st.loops:
+                    _loop_rules(op, inst, reads, writes, extra.get("accumulate", None))
+                    break
+        else:
+            continue
+        break
     if launch.world.lint:
         f = sys._getframe(2)            # the code that called the ISA op
         b = f.f_back
@@ -348,6 +362,74 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     rec.update(extra)
     inst.last_recs = inst.traced = launch.record(rec)
     return inst
+
+
+# ---- PSUM and runtime loops ------------------------------------------------------------------------
+# Loop state of a runtime loop lives in SBUF/HBM, never PSUM: SDK-NL fori_loop / while_loop "carry any other loop
+# state through SBUF/HBM". (1) An instruction of ANY engine inside a runtime loop that writes a PSUM tensor allocated
+# outside that loop is refused (hw.LOOP_PSUM_CHECK, default "error"): the write carries state across iterations or
+# out of the loop. Corroborated for the tensor engine by a public NKI 0.6 project's compiler probe (neuronx-cc 2.27:
+# NCC_IBIR092 "Live-in/Live-out MemoryLocation ... not allocated to MemoryType: DRAM"); the same probe saw an ACT
+# write into such PSUM compile, but the documented rule names no engine, so nkisim refuses every engine.
+# (2) A PSUM value live across a runtime-loop boundary -- accessed before a loop starts (or ends) and read or
+# accumulated onto after that boundary (e.g. an nc_matmul accumulation group kept open across a loop, or PSUM
+# written before a loop and read inside it) -- is a NkiFidelityWarning (hw.LOOP_PSUM_LIVE, default "warn"): the docs
+# do not forbid it (nki-dynamic-loops.rst "Register Allocation Implications": live tensors stay in SBUF/PSUM for the
+# loop's duration), but NCC_IBIR092 names live-in / live-out memory of a loop, so it is a likely rejection. A whole
+# overwrite (not an accumulating matmul) starts a new value and is not a crossing.
+# (3) A tensor allocated inside the body of a runtime loop is used after the loop: refused (SDK-MIG 0.6.0 "Rules for
+# migrated loops": "Tensors (nl.ndarray) declared inside a body function cannot be referenced outside of the loop").
+_psum_warned = set()
+
+
+def _loop_rules(op, inst, reads, writes, accumulate):
+    ev = inst.loop_events
+    loops = inst.loops
+    for is_write, lst in ((True, writes), (False, reads)):
+        for name, t in lst:
+            if type(t) is not NkiTensor:
+                continue
+            st = t.storage
+            if st.loops and loops[:len(st.loops)] != st.loops:
+                raise NkiValidationError(
+                    f"runtime loops: {op} at {call_site()}: {name} is {t.describe()}, allocated inside the body of a "
+                    f"runtime loop (nl.fori_loop / nl.while_loop / nl.dynamic_range) that has ended; tensors declared "
+                    f"inside a loop body cannot be referenced outside of the loop (SDK migration guide 0.6.0 'Rules for "
+                    f"migrated loops'): declare it before the loop")
+            if not st.psum:
+                continue
+            if is_write and loops and loops[-1] not in st.loops:
+                _loop_rule(hw.LOOP_PSUM_CHECK, op, name, t, "loop_write",
+                           f"writes PSUM tensor {t.describe()} inside a runtime loop (nl.fori_loop / nl.while_loop / "
+                           f"nl.dynamic_range) that it was allocated outside of; loop state lives in SBUF/HBM, never "
+                           f"PSUM (SDK-NL fori_loop / while_loop: 'carry any other loop state through SBUF/HBM'; "
+                           f"neuronx-cc 2.27 NCC_IBIR092 'Live-in/Live-out MemoryLocation'): allocate the PSUM tile "
+                           f"inside the loop body and carry state in SBUF (switch: nkisim.hw.LOOP_PSUM_CHECK)")
+            overwrite = is_write and (op != "nc_matmul" or accumulate is False) and covers(t)
+            if st.epoch is not None and st.epoch != ev and not overwrite:
+                _loop_rule(hw.LOOP_PSUM_LIVE, op, name, t, "live",
+                           f"{'accumulates onto' if is_write else 'reads'} PSUM tensor {t.describe()} whose value was "
+                           f"written before a runtime-loop boundary (the value is live across an nl.fori_loop / "
+                           f"nl.while_loop / nl.dynamic_range); loop state belongs in SBUF/HBM (SDK-NL fori_loop: 'carry "
+                           f"any other loop state through SBUF/HBM'; NCC_IBIR092 names loop live-in/live-out memory). "
+                           f"Evict the PSUM value to SBUF before the loop, or keep the accumulation group on one side "
+                           f"of it (switch: nkisim.hw.LOOP_PSUM_LIVE)")
+            st.epoch = ev
+
+
+def _loop_rule(mode, op, name, t, kind, msg):
+    if mode == "off":
+        return
+    site = call_site()
+    text = f"runtime loops: {op} at {site}: {name} {msg}"
+    if mode == "error":
+        raise NkiValidationError(text)
+    key = (site, kind)
+    if key not in _psum_warned:
+        _psum_warned.add(key)
+        import warnings
+        from ..errors import NkiFidelityWarning
+        warnings.warn(text, NkiFidelityWarning, stacklevel=4)
 
 
 class Instruction:

@@ -4,7 +4,7 @@ import numpy as np
 
 from ..runtime import QUIET
 
-from .. import dtypes, hw, ops
+from .. import dtypes, hw, int32, ops
 from ..errors import NkiValidationError
 from ..memory import ON_CHIP, PSUM, SBUF
 from ..tensor import NkiTensor, raw
@@ -338,6 +338,7 @@ def memset(dst, value, engine=E.unknown, name=None):
     _operands(w, eng, ("dst", dst))
     if not is_scalar(value):
         raise NkiValidationError(f"{w}: value must be a compile-time Python scalar, got {type(value).__name__}")
+    int32.check_scalar(value, f"{w}: value")
     if dtypes.is_int(dst.dtype) and not isinstance(value, (int, np.integer, bool)):
         raise NkiValidationError(f"{w}: value {value!r} is a {type(value).__name__} but dst is {dst.dtype}; the value "
                                  f"type must match the dst dtype (NKI 0.3.0)")

@@ -4,10 +4,9 @@ import warnings
 import numpy as np
 
 from .. import hw
-from ..errors import NkiFidelityWarning, NkiValidationError, UninitializedReadError
+from ..errors import NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
 from ..tensor import _extent, elem_mask, mask, raw
-from ..runtime import call_site, current
 from .common import Instruction, check_enum, geom, mark, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
 
@@ -51,33 +50,6 @@ def _dense_source(op, data):
             f"tile): {data.describe()} reads {F} elements per partition of a {R // data.itemsize}-element partition row "
             f"(trn2 pitfall: 'data-AP partition stride equal to the tensor free size (buffers cannot be "
             f"oversized/shared)'); copy the slice into its own [{P}, {F}] tile first")
-
-
-# A PE write (nc_matmul / PE nc_transpose) inside a runtime loop into PSUM allocated outside that loop fails
-# neuronx-cc 2.27 / NKI 0.6.0 with NCC_IBIR092 "Live-in/Live-out MemoryLocation ... not allocated to MemoryType:
-# DRAM" (a public NKI 0.6 project's compiler probe, tools/probe_nki_loop_liveout.py: SBUF/HBM state across the
-# loop and PSUM written by the scalar engine compile; the tensor engine writing outside-allocated PSUM does not),
-# and SDK-NL fori_loop asks to "carry any other loop state through SBUF/HBM". Refused by default;
-# nkisim.hw.LOOP_PSUM_CHECK = "warn" turns it into a NkiFidelityWarning (once per call site), "off" silences it.
-_loop_psum_warned = set()
-
-
-def _loop_psum_check(op, dst):
-    inst_loops = current(op).loops
-    mode = hw.LOOP_PSUM_CHECK
-    if not inst_loops or mode == "off" or dst.storage.loops == inst_loops:
-        return
-    msg = (f"{op}: writes PSUM tensor {dst.describe()} allocated outside the enclosing runtime loop (nl.fori_loop / "
-           f"nl.while_loop / nl.dynamic_range); neuronx-cc 2.27 (NKI 0.6.0) rejects tensor-engine writes into "
-           f"loop-external PSUM (NCC_IBIR092 'Live-in/Live-out MemoryLocation ... not allocated to MemoryType: DRAM', "
-           f"reported by a public NKI 0.6 project's compiler probe): allocate the PSUM tile inside the loop body and "
-           f"carry state in SBUF/HBM (nkisim.hw.LOOP_PSUM_CHECK = 'warn' | 'error' | 'off')")
-    if mode == "error":
-        raise NkiValidationError(msg)
-    site = call_site()
-    if site not in _loop_psum_warned:
-        _loop_psum_warned.add(site)
-        warnings.warn(f"{site}: {msg}", NkiFidelityWarning, stacklevel=3)
 
 
 def _psum_word_check(op, dst):
@@ -192,7 +164,6 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             raise NkiValidationError(f"{op}: dst {list(dst.shape)} must be [M={M} partitions, N={N} elements per "
                                      f"partition] for stationary {list(stationary.shape)} and moving {list(moving.shape)}")
     _bank_check(op, dst)
-    _loop_psum_check(op, dst)
     extra = {"perf_mode": perf_mode.name} if double else {}
     if is_transpose:
         extra["is_transpose"] = True
@@ -322,7 +293,6 @@ def nc_transpose(dst, data, engine=E.unknown, name=None):
         _bank_check(op, dst)
         _psum_word_check(op, dst)
         _dense_source(op, data)
-        _loop_psum_check(op, dst)
     inst = record(op, eng, reads=[("data", data)], writes=[("dst", dst)])
     if inst.shape_only:
         return Instruction(op)

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from .. import dtypes, ops
+from .. import dtypes, int32, ops
 from ..errors import NkiValidationError, OutOfBoundsError
 from ..memory import SBUF
 from ..tensor import mask, raw
@@ -24,6 +24,9 @@ def _pattern_values(w, pattern, P, F, offset, cm):
     key = (tuple(map(tuple, pat)), P, F, offset, cm)
     v = _PATTERNS.get(key)
     if v is None:
+        # SDK-ISA iota / affine_select: "an int32 offset value", "an int32 multiplier" (nkisim/int32.py)
+        int32.check_ints([offset, cm], f"{w}: [offset, channel_multiplier]")
+        int32.check_ints([x for p in pat for x in p], f"{w}: pattern (flattened [step, num] pairs)")
         v = _PATTERNS[key] = _pattern_compute(w, pat, P, F, offset, cm)
         v.setflags(write=False)
         if len(_PATTERNS) > 1024:

@@ -9,6 +9,8 @@ import nki.language as nl
 import nkisim
 from nkisim import hw
 
+N_REGS = hw.NUM_REGISTERS          # (kernel code reads no nkisim module)
+
 
 def _layer(i_sb, acc):
     """One 'layer': a fresh register loaded from SBUF, used as a runtime loop bound, then dropped."""
@@ -28,7 +30,7 @@ def test_dead_registers_are_freed():
         nisa.dma_copy(dst=i_sb, src=n)
         acc = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=acc, value=0.0)
-        for _ in range(3 * hw.NUM_REGISTERS):
+        for _ in range(3 * N_REGS):
             _layer(i_sb, acc)
         out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
         nisa.dma_copy(dst=out, src=acc)

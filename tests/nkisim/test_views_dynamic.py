@@ -68,7 +68,7 @@ def test_reshape_rules():
             try:
                 s.reshape(bad)
                 r[bad] = "ok"
-            except (ValueError, nkisim.NkiValidationError) as e:
+            except (ValueError, nisa.NkiValidationError) as e:
                 r[bad] = type(e).__name__
         return r
     r = _probe(f)
@@ -87,7 +87,7 @@ def test_partition_dim_view_rules():
             try:
                 bad()
                 r[name] = "ok"
-            except nkisim.NkiValidationError as e:
+            except nisa.NkiValidationError as e:
                 r[name] = str(e)
         return r
     r = _probe(f)
@@ -262,7 +262,7 @@ def test_rearrange(rng):
         assert w.shape == (6, 8, 4) and w.strides == (32, 1, 8)
         try:
             x.rearrange(("a", ("b", "c")), ("a", ("c", "b")), {"c": 8})     # merge of non-adjacent strides
-        except nkisim.NkiValidationError:
+        except nisa.NkiValidationError:
             pass
         else:
             raise AssertionError("merge of permuted dims must be refused")
