@@ -299,14 +299,19 @@ def _shape_dtype(t):
 
 
 def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only: bool = True, context: int = 4096,
-              lnc: int = 2):
+              lnc: int = 2, shipped: bool = False):
     """(kernel, per-rank keyword arguments) of one full decode round at the config's shapes.
 
     Shape-only (the only mode at full size: 70 GB of weights are never allocated): the per-rank weight
     shapes come from running the real layout helpers on ``meta`` tensors, the decode state is that of a
-    ``context``-token sequence, and the attention loops are specialised to that context (``max_context``)
-    so the trace costs it. Launch with ``nkisim.launch(kernel, args, tp=len(args), lnc=lnc)``. T must be 2
-    (the verify of [pending, draft]). Used by ``python -m harness.bench predict``.
+    ``context``-token sequence. The integer run-time inputs carry real values (pending token 0, read slot 0,
+    no forced draft, ``pos_d1`` = context - 1, ``pos`` = context; a shape-only launch keeps integer inputs'
+    data). By default the attention loops are specialised to that context (``max_context``) so the trace
+    costs it without any register values; ``shipped=True`` builds the kernel the variants and the NxDI build
+    launch (``max_context=None``, runtime loops), whose on-chip computed loop bounds are nkisim's placeholder
+    0 unless a register-value provider gives them (``harness.register_models.RoundRegisters``). Launch with
+    ``nkisim.launch(kernel, args, tp=len(args), lnc=lnc)``. T must be 2 (the verify of [pending, draft]).
+    Used by ``python -m harness.bench predict``.
     """
     import torch
 
@@ -321,17 +326,21 @@ def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only:
               for k, s in expected_shapes(cfg).items()}
     state = DecodeState.empty(cfg, max_len=context + 2, slots=2, dtype=act)
     spec = RoundSpec(tuple(cfg.layer_types), len(kv_groups(cfg, 0, tp)), tp, lnc, float(cfg.rms_norm_eps),
-                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), "round", max_context=context)
-    runtime = {"pending": ((1, 1), "int32"), "hidden": ((1, cfg.hidden_size), dtype), "read_slot": ((1, 1), "int32"),
-               "force": ((1, 2), "int32"), "pos_d1": ((1, 1), "int32"), "pos": ((1, 1), "int32"),
-               "cos_d1": ((1, cfg.rotary_dim), "float32"), "sin_d1": ((1, cfg.rotary_dim), "float32"),
-               "cos_v": ((2, cfg.rotary_dim), "float32"), "sin_v": ((2, cfg.rotary_dim), "float32")}
+                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), "round",
+                     max_context=None if shipped else context)
+    runtime = {"hidden": ((1, cfg.hidden_size), dtype), "cos_d1": ((1, cfg.rotary_dim), "float32"),
+               "sin_d1": ((1, cfg.rotary_dim), "float32"), "cos_v": ((2, cfg.rotary_dim), "float32"),
+               "sin_v": ((2, cfg.rotary_dim), "float32")}
+    ints = {"pending": [[0]], "read_slot": [[0]], "force": [[0, 0]], "pos_d1": [[context - 1]], "pos": [[context]]}
+    import numpy as np
+
     import nkisim
     per_rank = []
     for r in range(tp):
         tensors = {**rank_weights(cfg, params, r, tp, lnc), **rank_state(cfg, state, r, tp)}
         args = {k: _shape_dtype(v) for k, v in tensors.items()}
         args.update({k: nkisim.ShapeDtype(sh, dt) for k, (sh, dt) in runtime.items()})
+        args.update({k: np.array(v, np.int32) for k, v in ints.items()})
         per_rank.append(args)
     return build_kernel(spec, sorted(per_rank[0])), per_rank
 

@@ -905,6 +905,16 @@ def xT_layout(x) -> np.ndarray:
     return np.ascontiguousarray(a.T.reshape(H // P, P, T).transpose(1, 0, 2))
 
 
+def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int]:
+    """Trip counts of the body's five runtime loops at position p, in program order (head tiles, prologue,
+    pairs, even tail, odd tail; module docstring "KV tiling"), the same on every core: the host-side statement
+    of what :func:`_runtime_scalars` computes on chip."""
+    S = n_cores * kv_tile
+    r, n = p % S, p // S
+    m = max(n - 1, 0) // 2
+    return int(r > 0), int(n >= 1), m, n // 2 - m, n & 1
+
+
 def rope_tables(start: int, T: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin ``[T, rotary_dim]`` float32 for positions start..start+T-1, as model.functional.rope_cos_sin
     computes them (inv_freq_j = 1 / theta^(2j/R), bit-identical; frequencies repeated twice for the rotate-half

@@ -316,9 +316,9 @@ def _route(xT, r_sb, top_k, S, lnc, pid):
     ids_f = nl.ndarray((1, S), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ids_f, data=keys[:, 0:S], op0=nl.multiply, operand0=-1.0, op1=nl.add,
                        operand1=float(E))
-    ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
+    ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name="moe_expert_ids")
     nisa.tensor_copy(dst=ids, src=ids_f)
-    flags = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
+    flags = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name="moe_slot_flags")
     nisa.tensor_scalar(dst=flags, data=keys[:, 0:S], op0=nl.greater, operand0=0.0)
 
     # per-slot token weights wsel[t, s] = w[t, ids[s]] = sum_e w[t, e] * (e == ids[s]) (one-hot matmul)

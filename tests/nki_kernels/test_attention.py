@@ -131,6 +131,25 @@ def test_tiny_parity(T, p, lnc, dtype):
     _check_caches(dtype, p, T, before, twin, kern)
 
 
+POSITIONS = [0, 1, 127, 128, 129, 511, 512, 513, 1023, 1024, 1536, 4096]
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("p", POSITIONS)
+def test_positions_and_uniform_runtime_loops(p, T, lnc):
+    """Parity at the tile-boundary positions, and the runtime loops each core ran: the five loops of the KV
+    tiling with the trip counts of ``tile_loop_trips(p)`` on EVERY core (LNC=2: both cores run the same
+    runtime loops, lnc.rst; nkisim also refuses a launch whose cores differ)."""
+    with nkisim.trace.capture() as tr:
+        cfg, got, want, before, twin, kern = _case(TINY, torch.float32, T, p, lnc, rank=p % 4)
+    _check(torch.float32, got, want, T, cfg.hidden_size, lnc)
+    _check_caches(torch.float32, p, T, before, twin, kern)
+    for core in range(lnc):
+        trips = tuple(lp["trips"] for lp in tr.loops if lp["inst"] == core)
+        assert trips == att.tile_loop_trips(p, n_cores=lnc), f"core {core}: {trips}"
+
+
 @pytest.mark.parametrize("T,p,kv_tile", [(2, 300, 128), (4, 256, 128), (1, 383, 128), (3, 1021, 256)])
 def test_tiny_small_tiles(T, p, kv_tile):
     """Smaller KV tiles: head tile + several runtime-loop iterations, tile boundaries at p."""
@@ -141,10 +160,13 @@ def test_tiny_small_tiles(T, p, kv_tile):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_tiny_32k_context(lnc):
-    """A 32K-token cache (63 full tiles + a head tile + the new block), both LNC degrees."""
-    cfg, got, want, before, twin, kern = _case(TINY, torch.bfloat16, 2, 32_700, lnc, L=32_768)
+    """A 32K-token cache (31 full rank tiles + the head tiles + the new block at LNC=2), both LNC degrees."""
+    with nkisim.trace.capture() as tr:
+        cfg, got, want, before, twin, kern = _case(TINY, torch.bfloat16, 2, 32_700, lnc, L=32_768)
     _check(torch.bfloat16, got, want, 2, cfg.hidden_size, lnc)
     _check_caches(torch.bfloat16, 32_700, 2, before, twin, kern)
+    for core in range(lnc):
+        assert tuple(lp["trips"] for lp in tr.loops if lp["inst"] == core) == att.tile_loop_trips(32_700, lnc)
 
 
 def test_positions_past_the_cache_fault():
@@ -182,11 +204,19 @@ def test_real_parity(dtype, T, p, lnc, rank):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lnc", [1, 2])
 @pytest.mark.parametrize("T", [1, 2, 4])
-@pytest.mark.parametrize("p", [0, 1, 127, 128, 129, 4096])
+@pytest.mark.parametrize("p", [0, 1, 127, 128, 129, 511, 512, 513, 1023, 4096])
 def test_real_sweep(p, T, lnc, dtype):
     cfg, got, want, before, twin, kern = _case(REAL, dtype, T, p, lnc, rank=p % 4)
     _check(dtype, got, want, T, cfg.hidden_size, lnc)
     _check_caches(dtype, p, T, before, twin, kern)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_real_32k_context(lnc):
+    cfg, got, want, before, twin, kern = _case(REAL, torch.bfloat16, 2, 32_700, lnc, L=32_768)
+    _check(torch.bfloat16, got, want, 2, cfg.hidden_size, lnc)
+    _check_caches(torch.bfloat16, 32_700, 2, before, twin, kern)
 
 
 def test_split_k_both_dtiles_accumulated():

@@ -1,0 +1,50 @@
+"""The full-size round megakernel in its SHIPPED form (runtime loops, ``max_context=None``: the kernel the
+variants and the NxDI build launch) traced under nkisim at TP=4 x LNC=2 in shape-only mode.
+
+nkisim refuses, per launch and rank, any difference between the two cores' runtime loops (site, trip count,
+nesting), any integer beyond int32 (e.g. an element offset into a stacked MoE table), PSUM loop state, classes
+that are not plain NKIObjects and the Python the NKI front end does not take: a trace that completes is the
+check. The integer run-time inputs carry real values (context 2048: D1 attends at p = 2047, V and D2 at 2048),
+and the registers the kernel computes on chip come from ``harness.register_models.RoundRegisters`` (the
+attention registers of an executing launch at the same positions, the MoE routing model), so the runtime loops
+run their real trip counts -- checked against the attention tiling of nki_kernels/attention.py.
+
+Full size: ~8 s to build the per-rank argument shapes and 30-70 s to interpret ~280k instructions on 8 cores:
+slow (``make test-slow``). The tiny-preset megakernel runs the same kernel code executing in the default suite
+(tests/harness/test_kernel_variants.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import nkisim
+from model.config import preset
+from nki_kernels.attention import tile_loop_trips
+
+CONTEXT = 2048
+LNC = 2
+
+
+@pytest.mark.slow
+def test_shipped_round_kernel_traces_with_real_trip_counts():
+    from harness.register_models import RoundRegisters, Routing
+    from megakernel.round import demo_args
+    kernel, args = demo_args(preset("qwen3.6-35b-a3b"), context=CONTEXT, shipped=True)
+    assert len(args) == 4
+    registers = RoundRegisters(CONTEXT, Routing())    # (records executing tiny launches: outside the capture)
+    with nkisim.trace.capture() as tr, nkisim.register_values(registers):
+        nkisim.launch(kernel, args, tp=4, lnc=LNC)
+    assert len(tr.instructions) > 200_000
+    want = [tile_loop_trips(CONTEXT - 1)] + [tile_loop_trips(CONTEXT)] * 10 + [tile_loop_trips(CONTEXT)]
+    assert want[0] != want[1]          # D1 (head tile and odd tail) and V (even tail) take different paths
+    for rank in range(4):
+        for core in range(LNC):
+            att = [lp["trips"] for lp in tr.loops
+                   if lp["rank"] == rank and lp["inst"] == core and lp["loc"].startswith("attention.py")]
+            got = [tuple(att[i:i + 5]) for i in range(0, len(att), 5)]
+            assert got == want, f"rank {rank} core {core}: attention loop trips {got}"
+            moe = [lp["trips"] for lp in tr.loops
+                   if lp["rank"] == rank and lp["inst"] == core and lp["loc"].startswith("moe.py")]
+            # V: 40 layers x 8 conditional slots x (fetch, compute); ~7.75 of 8 run (15.75 distinct experts)
+            assert len(moe) == 2 * 40 * 8 and 0 < moe.count(0) < len(moe) // 4
