@@ -27,10 +27,11 @@ Layouts
 * Weights: :func:`nki_kernels.gdn.gdn_weight_layout` (``w_in [n, 128, J, N]`` contraction-major,
   ``conv_w [n, D, NH, K]``, ``w_out [n, D, Hv_c, H]``, ``A_log``/``dt_bias [Hv_r]``, ``norm_w [D, 1]``).
   Core c owns value heads ``[c*Hv_c, (c+1)*Hv_c)`` and their key heads (``core_split``).
-* ``finite [n_cores, 1]`` float32 (wrapper output): 1.0 when the core's final recurrent state is finite.
-  A NaN/Inf anywhere in xT, the carried window or the carried state reaches every later state (it enters
-  u, q/k/v, the block's inverse and V_new), so this one flag reports non-finite input instead of letting it
-  propagate silently; :func:`check_finite` turns it into an error on the host.
+* ``finite [n_cores, 1]`` float32 (wrapper output): 1.0 when the core's final recurrent state and its y are
+  finite (0 * (sum of both) == 0; the row sums of y come free with its PSUM evictions). A NaN / Inf in xT
+  reaches every core's y and state; one in the carried state or window reaches the cores that own it.
+  This flag reports non-finite input (or an overflow) instead of letting it propagate silently;
+  :func:`check_finite` turns it into an error on the host.
 
 Algorithm per core (static Python loops: the token count is a compile-time shape, one specialisation per
 chunk length; a length that is not a multiple of 128 is zero-padded inside the last tile with beta = 0
@@ -258,6 +259,7 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
                        on_false_value=0.0, cmp_op=nl.equal)
     c["sel_a"] = sel
     c["ones_d"] = _ones((D, D), F32, "ones_d")
+    c["ones_col"] = _ones((P, 1), F32, "ones_col")
     # segmented-scan restart mask: 0 at the first token of every block
     rs = _ones((hv, g["super"] * TILE // BLOCK, BLOCK), F32, "scan_reset")
     nisa.affine_select(dst=rs, pattern=[[0, g["super"] * TILE // BLOCK], [1, BLOCK]], channel_multiplier=0,
@@ -653,6 +655,13 @@ def super_tiles(isz, hv):
     return SUPER if (isz == 2 and hv <= PSUM_COLS // P) else 1
 
 
+def super_tile_tokens(dtype, hv_core):
+    """Tokens per projection super-tile for an activation dtype (torch, numpy or NKI name) and value heads per
+    core: prompt chunks split at multiples of it see the same shapes as one call (host helper)."""
+    isz = 2 if "bfloat16" in str(dtype) else 4
+    return super_tiles(isz, hv_core) * TILE
+
+
 def head_groups(hv, runs):
     """The core's value heads in groups of at most 4 (one PSUM bank holds [128, 4, 128] fp32), each with its
     key-head runs ([key head, first, end) relative to the group). Compile time, NKI Python subset."""
@@ -670,7 +679,7 @@ def head_groups(hv, runs):
     return groups
 
 
-def _t_open(g, A, c0, groups):
+def _t_open(g, A, c0, groups, index):
     """Context of the tile at column c0 of super-tile context A, with its three item lists."""
     ng = len(groups)
     p1 = [("shared", 0, 0)]
@@ -693,7 +702,7 @@ def _t_open(g, A, c0, groups):
     grp = []
     for gi in range(ng):
         grp.append({"h0": groups[gi]["h0"], "n": groups[gi]["n"], "runs": groups[gi]["runs"]})
-    return {"A": A, "c0": c0, "grp": grp, "items": {"p1": p1, "chain": chain, "p3": p3}}
+    return {"A": A, "c0": c0, "grp": grp, "index": index, "items": {"p1": p1, "chain": chain, "p3": p3}}
 
 
 def _p1_item(g, c, T, item):
@@ -880,6 +889,7 @@ def _p3_item(g, c, T, item, wo, y, eps):
         G["yg"], G["oa"] = yg, None
     elif kind == "yproj":
         k = gi
+        nk = (H + PSUM_COLS - 1) // PSUM_COLS
         n0 = k * PSUM_COLS
         n1 = min(H, n0 + PSUM_COLS)
         ps, pb = _ps(c, TILE, [n1 - n0])
@@ -890,15 +900,19 @@ def _p3_item(g, c, T, item, wo, y, eps):
                                accumulate=not first)
                 first = False
         ysb = c["y_ring"][k][:, 0:n1 - n0]       # fixed buffers: a chunk's DMA has a whole tile to drain
+        # the eviction also sums the chunk's rows (free on both engines): the finite flag covers y
+        col = c["y_sums"][:, T["index"] * nk + k:T["index"] * nk + k + 1]
         if k % 2 == 0:
-            nisa.activation(dst=ysb, op=nl.copy, data=ps)
+            nisa.activation(dst=ysb, op=nl.copy, data=ps, reduce_op=nl.add, reduce_res=col,
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
         else:
-            nisa.tensor_copy(dst=ysb, src=ps, engine=DVE_ENG)
+            nisa.tensor_scalar_reduce(dst=ysb, data=ps, op0=nl.multiply, operand0=1.0, reduce_op=nl.add,
+                                      reduce_res=col)
         _ps_free(c, pb)
         t0 = A["t0"] + c0
         nv = min(TILE, A["t0"] + A["vs"] - t0)
         nisa.dma_copy(dst=y[t0:t0 + nv, n0:n1], src=ysb[0:nv, :])
-        if k == (H + PSUM_COLS - 1) // PSUM_COLS - 1:
+        if k == nk - 1:
             for G in T["grp"]:
                 G["yg"] = None
 
@@ -934,6 +948,8 @@ def _run_tiles(g, c, xT, hist, S, groups, wo, y, eps, neg):
         for tl in range((vs + TILE - 1) // TILE):
             tiles.append((s, tl * TILE))
     nt = len(tiles)
+    c["y_sums"] = nl.ndarray((TILE, nt * ((g["H"] + PSUM_COLS - 1) // PSUM_COLS)), F32, buffer=nl.sbuf,
+                             name="y_row_sums")
     ahead = 2 if len(groups) == 1 else 1     # with two head groups a tile already has two inverse chains
     ctxs = [_a_open(g, c, xT, 0, hist)]
     _a_fill(g, c, ctxs[0], -1.0, neg)
@@ -954,7 +970,7 @@ def _run_tiles(g, c, xT, hist, S, groups, wo, y, eps, neg):
                     ctxs.append(_a_open(g, c, xT, su + 1, ctxs[su]))
                 if su >= 1:
                     ctxs[su - 1] = None                  # the tile contexts hold what they need
-                Ts[u] = _t_open(g, ctxs[su], tiles[u][1], groups)
+                Ts[u] = _t_open(g, ctxs[su], tiles[u][1], groups, u)
         # this step's streams and their target positions
         jobs = []                                        # [tile context, stream, target]
         if t + 1 < nt and t + 1 >= 0:
@@ -1007,7 +1023,7 @@ def gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, st
     to ``y [L, H]`` (HBM float32), the window and recurrent state after token L-1 written to slot
     ``write_slot`` (this core's heads / owned window columns). Starts from slot ``read_slot``; both are
     run-time ``[1, 1]`` int32 HBM tensors. eps: gated-norm epsilon; allow_neg_eigval: beta = 2 sigmoid(b)
-    (fp32 inverse). Returns ``finite [1, 1]`` float32 SBUF (1.0 when the final state is finite).
+    (fp32 inverse). Returns ``finite [1, 1]`` float32 SBUF (1.0 when the final state and y are finite).
     """
     pdim, J, L = xT.shape
     adt = xT.dtype
@@ -1120,6 +1136,9 @@ def gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, st
         rsum = nl.ndarray((D, 1), F32, buffer=nl.sbuf, name="state_sum")
         nisa.tensor_reduce(dst=rsum, op=nl.add, data=S[gi], axis=(1, 2))
         nisa.nc_matmul(dst=tot, stationary=c["ones_d"][:, 0:1], moving=rsum, accumulate=gi > 0)
+    ysum = nl.ndarray((TILE, 1), F32, buffer=nl.sbuf, name="y_sum")
+    nisa.tensor_reduce(dst=ysum, op=nl.add, data=c["y_sums"], axis=(1,))
+    nisa.nc_matmul(dst=tot, stationary=c["ones_col"], moving=ysum, accumulate=True)
     fin = nl.ndarray((1, 1), F32, buffer=nl.sbuf, name="finite")
     nisa.tensor_scalar(dst=fin, data=tot, op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
     return fin
