@@ -13,15 +13,17 @@ function is covered:
 Rules (the README table "Rules enforced" lists them with their sources):
 
 errors (documented)
-  * ``is`` / ``is not``, dict literals with non-string keys, in every traced function (SDK-MIG 0.3.0 "Language
-    restrictions"; SDK-LG "NKI Values": "Dictionaries with string-value keys"). ``HELPER_ERRORS`` = False
-    downgrades them to warnings in helpers.
+  * ``is`` / ``is not``, dict literals with non-string keys, in the ``@nki.jit`` function (SDK-MIG 0.3.0 "Language
+    restrictions"; SDK-LG "NKI Values": "Dictionaries with string-value keys"). In helpers they are warnings: AWS's
+    nki-library (release 2.29 = NKI 0.3.0, tested by compiling and running on hardware) uses ``x is None`` /
+    ``x is not None`` in helpers its kernels execute (86 files, e.g. core/utils/kernel_helpers.py ``reduce``, called
+    by core/cumsum), which the compiler evidently accepts. ``HELPER_ERRORS`` = True makes them errors.
   * classes (SDK-LG "Class Support"): a user class reaching traced code -- an argument, a global or closure value
     read by traced code, or a class a traced function names (e.g. to build an object) -- must inherit from
     ``NKIObject`` and no other class (a single-inheritance chain of such classes is accepted); enumerations derive
     from ``Enum`` alone (SDK-LG "Enumerations"). Only the object dictionary crosses ("NKI does not look at slots or
     other object features, only the object dictionary"): ``__slots__`` and properties / other data descriptors are
-    refused. Switch ``CLASS_RULE``.
+    refused (frozen dataclasses are accepted: nki-library passes them). Switch ``CLASS_RULE``.
   * undocumented names of the API: ``nl.X`` / ``nisa.X`` / ``ncc.X`` / ``nki.X`` that is not in the NKI 0.6
     public interface (nkisim/public_api.py, from ../shared/docs/nki-api-0.6.json), nkisim internals imported
     directly, and undocumented attributes of API objects (``ReplicaGroup.groups``, ``VirtualRegister.value``,
@@ -61,7 +63,7 @@ from . import public_api
 from .errors import NkiFidelityWarning, NkiValidationError
 
 HELPER_LINT = True        # lint the helpers a kernel runs
-HELPER_ERRORS = True      # documented rejections ('is', non-string dict keys) are errors in helpers too
+HELPER_ERRORS = False     # True: 'is' / non-string dict keys are errors in helpers too (see the docstring)
 CLASS_RULE = "error"      # user classes reaching traced code (SDK-LG "Class Support")
 API_RULE = "error"        # undocumented API names / attributes
 PURITY = "warn"           # traced code reading mutable module globals / closure state (SDK-LG "Kernel Caching")
@@ -289,7 +291,7 @@ def _api_module_name(mod):
         from . import collectives, isa, language
         from . import typing as nki_typing
         for m, n in ((language, "nki.language"), (isa, "nki.isa"), (collectives, "nki.collectives"),
-                     (nki_typing, "nki.typing")):
+                     (nki_typing, "nki.typing"), (isa.constants, "nki.isa.constants")):
             _API_MODULES[id(m)] = n
         pkg = sys.modules.get("nki")
         if pkg is not None and getattr(pkg, "__nkisim__", False):
@@ -297,7 +299,7 @@ def _api_module_name(mod):
     return _API_MODULES.get(id(mod))
 
 
-_SUBMODULES = {"nki": ("language", "isa", "collectives", "typing")}
+_SUBMODULES = {"nki": ("language", "isa", "collectives", "typing"), "nki.isa": ("constants",)}
 
 
 def _check_api_chain(api, mod, attrs, name, where):
@@ -328,7 +330,8 @@ def _public_ids():
     if not _PUBLIC_IDS:
         from . import collectives, isa, language
         pkg = sys.modules.get("nki")
-        for m, n in ((language, "nki.language"), (isa, "nki.isa"), (collectives, "nki.collectives")):
+        for m, n in ((language, "nki.language"), (isa, "nki.isa"), (collectives, "nki.collectives"),
+                     (isa.constants, "nki.isa.constants")):
             for a in public_api.MODULES[n]:
                 if hasattr(m, a):
                     _PUBLIC_IDS.add(id(getattr(m, a)))
@@ -507,10 +510,8 @@ def _class_problem(cls):
                 return (f"{c.__name__}.{k} is a {type(v).__name__}; only the object dictionary crosses into NKI ('NKI "
                         f"does not look at slots or other object features, only the object dictionary'): store the "
                         f"value as a plain attribute (set it in __init__ / __post_init__) or make it a method")
-    params = getattr(cls, "__dataclass_params__", None)
-    if params is not None and getattr(params, "frozen", False):
-        return ("it is a frozen dataclass; NKI compiles classes with and without @dataclass the same way and "
-                "creates its own __init__ (frozen semantics do not cross): use a plain @dataclass")
+    # (a frozen @dataclass is accepted: the guide says nothing of it and AWS's nki-library passes frozen NKIObject
+    # dataclasses to its kernels, e.g. core/topk/rotational_topk_utils.py TopkHardwareParams)
     return None
 
 

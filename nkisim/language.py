@@ -1,6 +1,7 @@
 """nkisim implementation of ``nki.language`` (NKI 0.6.0; SDK-NL)."""
 import builtins
 import contextlib
+import hashlib
 
 import numpy as np
 
@@ -130,6 +131,13 @@ def shared_constant(constant):
     arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
     t = ndarray(arr.shape, _dt.normalize(arr.dtype), shared_hbm, "shared_constant")
     st = t.storage
+    # SDK-NL shared_constant: "With LNC=2, both cores share the same constant; the data must not diverge across cores"
+    digest = hashlib.sha1(np.ascontiguousarray(arr).view(np.uint8).tobytes()).hexdigest()
+    first = inst.launch.constants.setdefault(st.id, (digest, inst.pid, call_site()))
+    if first[0] != digest:
+        raise NkiValidationError(f"nl.shared_constant at {call_site()}: core {inst.pid} passes other data than core "
+                                 f"{first[1]} did at {first[2]} for the same shared constant; with LNC=2 'the data must "
+                                 f"not diverge across cores' (SDK-NL shared_constant)")
     if st.data is not None:
         st.fresh = False
         st.data[...] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
@@ -180,6 +188,9 @@ def store(dst, value):
 
 
 def device_print(print_prefix, tensor):
+    if not isinstance(print_prefix, str):
+        raise NkiValidationError(f"nl.device_print: print_prefix must be a constant string (SDK-NL device_print), got "
+                                 f"{type(print_prefix).__name__}")
     if isinstance(tensor, NkiTensor) and tensor.storage.data is not None:
         from .tensor import raw
         print(print_prefix, np.array(raw(tensor)))

@@ -37,6 +37,9 @@ MODULES = {
         'silu_dx', 'sin', 'softmax', 'softplus', 'sqrt', 'square', 'static_range', 'store', 'subtract', 'sum',
         'tan', 'tanh', 'tfloat32', 'tile_size', 'transpose', 'trunc', 'uint16', 'uint32', 'uint8', 'var', 'where',
         'while_loop', 'zeros', 'zeros_like')),
+    # not in the stubs: the real package's module of the instruction enums (nki-library imports it; isa/constants.py)
+    "nki.isa.constants": frozenset(('dge_mode', 'dma_engine', 'engine', 'matmul_perf_mode', 'nc_version', 'oob_mode',
+                                    'reduce_cmd')),
     "nki.collectives": frozenset((
         'ReplicaGroup', 'all_gather', 'all_gather_v', 'all_reduce', 'all_to_all', 'all_to_all_v',
         'collective_permute', 'collective_permute_implicit',

@@ -292,6 +292,7 @@ class Launch:
         self.barrier_arrived = {}       # generation bookkeeping for core_barrier
         self.barrier_gen = 0
         self.pipes = {}                 # sendrecv rendezvous
+        self.constants = {}             # nl.shared_constant: storage id -> (data digest, core, site) of its first core
         self.traces = world.traces
         self.instances = [Instance(self, i) for i in range(world.lnc)]
 
@@ -466,6 +467,7 @@ def _run_instance(world, inst, fn, args, kwargs, results):
 
 def run(world, fn, per_rank_args, per_rank_kwargs):
     """Run every instance of the world; returns the value returned by program 0 of each rank."""
+    _check_lnc_env(world)
     frontend.check_launch(fn, per_rank_args, per_rank_kwargs)     # arguments, closure, referenced code
     insts = world.instances
     if len(insts) == 1:
@@ -495,6 +497,23 @@ def run(world, fn, per_rank_args, per_rank_kwargs):
         raise world.aborted
     controlflow.check_world(world)
     return [results.get(L.instances[0].gid) for L in world.ranks]
+
+
+def _check_lnc_env(world):
+    """SDK-NKI jit: "The LNC value must match the NEURON_LOGICAL_NC_CONFIG environment variable set for the Neuron
+    Runtime. Mismatching the two will cause a runtime error" (checked when the variable is set)."""
+    env = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if env is None or env.strip() == "":
+        return
+    try:
+        want = int(env)
+    except ValueError:
+        raise NkiValidationError(f"{world.kernel_name}: NEURON_LOGICAL_NC_CONFIG={env!r} is not an integer") from None
+    if want != world.lnc:
+        raise NkiValidationError(f"{world.kernel_name}: launched at LNC={world.lnc} but NEURON_LOGICAL_NC_CONFIG={want}; "
+                                 f"'The LNC value must match the NEURON_LOGICAL_NC_CONFIG environment variable ... "
+                                 f"Mismatching the two will cause a runtime error' (SDK nki.jit): launch kernel[{want}] "
+                                 f"or change the variable")
 
 
 def _timeout(world, threads):

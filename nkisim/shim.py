@@ -38,9 +38,9 @@ def install(force=False):
     pkg.__doc__ = "nkisim: CPU interpreter of the NKI API (see nkisim/README.md)"
     pkg.jit, pkg.simulate = _jit, _simulate
     pkg.language, pkg.isa, pkg.collectives, pkg.typing = language, isa, collectives, nki_typing
-    for m in (language, isa, collectives, nki_typing):
+    for m in (language, isa, collectives, nki_typing, isa.constants):
         m.__nkisim__ = True
     sys.modules.update({"nki": pkg, "nki.language": language, "nki.isa": isa, "nki.collectives": collectives,
-                        "nki.typing": nki_typing})
+                        "nki.typing": nki_typing, "nki.isa.constants": isa.constants})
     _installed = True
     return True

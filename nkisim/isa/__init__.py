@@ -13,6 +13,7 @@ from .accum import bn_aggr, bn_stats, range_select, tensor_scalar_cumulative, te
 from .pool import (affine_select, iota, local_gather, nc_n_gather, nonzero_with_count, sequence_bounds,
                    tensor_partition_reduce, topk)
 from .rng import dropout, rand_get_state, rand_set_state, rng, set_rng_seed
+from . import constants  # noqa: F401  (nki.isa.constants, see constants.py)
 from .control import (core_barrier, get_nc_sub_version, get_nc_version, register_alloc, register_load, register_move,
                       register_store, sendrecv)
 

@@ -79,6 +79,11 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
         raise NkiValidationError(f"{w}: cmp_op must be a comparison operator (nl.equal, nl.greater_equal, ...), got {c!r}")
     if not isinstance(on_false_value, (int, float, np.number)):
         raise TypeError(f"{w}: on_false_value must be a scalar, got {type(on_false_value).__name__}")
+    if not isinstance(on_false_value, (float, np.floating)):
+        # SDK-ISA affine_select: "The on_false_value must be float32, regardless of the input/output tile data types"
+        raise NkiValidationError(f"{w}: on_false_value must be a float32 value (SDK-ISA: 'must be float32, regardless "
+                                 f"of the input/output tile data types'), got the {type(on_false_value).__name__} "
+                                 f"{on_false_value!r}: write {float(on_false_value)!r}")
     off = reg_value(offset, w, "offset")
     vals = _pattern_values(w, pattern, P, F, off, int(channel_multiplier))
     inst = record(w, "POOL", reads=[("on_true_tile", on_true_tile)], writes=[("dst", dst)], cmp=c.name,

@@ -400,6 +400,19 @@ def test_class_legal_twin_nkiobject_dataclass_and_enum():
     x = np.arange(8, dtype=F32).reshape(2, 4)
     np.testing.assert_array_equal(_scale_kernel()(x, Scale(2.0, 1.0), Op.scale), 2 * x + 1)
     np.testing.assert_array_equal(_scale_kernel()(x, Scale(2.0, 1.0), Op.skip), x)
+    np.testing.assert_array_equal(_frozen_kernel()(x, Frozen(3.0)), 3 * x)      # a frozen NKIObject dataclass
+
+
+def _frozen_kernel():
+    @nki.jit
+    def k(x, cfg):
+        t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=cfg.scale)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    return k
 
 
 @pytest.mark.parametrize("obj, why", [
@@ -407,7 +420,6 @@ def test_class_legal_twin_nkiobject_dataclass_and_enum():
     (Mixed(scale=1.0), r"Mixed derives from \(NKIObject, Plain\)"),
     (WithProperty(2.0), r"WithProperty.double is a property; only the object dictionary crosses"),
     (WithSlots(2.0), r"WithSlots declares __slots__"),
-    (Frozen(2.0), r"it is a frozen dataclass"),
     (Mode.add, r"an enumeration must derive from Enum alone .* it derives from IntEnum"),
 ])
 def test_class_rule_for_arguments(obj, why):
@@ -625,12 +637,24 @@ def _helper_kernel(helper):
     return k
 
 
-def test_subset_errors_in_helpers_that_issue_no_isa_call():
+def test_subset_in_helpers_that_issue_no_isa_call():
+    """Helpers are linted although they issue no ISA call (the old lint never saw them): 'is' / non-string dict keys
+    warn by default (nki-library's tested helpers use 'is None') and are refused with HELPER_ERRORS."""
+    from nkisim import frontend
     x = np.zeros(1, F32)
-    _refused(rf"NKI Python subset: helper _geometry_is uses 'is' at {_line(_geometry_is, 'flag is None')}",
-             _helper_kernel(lambda n: _geometry_is(n, 1)), x)
-    _refused(rf"NKI Python subset: helper _geometry_keys builds a dict with key 0 at "
-             rf"{_line(_geometry_keys, '{0: n}')}", _helper_kernel(_geometry_keys), x)
+    with pytest.warns(NkiFrontendWarning, match=rf"NKI Python subset: helper _geometry_is uses 'is' at "
+                                                rf"{_line(_geometry_is, 'flag is None')}"):
+        np.testing.assert_array_equal(_helper_kernel(lambda n: _geometry_is(n, 1))(x), np.full((1, 4), 4.0))
+    frontend.HELPER_ERRORS = True
+    frontend._reached.clear()
+    try:
+        _refused(rf"NKI Python subset: helper _geometry_is uses 'is' at {_line(_geometry_is, 'flag is None')}",
+                 _helper_kernel(lambda n: _geometry_is(n, 1)), x)
+        _refused(rf"NKI Python subset: helper _geometry_keys builds a dict with key 0 at "
+                 rf"{_line(_geometry_keys, '{0: n}')}", _helper_kernel(_geometry_keys), x)
+    finally:
+        frontend.HELPER_ERRORS = False
+        frontend._reached.clear()
 
 
 def test_subset_warnings_and_legal_twin():
@@ -720,3 +744,105 @@ def test_api_replica_group_fields_are_not_public():
     _refused(rf"undocumented API: _group_size \({_line(_group_size, 'rg.groups')}\) reads .groups of a ReplicaGroup",
              nkisim.launch, k, [(x, rg), (x, rg)], tp=2, lnc=1)
     assert rg.groups == [[0, 1]]                       # host code may read it
+
+
+def _escape_kernel(form):
+    @nki.jit
+    def k(x, n):
+        r = _load_reg(n)
+        kept = []
+        acc = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=acc, src=x)
+
+        def body(i):
+            t = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=t, data=acc, op0=nl.add, operand0=1.0)
+            nisa.tensor_copy(dst=acc, src=t)
+            kept.append(t)
+            if form == "returns":
+                return t
+        nl.fori_loop(0, r, body)
+        if form == "escape":
+            nisa.tensor_copy(dst=acc, src=kept[0])                  # the body's tile, used after the loop
+        out = nl.ndarray((1, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=acc)
+        return out
+    return k
+
+
+def test_tensor_of_a_loop_body_used_after_the_loop_and_body_return_value():
+    x, n = np.zeros((1, 4), F32), np.array([[2]], I32)
+    _refused(rf"runtime loops: tensor_copy at {_line(_escape_kernel, 'src=kept[0]')}: src is 't' .* allocated inside "
+             rf"the body of a runtime loop .* cannot be referenced outside of the loop", _escape_kernel("escape"), x, n)
+    _refused(rf"runtime loops: nl.fori_loop at {_line(_escape_kernel, 'nl.fori_loop(0, r, body)')}: body_fun returned a "
+             rf"value", _escape_kernel("returns"), x, n)
+    np.testing.assert_array_equal(_escape_kernel("legal")(x, n), np.full((1, 4), 2.0))
+
+
+def test_shared_constant_must_not_diverge_across_cores():
+    @nki.jit
+    def k(x):
+        pid = nl.program_id(0)
+        c = nl.shared_constant(np.full((1, 4), 1.0 + pid * DIVERGE[0], np.float32))
+        t = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=c)
+        out = nl.ndarray((2, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[pid:pid + 1, :], src=t)
+        return out
+    DIVERGE[0] = 1.0
+    _refused(rf"nl.shared_constant at {_line(k.fn, 'nl.shared_constant(')}: core 1 passes other data than core 0 .* "
+             rf"must not diverge across cores", k[2], np.zeros(1, F32))
+    DIVERGE[0] = 0.0
+    np.testing.assert_array_equal(k[2](np.zeros(1, F32)), np.ones((2, 4)))
+
+
+DIVERGE = [0.0]
+
+
+def test_lnc_must_match_neuron_logical_nc_config(monkeypatch):
+    k = _count_loop(None)
+    x, n = np.zeros((1, 4), F32), np.array([[1], [1]], I32)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    _refused(r"launched at LNC=2 but NEURON_LOGICAL_NC_CONFIG=1; 'The LNC value must match", k[2], x, n)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    np.testing.assert_array_equal(k[2](x, n), np.ones((2, 4)))
+
+
+def test_affine_select_on_false_value_is_float32():
+    @nki.jit
+    def k(x):
+        t = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.affine_select(dst=t, pattern=[[1, 4]], channel_multiplier=-1, on_true_tile=t, on_false_value=FALSE[0],
+                           cmp_op=nl.greater_equal)
+        out = nl.ndarray((2, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    x = np.arange(8, dtype=F32).reshape(2, 4) + 1
+    FALSE[0] = 0
+    _refused(r"affine_select: on_false_value must be a float32 value .* got the int 0", k, x)
+    FALSE[0] = 0.0
+    want = np.where(np.arange(4)[None, :] - np.arange(2)[:, None] >= 0, x, 0.0)
+    np.testing.assert_array_equal(k(x), want)
+
+
+FALSE = [0.0]
+
+
+def test_public_api_module_matches_the_api_json():
+    """nkisim/public_api.py is ../shared/docs/nki-api-0.6.json (plus nki.isa.constants, which the stubs omit)."""
+    import json
+    import os
+    from nkisim import public_api
+    spec = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "docs", "nki-api-0.6.json")
+    if not os.path.exists(spec):
+        pytest.skip("../shared/docs/nki-api-0.6.json not present")
+    d = json.load(open(spec))["modules"]
+    for m, v in d.items():
+        assert public_api.MODULES[m] == set(v["functions"]) | set(v["enums"]) | set(v["classes"]) | set(v["constants"])
+        for c, cv in v["classes"].items():
+            assert public_api.CLASSES[f"{m}.{c}"] == set(cv["methods"]) | set(cv["attributes"])
+        for e, members in v["enums"].items():
+            assert public_api.ENUMS[f"{m}.{e}"] == set(members)
+    assert set(public_api.MODULES) == set(d) | {"nki.isa.constants"}
+    assert public_api.MODULES["nki.isa.constants"] <= public_api.MODULES["nki.isa"]
