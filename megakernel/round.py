@@ -19,8 +19,11 @@ trunk's post-norm hidden at position t:
 Arguments are individual top-level HBM tensors (NKI binds no lists): the names of
 ``megakernel.sharded`` plus the run-time inputs of :data:`RUNTIME_INPUTS`. The kernel function is
 generated as Python source with one named parameter per tensor and imported from a file, so the real
-NKI front end (which parses the kernel's source) sees an ordinary function. Mutated caches and
-checkpoints are returned with the outputs so the compiler keeps the writes.
+NKI front end (which parses the kernel's source) sees an ordinary function; its compile-time settings
+(:class:`RoundSpec`, an ``NKIObject``) are built from literals inside that function, not read from a module
+global. Mutated caches and checkpoints are returned with the outputs so the compiler keeps the writes.
+The MoE weights of the trunk come in stacked groups (``megakernel.sharded.moe_weights``) whose element
+offsets fit int32.
 """
 
 from __future__ import annotations
