@@ -280,7 +280,8 @@ def test_int32_scalar_operand_loop_bound_shape_and_argument():
              rf"{_line(_int_kernel, 'operand0=operand')}", _int_kernel(2 ** 31), x)
     _refused(rf"32-bit integers: nl.fori_loop: upper is 4294967296, outside .* at "
              rf"{_line(_int_kernel, 'nl.fori_loop(lo, hi, body)')}", _int_kernel(1, hi=2 ** 32), x)
-    _refused(r"32-bit integers: nl.ndarray: shape\[1\] is 2147483648", _int_kernel(1, shape=(2, 2 ** 31)), x)
+    _refused(rf"32-bit integers: nl.ndarray: shape\[1\] is 2147483648, outside .* at "
+             rf"{_line(_int_kernel, 't = nl.ndarray(shape')}", _int_kernel(1, shape=(2, 2 ** 31)), x)
 
     @nki.jit
     def k(x, n):
@@ -846,3 +847,30 @@ def test_public_api_module_matches_the_api_json():
             assert public_api.ENUMS[f"{m}.{e}"] == set(members)
     assert set(public_api.MODULES) == set(d) | {"nki.isa.constants"}
     assert public_api.MODULES["nki.isa.constants"] <= public_api.MODULES["nki.isa"]
+
+
+def _uses_nkisim_internals(x):
+    t = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=float(hw.PMAX))
+    return t
+
+
+def _prints_a_number(x):
+    t = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.0)
+    nl.device_print(7, t)
+    return t
+
+
+def _huge_slice_step(x):
+    return x[0:1, ::2 ** 31]
+
+
+def test_api_nkisim_internals_device_print_and_slice_step():
+    x = np.zeros((1, 4), F32)
+    _refused(rf"undocumented API: _uses_nkisim_internals \({_line(_uses_nkisim_internals, 'hw.PMAX')}\) uses module "
+             rf"'nkisim.hw' \(nkisim's own implementation\); kernels import only the NKI API", _wrap(_uses_nkisim_internals),
+             x)
+    _refused(r"nl.device_print: print_prefix must be a constant string", _wrap(_prints_a_number), x)
+    _refused(rf"32-bit integers: slice step of dim 1 is 2147483648, outside .* at "
+             rf"{_line(_huge_slice_step, '2 ** 31')}", _copy_view(_huge_slice_step, n=1), x)
