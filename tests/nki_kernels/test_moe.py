@@ -169,6 +169,39 @@ def test_stacked_layers(tiny_params):
         check_close(out.sum(0), moe_rank(shards[layer], x, k), torch.float32)
 
 
+def test_stacked_table_beyond_int32_is_refused_and_groups_fit():
+    """Real per-rank shapes: one layer's experts table is 201,326,592 elements, so at most 10 layers stack into
+    one table whose element offsets fit int32 (SDK-LG "NKI Values"); 11 are refused with the group size named,
+    and the megakernel's groups (megakernel.sharded) map layer i to group i // 10, index i % 10."""
+    from megakernel.sharded import moe_weights
+    from nki_kernels.moe import layers_per_table
+    cfg = preset("qwen3.6-35b-a3b")
+    _, args = demo_args(cfg, tp=4, T=2, shape_only=True)
+    x, router, experts, shared, k = args
+    per_layer = int(np.prod(experts.shape))
+    assert per_layer == 201_326_592 and layers_per_table(per_layer) == 10
+    assert 10 * per_layer <= 2 ** 31 - 1 < 11 * per_layer
+
+    def stack(a, n):
+        return nkisim.ShapeDtype((n,) + tuple(a.shape), a.dtype)
+
+    with pytest.warns(nkisim.NkiFidelityWarning, match="more than int32 holds"), \
+            pytest.raises(ValueError, match="offsets must fit int32.*at most 10 layers"):
+        stacked_moe[2](x, stack(router, 11), stack(experts, 11), stack(shared, 11), k, 3)
+    with nkisim.trace.capture() as tr:
+        stacked_moe[2](x, stack(router, 10), stack(experts, 10), stack(shared, 10), k, 9)
+    assert routed_expert_bytes(tr) == cfg.num_experts_per_tok * expert_block_bytes(cfg, 4)
+    w = {}
+    for g in range(4):
+        for n in ("router", "experts", "shared"):
+            w[f"moe_{n}_{g}"] = torch.empty(10, 1)
+    for layer in (0, 9, 10, 39):
+        r, e, sh, i = moe_weights(w, layer)
+        g = layer // 10
+        assert i == layer % 10
+        assert r is w[f"moe_router_{g}"] and e is w[f"moe_experts_{g}"] and sh is w[f"moe_shared_{g}"]
+
+
 def test_layout_helpers_round_trip():
     """expert_blocks / router_block place every weight where the kernel reads it."""
     E, I, H, C = 3, 64, 256, 2
