@@ -247,12 +247,21 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     nisa.tensor_scalar(dst=ma_i, data=i64, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=-NEG)
     ma_s = nl.ndarray((P, P), F32, buffer=nl.sbuf, name="madd_strict")
     nisa.tensor_scalar(dst=ma_s, data=u64, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=-NEG)
-    c["madd_incl"], c["madd_strict"] = ma_i, ma_s
+    if mdt == F32:
+        c["madd_incl"], c["madd_strict"] = ma_i, ma_s
+    else:
+        c["madd_incl"] = nl.ndarray((P, P), mdt, buffer=nl.sbuf, name="madd_incl_mm")
+        nisa.tensor_copy(dst=c["madd_incl"], src=ma_i, engine=POOL_ENG)
+        c["madd_strict"] = nl.ndarray((P, P), mdt, buffer=nl.sbuf, name="madd_strict_mm")
+        nisa.tensor_copy(dst=c["madd_strict"], src=ma_s, engine=POOL_ENG)
     # blockind[k, h, i] = (k == h): block-expands per-head rows along the free axis
     bi = _ones((hv, hv, TILE), F32, "blockind")
     nisa.affine_select(dst=bi, pattern=[[-1, hv], [0, TILE]], channel_multiplier=1, on_true_tile=bi,
                        on_false_value=0.0, cmp_op=nl.equal)
     c["blockind"] = bi
+    c["ex_ring"] = [nl.ndarray((hv, PSUM_COLS // P, TILE), F32, buffer=nl.sbuf, name="rows_ring0"),
+                    nl.ndarray((hv, PSUM_COLS // P, TILE), F32, buffer=nl.sbuf, name="rows_ring1")]
+    c["ex_next"] = 0
     c["ones_hv"] = _ones((hv, P), F32, "ones_hv")
     sel = _ones((2 * hv, hv), mdt, "sel_a")           # sel[hv + i, i] = 1: moves the a rows to partition 0
     nisa.affine_select(dst=sel, pattern=[[-1, hv]], channel_multiplier=1, offset=-hv, on_true_tile=sel,
@@ -302,32 +311,46 @@ def _a_open(g, c, xT, s, prev):
     vs = min(g["super"] * TILE, g["L"] - t0)            # valid tokens
     nt = (vs + TILE - 1) // TILE
     W = nt * TILE
-    xs = nl.ndarray((P, J, W), adt, buffer=nl.sbuf, name="x_tile")
+    xs = c["x_buf"][:, :, 0:W]          # one fixed buffer (the previous super-tile's projections are all issued)
     if vs < W:
         nisa.memset(dst=xs[:, :, vs:W], value=0.0, engine=POOL_ENG)
-    nisa.dma_copy(dst=xs[:, :, 0:vs], src=xT[:, :, t0:t0 + vs])
-    ucat = nl.ndarray((D, NH, Km1 + W), adt, buffer=nl.sbuf, name="u_raw")   # raw u behind the carried columns
+    jq = (J + 3) // 4              # four DMAs: the first matmuls (j ascending) start after the first quarter
+    for j0 in range(0, J, jq):
+        nisa.dma_copy(dst=xs[:, j0:min(J, j0 + jq), 0:vs], src=xT[:, j0:min(J, j0 + jq), t0:t0 + vs],
+                      engine=ACT_ENG, dge_mode=nisa.dge_mode.hwdge)
+    ucat = c["u_ring"][s % 2][:, :, 0:Km1 + W]    # raw u behind the carried columns
     if s == 0:
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev, engine=POOL_ENG)
     else:
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev["tail"], engine=POOL_ENG)
+    # order: b|a, the conv heads, then the ACT burst (conv SiLU, gates, decays) and l2norm -- the latency-bound
+    # part, early enough for the tiles of the previous super-tile to hide it -- then z (needed last, by the
+    # gated norm) as PE filler behind it, and its SiLU
     items = []
-    for h in range(NH + hv):
-        for j in range(J):
-            items.append(("proj", h, j))
-        items.append(("proj_end", h, 0))
+    wseq = [NH + hv]
     for j in range(J):
         items.append(("ba", 0, j))
     items.append(("ba_end", 0, 0))
+    for h in range(NH):
+        wseq.append(h)
+        for j in range(J):
+            items.append(("proj", h, j))
+        items.append(("proj_end", h, 0))
     items.append(("act_burst", 0, 0))
     for kh in range(g["hk"]):
         items.append(("l2norm", kh, 0))
+    for h in range(NH, NH + hv):
+        wseq.append(h)
+        for j in range(J):
+            items.append(("proj", h, j))
+        items.append(("proj_end", h, 0))
+    items.append(("silu_z", 0, 0))
     items.append(("done", 0, 0))
     A = {"s": s, "t0": t0, "vs": vs, "nt": nt, "W": W, "xs": xs, "ucat": ucat,
             "zs": nl.ndarray((D, hv, W), adt, buffer=nl.sbuf, name="z"),
             "cqk": nl.ndarray((D, 2 * g["hk"], W), adt, buffer=nl.sbuf, name="conv_qk"),
             "cv": nl.ndarray((D, hv, W), adt, buffer=nl.sbuf, name="conv_v"),
-            "items": items, "pos": 0, "ps": None, "wbuf": [], "complete": False}
+            "items": items, "pos": 0, "ps": None, "wbuf": [], "wseq": wseq, "complete": False}
     for gw in range(NH + hv + 1):
         A["wbuf"].append(None)
     _w_issue(g, c, A, 0)
@@ -343,15 +366,17 @@ def _w_cols(g, gw):
     return g["cb"], g["cb"] + 2 * hv
 
 
-def _w_issue(g, c, A, gw):
-    """DMA the weights of group gw into the next buffer of the ring (each group is read once per super-tile;
-    the weights are streamed, not SBUF-resident: SBUF goes to the tiles in flight)."""
-    if gw >= len(A["wbuf"]):
+def _w_issue(g, c, A, k):
+    """DMA the weights of the k-th group of A's projection order into the next buffer of the ring (each
+    group is read once per super-tile; streamed, not SBUF-resident: SBUF goes to the tiles in flight)."""
+    if k >= len(A["wseq"]):
         return
+    gw = A["wseq"][k]
     c0, c1 = _w_cols(g, gw)
     buf = c["w_ring"][c["w_next"] % W_RING]
     c["w_next"] += 1
-    nisa.dma_copy(dst=buf[:, :, 0:c1 - c0], src=c["w_in"][g["core"], :, :, c0:c1])
+    nisa.dma_copy(dst=buf[:, :, 0:c1 - c0], src=c["w_in"][g["core"], :, :, c0:c1], engine=ACT_ENG,
+                  dge_mode=nisa.dge_mode.hwdge)
     A["wbuf"][gw] = buf[:, :, 0:c1 - c0]
 
 
@@ -373,7 +398,11 @@ def _a_item(g, c, A, item, neg):
         c0, c1 = _w_cols(g, gw)
         if j == 0:
             A["ps"], A["psb"] = _ps(c, c1 - c0, [W])
-            _w_issue(g, c, A, gw + 2)
+            k = 0
+            for i in range(len(A["wseq"])):
+                if A["wseq"][i] == gw:
+                    k = i
+            _w_issue(g, c, A, k + 2)
         nisa.nc_matmul(dst=A["ps"], stationary=A["wbuf"][gw][:, j, :], moving=A["xs"][:, j, :], accumulate=j > 0)
         if j == J - 1:
             A["wbuf"][gw] = None
@@ -386,7 +415,7 @@ def _a_item(g, c, A, item, neg):
         ba = nl.ndarray((2 * hv, W), adt, buffer=nl.sbuf, name="b_a")
         nisa.tensor_copy(dst=ba, src=A["ps"], engine=DVE_ENG)
         _ps_free(c, A["psb"])
-        A["ba"], A["ps"], A["xs"] = ba, None, None
+        A["ba"], A["ps"] = ba, None
     elif kind == "act_burst":
         # every ACT function of stage A that is not in the copy/square/rsqrt table, back to back (one table
         # load each): SiLU of the conv (all heads) and of z, softplus and exp of the gates, the decays
@@ -398,9 +427,6 @@ def _a_item(g, c, A, item, neg):
             dst = A["cqk"][:, hh, :] if hh < 2 * hk else A["cv"][:, hh - 2 * hk, :]
             nisa.activation(dst=dst, op=nl.silu, data=ps)
             _ps_free(c, pb)
-        sz = nl.ndarray((D, hv, W), F32, buffer=nl.sbuf, name="silu_z")
-        nisa.activation(dst=sz, op=nl.silu, data=A["zs"])
-        A["sz"], A["zs"] = sz, None
         _gates(g, c, A, neg)
         decays = []
         for tl in range(A["nt"]):
@@ -415,6 +441,10 @@ def _a_item(g, c, A, item, neg):
         A["gam_rows"], A["gr"] = gam, None
         A["q32"] = nl.ndarray((D, hk, W), F32, buffer=nl.sbuf, name="q")
         A["qkm"] = nl.ndarray((D, hk, 2, W), g["mdt"], buffer=nl.sbuf, name="qk_mm")
+    elif kind == "silu_z":
+        sz = nl.ndarray((D, hv, W), adt, buffer=nl.sbuf, name="silu_z")
+        nisa.activation(dst=sz, op=nl.silu, data=A["zs"])
+        A["sz"], A["zs"], A["xs"] = sz, None, None
     elif kind == "l2norm":
         _l2norm_head(g, c, A, h, hk + h, A["qkm"][:, h, 0, :], 1.0)                  # k (matmul dtype)
         _l2norm_head(g, c, A, h, h, A["q32"][:, h, :], 1.0 / math.sqrt(D))          # q * Dk^-0.5 (fp32)
@@ -454,27 +484,27 @@ def _a_remaining(g, A):
 
 
 def _gates(g, c, A, neg):
-    """Gate rows ``gr [hv, NQ, W]`` fp32 (module docstring step 3); padding tokens get g = 0, beta = 0."""
+    """Gate rows ``gr [hv, NQ, W]`` and columns ``tb [hv, 3, W]`` fp32 (module docstring step 3), computed in
+    place in those two tiles (they use hv partitions of the full per-partition width); padding tokens get
+    g = 0 and beta = 0."""
     hv, W, vs = g["hv"], A["W"], A["vs"]
     gr = nl.ndarray((hv, NQ, W), F32, buffer=nl.sbuf, name="gates")
+    tb = nl.ndarray((hv, 3, W), F32, buffer=nl.sbuf, name="gate_cols")
     a_ps, pb = _ps(c, hv, [W])            # a rows moved to partition 0 (exact)
     nisa.nc_matmul(dst=a_ps, stationary=c["sel_a"], moving=A["ba"], accumulate=False)
-    x1 = nl.ndarray((hv, W), F32, buffer=nl.sbuf, name="a_dt")
-    nisa.tensor_scalar(dst=x1, data=a_ps, op0=nl.add, operand0=c["dtb"])
+    tmp = tb[:, C_DEC, :]
+    nisa.tensor_scalar(dst=tmp, data=a_ps, op0=nl.add, operand0=c["dtb"])
     _ps_free(c, pb)
-    sp = nl.ndarray((hv, W), F32, buffer=nl.sbuf, name="softplus_a")
-    nisa.activation(dst=sp, op=nl.softplus, data=x1)
-    lb = nl.ndarray((hv, W), F32, buffer=nl.sbuf, name="softplus_nb")
-    nisa.activation(dst=lb, op=nl.softplus, data=A["ba"][0:hv, :], scale=-1.0)
-    gl = nl.ndarray((hv, W), F32, buffer=nl.sbuf, name="g")
-    nisa.tensor_scalar(dst=gl, data=sp, op0=nl.multiply, operand0=c["nA"])
+    nisa.activation(dst=tmp, op=nl.softplus, data=tmp)
+    nisa.activation(dst=tb[:, C_BETA, :], op=nl.softplus, data=A["ba"][0:hv, :], scale=-1.0)
+    gl = tb[:, C_BG, :]
+    nisa.tensor_scalar(dst=gl, data=tmp, op0=nl.multiply, operand0=c["nA"])      # g
     if vs < W:
         nisa.memset(dst=gl[:, vs:W], value=0.0, engine=POOL_ENG)
     nisa.tensor_tensor_scan(dst=gr[:, Q_G, :], data0=c["reset"].ap(pattern=[[g["super"] * TILE, hv], [1, W]], offset=0),
                             data1=gl, initial=0.0, op0=nl.multiply, op1=nl.add)
     # tb = [H | ln beta | G_C - G] -> [beta exp(G) | beta | exp(G_C - G)]; ln beta = -softplus(-b) (+ ln 2)
-    tb = nl.ndarray((hv, 3, W), F32, buffer=nl.sbuf, name="gate_cols")
-    nisa.tensor_scalar(dst=tb[:, C_BETA, :], data=lb, op0=nl.multiply, operand0=-1.0, op1=nl.add,
+    nisa.tensor_scalar(dst=tb[:, C_BETA, :], data=tb[:, C_BETA, :], op0=nl.multiply, operand0=-1.0, op1=nl.add,
                        operand1=LN2 if neg else 0.0)
     if vs < W:
         nisa.memset(dst=tb[:, C_BETA, vs:W], value=LOGB_PAD, engine=POOL_ENG)
@@ -622,23 +652,29 @@ def flywheel_inverse(c, zT, n, idt, out_dtype):
 
 def _expand(g, c, gr, q, W, c0, grp, name):
     """Block-expanded gate rows of the group's heads [hv, n, 128]: e[k, h, i] = (k == h0 + h) gr[k, q, c0 + i]
-    (POOL). Used as the moving operand against a ones stationary: a per-head broadcast over the partitions."""
+    (POOL). Used as the moving operand against a ones stationary: a per-head broadcast over the partitions.
+    name None: one of two alternating fixed buffers (the decays of a super-tile are built back to back; a
+    freshly allocated tile would land on the one just freed and wait for its reader)."""
     hv, h0, n = g["hv"], grp["h0"], grp["n"]
-    t = nl.ndarray((hv, n, TILE), F32, buffer=nl.sbuf, name=name)
+    if name == None:
+        t = c["ex_ring"][c["ex_next"] % 2][:, 0:n, :]
+        c["ex_next"] += 1
+    else:
+        t = nl.ndarray((hv, n, TILE), F32, buffer=nl.sbuf, name=name)
     nisa.tensor_tensor(dst=t, data1=_bview(gr, hv, [[0, n], [1, TILE]], q * W + c0),
                        data2=c["blockind"][:, h0:h0 + n, :], op=nl.multiply, engine=POOL_ENG)
     return t
 
 
 def _decay(g, c, gr, q, madd, W, c0, grp, dtype, name):
-    """exp(row_q[i] - G[j] + madd[j, i]) for the group's heads: [128 j, n, 128 i] float32. The exponent is
-    summed in PSUM by three fp32 matmuls (row q broadcast over the partitions, the additive block-causal
-    mask, minus G_j broadcast over the free axis), then one ACT exp."""
+    """exp(row_q[i] - G[j] + madd[j, i]) for the group's heads: [128 j, n, 128 i]. The exponent is summed in PSUM by three matmuls (the row broadcast over the
+    partitions and minus G_j broadcast over the free axis in fp32, the additive 0 / -1e30 block-causal mask
+    in the matmul dtype: 1 x -1e30 is as good in bf16), then one ACT exp."""
     h0, n = grp["h0"], grp["n"]
-    ex = _expand(g, c, gr, q, W, c0, grp, name + "_rows")
+    ex = _expand(g, c, gr, q, W, c0, grp, None)
     ps, pb = _ps(c, P, [n, TILE])
     nisa.nc_matmul(dst=ps, stationary=c["ones_hv"], moving=ex, accumulate=False)
-    nisa.nc_matmul(dst=ps, stationary=c["I_f"], moving=_bview(madd, P, [[0, n], [1, TILE]], 0), accumulate=True)
+    nisa.nc_matmul(dst=ps, stationary=c["I_m"], moving=_bview(madd, P, [[0, n], [1, TILE]], 0), accumulate=True)
     nisa.nc_matmul(dst=ps, stationary=gr[:, Q_NG, c0:c0 + TILE], moving=c["blockind"][:, h0:h0 + n, :],
                    accumulate=True)
     out = nl.ndarray((P, n, TILE), dtype, buffer=nl.sbuf, name=name)
@@ -948,6 +984,11 @@ def _run_tiles(g, c, xT, hist, S, groups, wo, y, eps, neg):
         for tl in range((vs + TILE - 1) // TILE):
             tiles.append((s, tl * TILE))
     nt = len(tiles)
+    Wm = g["super"] * TILE
+    c["x_buf"] = nl.ndarray((P, g["J"], Wm), g["adt"], buffer=nl.sbuf, name="x_tile")   # fixed: never fragments
+    c["u_ring"] = []
+    for k in range(2):
+        c["u_ring"].append(nl.ndarray((g["D"], g["NH"], g["Km1"] + Wm), g["adt"], buffer=nl.sbuf, name="u_raw"))
     c["y_sums"] = nl.ndarray((TILE, nt * ((g["H"] + PSUM_COLS - 1) // PSUM_COLS)), F32, buffer=nl.sbuf,
                              name="y_row_sums")
     ahead = 2 if len(groups) == 1 else 1     # with two head groups a tile already has two inverse chains
