@@ -87,12 +87,14 @@ and NaN * 0 = NaN) and, through its key, to every later row: all of them are rep
 
 Chunk-by-chunk prefill
 ----------------------
-A prompt prefilled in calls of N1, N2, ... tokens (start = N1 for the second call) computes every KV row bit for
-bit as one call does (per-row projections with identical operands). When the split point is a multiple of KB the
-attention outputs are bit-identical too: the second call's context blocks are then exactly the single call's
-chunk blocks (same keys, same 128-key tiles, same order: diagonal, then ascending), the anchor is the same
-diagonal block, and every instruction sees identical operands (tested). Otherwise the block boundaries differ
-and the outputs agree to fp32 summation-order rounding.
+A prompt may be prefilled in several calls (the second at start = N1, and so on); what is tested: the rows
+before the split are always bit-identical to one call (they never see later keys; masked keys add exact zeros).
+At a split that is a multiple of 128 the KV rows are bit-identical too (every token sits at the same row of the
+same-shaped tile). At a multiple of KB every output is bit-identical as well: the second call's context blocks
+are then exactly the single call's chunk blocks (same keys, 128-key tiles and order -- diagonal, then ascending),
+the anchor is the same diagonal block, and every instruction sees identical operands. Elsewhere the later
+chunk's block boundaries differ from one call's and its outputs agree to fp32 summation-order rounding (bf16:
+the kernel's bf16 tolerance; P is rounded per block).
 
 Shape-only tracing (``static_start``)
 -------------------------------------

@@ -40,7 +40,8 @@ import nkisim
 from model import functional as fn
 from model.config import preset
 from model.params import expected_shapes, random_params
-from model.tp.attention import attention_rank, shard_attention
+from model.reference import ReferenceModel
+from model.tp.attention import attention_rank, rank_cache, shard_attention
 from nki_kernels import attention_prefill as pf
 from nki_kernels.attention import attention_layout
 
@@ -192,6 +193,30 @@ def test_real_sweep(dtype, N, start, lnc):
     _check(dtype, got, want, N, cfg.hidden_size, lnc)
     _check_caches(dtype, start, N, before, twin, kern)
     _no_replay(stats)
+
+
+def test_tp4_sum_and_kv_rows_equal_the_reference_model():
+    """All four ranks (each LNC=2): the sum of every core's partial equals ReferenceModel.attention_mixer (which
+    rounds the o_proj output to bf16: tolerance 1.5e-2 covers that rounding too), and each rank's KV rows equal
+    the reference cache rows of the KV head it holds (the cache tolerance above)."""
+    dtype, N, start = torch.bfloat16, 129, 300
+    cfg, pre, params = _params(TINY, dtype)
+    L = 1024
+    x, _, _ = _inputs(cfg, dtype, N, start, L)
+    g = torch.Generator().manual_seed(5)
+    k0 = torch.randn(cfg.num_key_value_heads, L, cfg.head_dim, generator=g).to(dtype)
+    v0 = torch.randn(cfg.num_key_value_heads, L, cfg.head_dim, generator=g).to(dtype)
+    kr, vr = k0.clone(), v0.clone()
+    want = ReferenceModel(cfg, params).attention_mixer(pre, x, (kr, vr), start).float()
+    total = torch.zeros(N, cfg.hidden_size)
+    for r in range(4):
+        sh = shard_attention(params, pre, cfg, r, 4)
+        kc, vc = rank_cache(k0, sh), rank_cache(v0, sh)
+        total += pf.run_attention_prefill(attention_layout(sh), x, kc, vc, start, cfg, lnc=2).sum(0)
+        h0 = sh["kv_head"]
+        _check_caches(dtype, start, N, (k0[h0:h0 + 1], v0[h0:h0 + 1]), (kr[h0:h0 + 1], vr[h0:h0 + 1]), (kc, vc))
+    assert torch.isfinite(total).all() and total.abs().max() > 0
+    assert (total - want).abs().max() <= TOL[dtype] * want.abs().max()
 
 
 # ---- chunk-by-chunk prefill ---------------------------------------------------------------------------------
