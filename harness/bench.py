@@ -1,22 +1,34 @@
-"""Benchmarks that print tables and write JSON / PNG under bench/ (DESIGN.md §5).
+"""Benchmarks that print tables and write JSON / PNG under bench/ (DESIGN.md §5). No hardware is involved: every
+time is the trn2 cost model's (harness.costmodel) on nkisim traces, as a band (low / central / high).
 
-    python -m harness.bench predict [--acceptance 0.75] [--pe-throttle] [--trace T.json ...]
-    python -m harness.bench calibrate
+    python -m harness.bench predict [--context 2048] [--routing expected|min|max] [--json]
+    python -m harness.bench predict --trace T.json ...
+    python -m harness.bench kernel FILE::FUNCTION --arg x=128,512:bfloat16 ... [--int n=4] [--lnc 1|2] [--tp N] [--json]
+    python -m harness.bench calibrate [--sdk PATH] [--nki-library PATH] [--seed PATH]
 
-``predict``: the trn2 cost model (harness.costmodel) on real-shape traces of Qwen3.6-35B-A3B at TP=4,
-LNC=2. Variants: the layerwise round composed from each subkernel family's ``demo_args`` trace, the
-megakernel round (once ``megakernel.demo_args`` exists: one full-round trace), and the HBM roofline.
-Prints a table per variant, writes bench/costmodel_predict.json, bench/costmodel_timeline.png (one
-verify GDN layer, engines x time) and bench/costmodel_stages.png (stage split per variant).
-``--trace`` predicts saved nkisim trace JSON files instead (e.g. a megakernel round).
+``predict``: one decode round of Qwen3.6-35B-A3B at TP=4 x LNC=2, T=2 verify, at a context of ``--context``
+tokens (the pending token's position) and a routing model for the in-kernel top-k: the round megakernel as it
+ships (one full-round trace, runtime loops), the layerwise variant (its stage kernels, composed as one XLA graph),
+and the HBM roofline of each variant's own bytes. Prints the tables, writes bench/costmodel_predict.json,
+bench/costmodel_stages.png, bench/costmodel_timeline.png (the megakernel round on rank 0's two cores),
+bench/costmodel_layers.png and .md (the per-layer critical-path breakdown). ``--json`` prints the JSON object.
 
-``calibrate``: the model beside every published per-operation measurement of trn2-costs.md
-(bench/costmodel_calibration.json and .md).
+``kernel``: predicts any NKI kernel function from any file (its package context honoured) in shape-only mode:
+``--arg NAME=D0,D1,...:DTYPE`` per tensor argument in the function's order, ``--int NAME=VALUE`` for an int
+argument (``--int NAME=V0,V1,...:int32[:D0xD1]`` for a real integer array), ``--lnc`` / ``--tp`` for the
+launch. Prints the time band, per-engine busy time, bytes moved and the top critical-path items (``--json``:
+one object). Bad input prints one line and exits 2.
+
+``calibrate``: the model beside every published per-operation measurement of trn2-costs.md, and its predictions
+for published kernels (SDK tutorials, the nki-library kernels of the public sweep, the seed's isolated DeltaNet
+layer) beside their published times where there are any (bench/costmodel_calibration.json and .md).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,67 +37,55 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 
-def _fmt_us(ns):
-    return f"{ns / 1e3:,.1f}"
+class BadInput(Exception):
+    """A user error: printed as one line, exit status 2."""
 
 
-def _variant_table(est, acceptance, top=6):
-    s = est.summary(acceptance)
-    lines = [f"== {est.variant} ==  ({est.label})",
-             f"  round            {s['round_us']:>12,.1f} us",
-             f"  tokens/s         {s['tokens_per_s']:>12,.1f}   (acceptance {acceptance:.2f} -> "
-             f"{1 + acceptance:.2f} tokens/round)",
-             f"  HBM per rank     {s['hbm_MB_per_rank']:>12,.1f} MB   {s['achieved_GBps_per_rank']:,.0f} GB/s achieved, "
-             f"{s['hbm_utilisation_pct']:.1f}% of the sustainable 635 GB/s; roofline {s['roofline_us']:,.1f} us",
-             "  stages           " + "   ".join(f"{k} {v:,.1f} us" for k, v in s["stage_us"].items())]
-    parts = sorted(est.part_ns.items(), key=lambda kv: -kv[1])
-    lines.append("  split            " + ", ".join(f"{st}/{p} {_fmt_us(v)}" for (st, p), v in parts[:8]))
-    lines.append("  top bottlenecks (critical-path us per round):")
-    for ns, what in est.bottlenecks[:top]:
-        lines.append(f"    {ns / 1e3:>10,.1f}  {what}")
-    return "\n".join(lines)
+def _band(d, unit="us", fmt="{:,.1f}"):
+    return f"{fmt.format(d['central'])} {unit} ({fmt.format(d['low'])} - {fmt.format(d['high'])})"
 
 
-def _family_table(fams):
-    lines = ["per-family kernels (one rank, LNC=2, real shapes; trace = shape-only, executed = run on demo data):",
-             f"  {'kernel':16s} {'source':9s} {'us':>10s} {'HBM MB':>9s} {'GB/s':>7s} {'instr':>7s}  "
-             f"{'PE%':>5s} {'ACT%':>5s} {'DVE%':>5s} {'POOL%':>5s} {'DMA%':>5s}  top critical-path item"]
-    for (f, T), c in sorted(fams.items()):
-        p = c.prediction
-        gbps = c.hbm_bytes_per_rank / c.latency_ns if c.latency_ns else 0.0
-        if p is not None:
-            b = p.engine_busy_pct()
-            top = p.critical[0] if p.critical else None
-            tops = f"{top[0] / 1e3:.1f} us {top[2]} {top[3]} {top[1]}" if top else ""
-            lines.append(f"  {f + ' T=' + str(T):16s} {c.source:9s} {c.latency_ns / 1e3:>10,.1f} "
-                         f"{c.hbm_bytes_per_rank / 1e6:>9,.2f} {gbps:>7,.0f} {p.n_instructions:>7d}  "
-                         f"{b['PE']:>5.1f} {b['ACT']:>5.1f} {b['DVE']:>5.1f} {b['POOL']:>5.1f} {b['DMA']:>5.1f}  {tops}")
-        else:
-            why = f"  ({c.error[:70]})" if c.error else "  (no demo_args yet)"
-            lines.append(f"  {f + ' T=' + str(T):16s} {'stand-in':9s} {c.latency_ns / 1e3:>10,.1f} "
-                         f"{c.hbm_bytes_per_rank / 1e6:>9,.2f} {gbps:>7,.0f} {'-':>7s}{why}")
-    return "\n".join(lines)
+def _git_head():
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
-def _layer_segments(cfg, fams):
-    """One verify GDN layer of the layerwise round laid end to end: [(label, offset, Prediction|None, dur)]."""
+# ---- predict ------------------------------------------------------------------------------------------
+def _layer_kinds(est, cfg):
+    """layer_us of the contract: per layer kind {low, central, high, parts (central), by_category (central)}."""
+    out = {}
+    for kind, name in (("linear_attention", "gdn"), ("full_attention", "attention")):
+        per = {e: est.layer_kinds[e].get(kind) for e in ("low", "central", "high")}
+        if per["central"] is None:
+            continue
+        c = per["central"]
+        out[name] = {e: per[e]["mean_ns"] / 1e3 for e in per} | {
+            "layers": c["layers"], "parts": {k: v / 1e3 for k, v in c["parts_ns"].items()},
+            "by_category": {k: v / 1e3 for k, v in c["by_category_ns"].items() if v}}
+    return out
+
+
+def _layerwise_layers(est, cfg, tp):
+    """layer_us of the layerwise variant: a layer's launches (mixer stage + MoE stage, each with what the graph
+    does after it), per end; parts central."""
     from harness.costmodel import constants as C
-    from harness.costmodel import costs
-    segs = []
-    t = 0.0
-    ar = costs.collective_ns("all_reduce", 2 * cfg.hidden_size * 2)
-    mixer = "gdn" if cfg.linear_layers else "attention"
-    for fam, reduce_after in (("rmsnorm", False), (mixer, True), ("rmsnorm", False), ("moe", True)):
-        segs.append(("launch", t, None, C.LAUNCH_OVERHEAD_NS))
-        t += C.LAUNCH_OVERHEAD_NS
-        c = fams[(fam, 2)]
-        label = fam if c.prediction is not None else f"{fam} (stand-in)"
-        segs.append((label, t, c.prediction, c.latency_ns))
-        t += c.latency_ns
-        if reduce_after:
-            segs.append(("all-reduce", t, None, ar))
-            t += ar
-    return segs
+    out = {}
+    each = {(stage, name): (n, e) for stage, name, n, e in est.launches}
+    moe = [(n, e) for (st, name), (n, e) in each.items() if st == "V" and name.startswith("moe T=2")]
+    tot = sum(n for n, _ in moe)
+    moe_mean = {k: sum(n * e[k] for n, e in moe) / tot for k in C.ENDS}
+    for mixer, name in (("gdn T=2", "gdn"), ("attention T=2", "attention")):
+        hit = each.get(("V", mixer))
+        if hit is None:
+            continue
+        m = hit[1]
+        out[name] = {k: (m[k] + moe_mean[k]) / 1e3 for k in C.ENDS} | {
+            "parts": {"mixer launch (+ all-reduce, add, hand-off)": m["central"] / 1e3,
+                      "MoE launch (+ all-reduce, add, hand-off)": moe_mean["central"] / 1e3}}
+    return out
 
 
 def cmd_predict(a):
@@ -93,107 +93,372 @@ def cmd_predict(a):
     nkisim.install()
     from tqdm import tqdm
 
-    from harness.costmodel import compose, plots, predict
+    from harness.costmodel import compose, constants as C, layers, plots, predict_band
+    from harness.register_models import Routing
     from model.config import preset
 
     BENCH.mkdir(exist_ok=True)
-    out = {"acceptance": a.acceptance, "model": a.model, "tp": a.tp, "pe_throttle": a.pe_throttle,
-           "shape_only": bool(a.shape_only)}
     if a.trace:
-        preds = []
-        for path in a.trace:
-            p = predict(path, stages=a.stages, name=Path(path).stem, pe_throttle=a.pe_throttle)
-            print(p.table(top=10))
-            est = compose.from_prediction(p.name, p, f"trace {path}")
-            print(_variant_table(est, a.acceptance))
-            preds.append(p.summary())
-            plots.plot_timeline([(p.name, 0.0, p, p.latency_ns)], BENCH / f"costmodel_timeline_{p.name}.png",
-                                f"{p.name}: predicted {p.latency_ns / 1e3:.1f} us")
-        out["traces"] = preds
-        (BENCH / "costmodel_predict_traces.json").write_text(json.dumps(out, indent=1))
-        return 0
+        return _predict_traces(a)
+    if a.context < 1:
+        raise BadInput(f"predict: --context must be >= 1 (the pending token's position), got {a.context}")
+    try:
+        cfg = preset(a.model)
+    except Exception as e:          # model.config.ConfigError: one line
+        raise BadInput(f"predict: {e}") from None
+    routing = Routing(a.routing, 2, cfg.num_experts_per_tok, cfg.num_experts)
+    t0, c0 = time.time(), time.process_time()
+    bar = tqdm(total=2 + 12, desc="predict", file=sys.stderr, disable=a.quiet or a.json, leave=False)
 
-    cfg = preset(a.model)
-    t0 = time.time()
-    keys = sorted({(c.family, c.T) for c in compose.round_plan(cfg)})
-    bar = tqdm(total=len(keys), desc="tracing families", file=sys.stderr, disable=a.quiet)
-
-    def progress(fam, T):
-        bar.set_postfix_str(f"{fam} T={T}")
+    def progress(what):
+        bar.set_postfix_str(what[:60])
         bar.update(1)
-    execute = () if a.shape_only else compose.EXECUTE_DEFAULT
-    fams = compose.family_costs(cfg, tp=a.tp, pe_throttle=a.pe_throttle, progress=progress, execute=execute)
+    mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress)
+    t_mk = time.time() - t0
+    lw = compose.layerwise_round(cfg, a.context, routing, a.tp, 2, progress=progress)
     bar.close()
-    variants = [compose.compose_layerwise(cfg, fams, tp=a.tp)]
-    mk = compose.megakernel_round(cfg, tp=a.tp, pe_throttle=a.pe_throttle)
-    if mk is not None:
-        variants.append(mk)
-    variants.append(compose.roofline_round(cfg, fams))
-
-    print(f"trn2 cost model: {a.model}, TP={a.tp} x LNC=2, bf16, T=2 verify, per-round device time "
-          f"(nkisim traces -> harness.costmodel; no hardware)\n")
-    print(_family_table(fams))
-    print()
-    for est in variants:
-        print(_variant_table(est, a.acceptance))
-        print()
-    if mk is None:
-        print("megakernel: no megakernel.demo_args yet -- the layerwise figure above is composed from per-layer "
-              "kernels; a full-round trace plugs in via megakernel.demo_args / --trace.\n")
-    out["variants"] = [v.summary(a.acceptance) for v in variants]
-    out["families"] = {f"{f} T={T}": (c.prediction.summary() if c.prediction else
-                                      {"source": "stand-in", "latency_us": c.latency_ns / 1e3,
-                                       "hbm_MB_per_rank": c.hbm_bytes_per_rank / 1e6, "error": c.error})
-                       for (f, T), c in sorted(fams.items())}
-    out["elapsed_s"] = time.time() - t0
+    acc = a.acceptance
+    mks, lws = mk.summary(acc), lw.summary(acc)
+    out = {
+        "command": "python -m harness.bench predict " + " ".join(a.argv),
+        "model": a.model, "tp": a.tp, "lnc": 2, "tokens_verified": 2, "dtype": "bfloat16",
+        "context": a.context, "routing": routing.describe(), "measured_commit": _git_head(),
+        "round_us": mks["round_us"], "stages_us": mks["stages_us"], "layer_us": _layer_kinds(mk, cfg),
+        "distinct_experts": mk.notes["distinct_experts"], "kernel_parameters": mk.notes["kernel_parameters"],
+        "tokens_per_s": mks["tokens_per_s"], "acceptance": acc,
+        "critical_by_category_us": mk.notes["critical_by_category_us"],
+        "instructions": mk.notes["instructions"], "runtime_loops": mk.notes["runtime_loops"],
+        "bottlenecks": mks["bottlenecks"],
+        "layers": [{"layer": lab, "kind": r["kind"], "total_us": r["total_ns"] / 1e3,
+                    "by_category_us": {k: v / 1e3 for k, v in r["by_category"].items() if v},
+                    "by_part_us": {k: v / 1e3 for k, v in r["by_part"].items()}} for lab, r in mk.layers.items()],
+        "layerwise": {"round_us": lws["round_us"], "stages_us": lws["stages_us"],
+                      "layer_us": _layerwise_layers(lw, cfg, a.tp), "distinct_experts": lw.notes["distinct_experts"],
+                      "kernel_calls": lw.notes["kernel_calls"], "parts_us": lws["parts_us"],
+                      "tokens_per_s": lws["tokens_per_s"], "bottlenecks": lws["bottlenecks"],
+                      "launches": [{"stage": s, "kernel": k, "count": n, "us_each": {e: v / 1e3 for e, v in d.items()}}
+                                   for s, k, n, d in lw.launches], "label": lw.label},
+        "roofline_us": {"megakernel": mks["roofline_us"], "layerwise": lws["roofline_us"]},
+        "hbm_MB_per_rank": {"megakernel": mks["hbm_MB_per_rank"], "layerwise": lws["hbm_MB_per_rank"]},
+        "host_dispatch_us_outside_device_time": C.HOST_ROUND_NS / 1e3,
+        "assumptions": C.assumptions(),
+        "elapsed_s": {"total_wall": round(time.time() - t0, 1), "total_cpu": round(time.process_time() - c0, 1),
+                      "megakernel_wall": round(t_mk, 1)},
+    }
     (BENCH / "costmodel_predict.json").write_text(json.dumps(out, indent=1))
-    segs = _layer_segments(cfg, fams)
-    plots.plot_timeline(segs, BENCH / "costmodel_timeline.png",
-                        "one verify GDN layer of the layerwise round (T=2, rank 0, both cores): engines x time "
-                        "(launch heads and all-reduces shaded)")
-    plots.plot_stages(variants, BENCH / "costmodel_stages.png",
-                      f"predicted round split per stage ({a.model}, TP={a.tp}, LNC=2)")
-    print(f"wrote {BENCH / 'costmodel_predict.json'}, costmodel_timeline.png, costmodel_stages.png")
+    title = f"{a.model}, TP={a.tp} x LNC=2, T=2 verify, context {a.context}, routing {a.routing}"
+    plots.plot_stages([mk, lw], BENCH / "costmodel_stages.png", f"predicted round ({title})")
+    plots.plot_timeline(mk.prediction.central, BENCH / "costmodel_timeline.png",
+                        f"megakernel round, rank 0 (both cores), central: {mk.round_ns['central'] / 1e3:,.0f} us "
+                        f"incl. the launch head ({title}); stage spans shaded", offset_ns=C.LAUNCH_OVERHEAD_NS)
+    plots.plot_layers(mk.layers, BENCH / "costmodel_layers.png",
+                      f"megakernel critical path per layer, central ({title})")
+    (BENCH / "costmodel_layers.md").write_text(
+        f"# Megakernel critical path per layer\n\nGenerated by `{out['command']}` at commit {out['measured_commit']} "
+        f"({title}). Central band; us of the round's critical path spent in each layer, by what was on it "
+        f"(hand-off = waits after a release: semaphores, queues, DGEs).\n\n" + _md_layers(mk.layers) + "\n")
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_predict(out, mk, lw, layers)
+    print(f"\nwrote {BENCH / 'costmodel_predict.json'}, costmodel_stages.png, costmodel_timeline.png, "
+          f"costmodel_layers.png/.md ({out['elapsed_s']['total_wall']:.0f} s wall, "
+          f"{out['elapsed_s']['total_cpu']:.0f} s CPU)")
     return 0
 
 
+def _md_layers(rows):
+    from harness.costmodel.predict import CATEGORIES
+    cats = [c for c in CATEGORIES if any(r["by_category"].get(c, 0.0) for r in rows.values())]
+    lines = ["| layer | kind | total | " + " | ".join(cats) + " |", "|---|---|---:|" + "---:|" * len(cats)]
+    for lab, r in rows.items():
+        lines.append(f"| {lab} | {r['kind']} | {r['total_ns'] / 1e3:,.1f} | " +
+                     " | ".join(f"{r['by_category'].get(c, 0.0) / 1e3:,.1f}" for c in cats) + " |")
+    return "\n".join(lines)
+
+
+def _print_predict(out, mk, lw, layers):
+    print(f"trn2 cost model (no hardware): {out['model']}, TP={out['tp']} x LNC=2, T=2 verify, bf16, "
+          f"context {out['context']}, routing {out['routing']['mode']} "
+          f"({out['routing']['mean_distinct_experts']:.2f} distinct experts per verify layer), commit "
+          f"{out['measured_commit']}")
+    print("band = central (low - high); the ends come from the uncertain constants listed in the JSON 'assumptions'\n")
+    print(f"megakernel round   {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+          f"acceptance {out['acceptance']}")
+    print("  stages           " + "   ".join(f"{s} {_band(v)}" for s, v in out["stages_us"].items()))
+    for k, v in out["layer_us"].items():
+        print(f"  {k} layer (critical path, mean)  {_band(v)}   parts: " +
+              ", ".join(f"{p} {x:,.1f}" for p, x in sorted(v["parts"].items(), key=lambda kv: -kv[1])))
+    print("  critical path by kind (central us): " + ", ".join(
+        f"{k} {v:,.0f}" for k, v in out["critical_by_category_us"]["central"].items() if v))
+    print(f"  {out['instructions']:,} instructions, {out['runtime_loops']:,} runtime loops, "
+          f"{out['kernel_parameters']['count']} HBM tensor parameters ({out['kernel_parameters']['bytes'] / 1e9:.2f} GB "
+          f"per rank)")
+    print(f"layerwise round    {_band(out['layerwise']['round_us'])}   ({out['layerwise']['kernel_calls']} NKI calls "
+          f"in one XLA graph)")
+    print("  stages           " + "   ".join(f"{s} {_band(v)}" for s, v in out["layerwise"]["stages_us"].items()))
+    for name in ("megakernel", "layerwise"):
+        print(f"roofline ({name} bytes, {out['hbm_MB_per_rank'][name]:,.0f} MB/rank)  {_band(out['roofline_us'][name])}")
+    print("\nmegakernel critical path per layer (central us):")
+    print(layers.table(mk.layers))
+    print("\nmegakernel top critical-path items (central):")
+    for b in out["bottlenecks"][:8]:
+        print(f"  {b['us']:>9,.1f} us  {b['what']}")
+
+
+def _predict_traces(a):
+    from harness.costmodel import predict_band
+    res = []
+    for path in a.trace:
+        if not os.path.isfile(path):
+            raise BadInput(f"predict: no such trace file: {path}")
+        try:
+            b = predict_band(path, stages=a.stages, name=Path(path).stem)
+        except (ValueError, KeyError, json.JSONDecodeError) as e:
+            raise BadInput(f"predict: {path} is not an nkisim trace ({type(e).__name__}: {e})") from None
+        res.append(b.summary())
+        if not a.json:
+            print(f"{b.name}: {_band(b.time_us())}")
+            print(b.central.table(top=10))
+    out = {"traces": res}
+    (BENCH / "costmodel_predict_traces.json").write_text(json.dumps(out, indent=1))
+    if a.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+# ---- kernel --------------------------------------------------------------------------------------------
+def _parse_shape_dtype(spec, what):
+    import nkisim
+    from nkisim import dtypes
+    if ":" not in spec:
+        raise BadInput(f"{what}: expected D0,D1,...:DTYPE, got {spec!r}")
+    dims, _, dt = spec.rpartition(":")
+    try:
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        raise BadInput(f"{what}: shape {dims!r} is not a comma-separated list of integers") from None
+    if not shape or min(shape) < 1:
+        raise BadInput(f"{what}: every dimension must be >= 1, got {dims!r}")
+    try:
+        dt = dtypes.normalize(dt, what)
+    except Exception:
+        raise BadInput(f"{what}: unknown dtype {dt!r} (e.g. bfloat16, float32, int32)") from None
+    return nkisim.ShapeDtype(shape, dt)
+
+
+def _parse_int(spec, what):
+    """VALUE -> int; V0,V1,...:DTYPE[:D0xD1] (or range(N):DTYPE...) -> a real integer numpy array."""
+    import numpy as np
+    parts = spec.split(":")
+    try:
+        if len(parts) == 1:
+            return int(parts[0])
+        vals = parts[0]
+        if vals.startswith("range(") and vals.endswith(")"):
+            arr = np.arange(int(vals[6:-1]))
+        else:
+            arr = np.array([int(v) for v in vals.split(",")])
+        dt = np.dtype(parts[1])
+        if dt.kind not in "iu":
+            raise BadInput(f"{what}: dtype {parts[1]} is not an integer dtype")
+        shape = tuple(int(d) for d in parts[2].split("x")) if len(parts) > 2 else (1, arr.size)
+        return arr.astype(dt).reshape(shape)
+    except BadInput:
+        raise
+    except (ValueError, TypeError) as e:
+        raise BadInput(f"{what}: cannot read {spec!r} as VALUE or V0,V1,...:DTYPE[:D0xD1] ({e})") from None
+
+
+def _import_file(path):
+    """Import a kernel file with its package context: if its directory is a package (has __init__.py), the
+    module is imported under its dotted package name from the first ancestor that is not a package (so relative
+    imports work); otherwise as a standalone module, its directory on sys.path."""
+    import importlib
+    import importlib.util
+    path = Path(path).resolve()
+    d = path.parent
+    parts = [path.stem]
+    while (d / "__init__.py").is_file():
+        parts.insert(0, d.name)
+        d = d.parent
+    if str(d) not in sys.path:
+        sys.path.insert(0, str(d))
+    if len(parts) > 1:
+        return importlib.import_module(".".join(parts))
+    name = "harness_bench_kernel_" + path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def trace_kernel(target, args=(), ints=(), lnc=1, tp=1):
+    """(trace, name) of FILE::FUNCTION launched shape-only with ``args`` ["NAME=D0,..:DTYPE"] and ``ints``
+    ["NAME=VALUE"]. Raises BadInput for every user error, including a kernel nkisim refuses."""
+    import inspect
+
+    import nkisim
+    nkisim.install()
+    import nki
+    if "::" not in target:
+        raise BadInput(f"kernel: expected FILE::FUNCTION, got {target!r}")
+    file, _, fname = target.rpartition("::")
+    if not os.path.isfile(file):
+        raise BadInput(f"kernel: no such file: {file}")
+    if lnc not in (1, 2):
+        raise BadInput(f"kernel: --lnc must be 1 or 2, got {lnc}")
+    if tp < 1 or tp * lnc > 8:
+        raise BadInput(f"kernel: --tp must be 1..{8 // lnc} at LNC={lnc} (one trn2 chip has 8 cores), got {tp}")
+    try:
+        mod = _import_file(file)
+    except Exception as e:          # the file itself fails to import: a user error
+        raise BadInput(f"kernel: cannot import {file}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                       ) from None
+    fn = getattr(mod, fname, None)
+    if fn is None or not callable(fn):
+        raise BadInput(f"kernel: {file} has no function {fname!r}")
+    kernel = fn if isinstance(fn, nkisim.Kernel) else nki.jit(fn)
+    sig = inspect.signature(kernel.fn)
+    given = {}
+    for spec, parse, flag in [(s, _parse_shape_dtype, "--arg") for s in args] + [(s, _parse_int, "--int") for s in ints]:
+        if "=" not in spec:
+            raise BadInput(f"kernel: {flag} expects NAME=..., got {spec!r}")
+        name, _, val = spec.partition("=")
+        if name not in sig.parameters:
+            raise BadInput(f"kernel: {fname} has no parameter {name!r} (parameters: {', '.join(sig.parameters)})")
+        if name in given:
+            raise BadInput(f"kernel: parameter {name!r} given twice")
+        given[name] = parse(val, f"{flag} {name}")
+    call = []
+    names = list(sig.parameters)
+    last = max((names.index(n) for n in given), default=-1)
+    for i, (name, p) in enumerate(sig.parameters.items()):
+        if i > last and p.default is not inspect.Parameter.empty:
+            break
+        if name in given:
+            call.append(given[name])
+        elif p.default is not inspect.Parameter.empty:
+            call.append(p.default)
+        else:
+            raise BadInput(f"kernel: parameter {name!r} of {fname} has no value: give --arg {name}=D0,...:DTYPE or "
+                           f"--int {name}=VALUE")
+    try:
+        with nkisim.trace.capture() as tr:
+            if tp > 1:
+                nkisim.launch(kernel, [tuple(call)] * tp, tp=tp, lnc=lnc)
+            elif lnc == 2:
+                kernel[2](*call)
+            else:
+                kernel(*call)
+    except Exception as e:          # a kernel nkisim refuses (or that fails at these shapes): one line
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise BadInput(f"kernel: {fname} was refused at these arguments: {type(e).__name__}: {msg[:400]}") from None
+    if not tr.instructions:
+        raise BadInput(f"kernel: {fname} traced no instruction at these arguments")
+    return tr, fname
+
+
+def kernel_summary(band, name, lnc, tp):
+    """The --json object of the kernel command."""
+    c = band.central
+    return {"kernel": name, "lnc": lnc, "tp": tp, "time_us": band.time_us(),
+            "engines": {"busy_us": c.summary()["engine_busy_us"], "busy_pct": c.engine_busy_pct()},
+            "bytes": {"hbm_read": c.hbm_read_bytes, "hbm_write": c.hbm_write_bytes, "dma": c.dma_bytes,
+                      "per_rank_hbm": c.hbm_bytes / c.n_ranks},
+            "roofline_us": c.roofline_ns / 1e3, "instructions": c.n_instructions,
+            "critical_path": c.summary()["critical_path_top"][:10],
+            "critical_by_category_us": c.summary()["critical_by_category_us"],
+            "stage_us": band.stage_us(), "assumptions": band.summary()["assumptions"]}
+
+
+def cmd_kernel(a):
+    from harness.costmodel import predict_band
+    tr, name = trace_kernel(a.target, a.arg or (), a.int or (), a.lnc, a.tp)
+    band = predict_band(tr, stages="function", name=name)
+    s = kernel_summary(band, name, a.lnc, a.tp)
+    if a.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    c = band.central
+    print(f"{name} ({a.target}, LNC={a.lnc}, TP={a.tp}, shape-only): predicted {_band(s['time_us'])}")
+    print(f"  {c.n_instructions:,} instructions; HBM read {c.hbm_read_bytes / 1e6:,.3f} MB, write "
+          f"{c.hbm_write_bytes / 1e6:,.3f} MB, all DMA {c.dma_bytes / 1e6:,.3f} MB; roofline {s['roofline_us']:,.2f} us")
+    print("  engine busy (central, mean over cores): " + ", ".join(
+        f"{e} {v:,.2f} us" for e, v in s["engines"]["busy_us"].items() if v))
+    print("  critical path by kind (us): " + ", ".join(
+        f"{k} {v:,.2f}" for k, v in s["critical_by_category_us"].items() if v))
+    print("  top critical-path items:")
+    for it in s["critical_path"][:8]:
+        print(f"    {it['ns'] / 1e3:9.2f} us  {it['engine']:5s} {it['op']:22s} x{it['count']:<5d} {it['loc']}")
+    return 0
+
+
+# ---- calibrate -------------------------------------------------------------------------------------------
 def cmd_calibrate(a):
     from harness.costmodel import calibration
     BENCH.mkdir(exist_ok=True)
+    roots = {"sdk": a.sdk, "nki-library": a.nki_library, "seed": a.seed}
+    for k, v in roots.items():
+        if v is not None and not os.path.isdir(v):
+            raise BadInput(f"calibrate: --{k} {v}: no such directory")
     rows = calibration.rows()
-    md = calibration.markdown(rows)
+    kernels = calibration.kernel_rows(roots, progress=None if a.quiet else
+                                      (lambda s: print(f"  {s}", file=sys.stderr)))
+    md = calibration.markdown(rows, kernels)
     print(md)
-    (BENCH / "costmodel_calibration.md").write_text(
-        "# trn2 cost model vs published per-operation measurements\n\n"
-        "Generated by `python -m harness.bench calibrate`. *how*: constant = the measurement is the model "
-        "constant; fit = the formula was fitted on this row; formula = a formula fitted elsewhere (a real "
-        "check); sim = a traced NKI micro-kernel (harness/costmodel/microkernels.py) through the timeline "
-        "model.\n\n" + md + "\n")
-    (BENCH / "costmodel_calibration.json").write_text(json.dumps(calibration.as_dicts(rows), indent=1))
+    (BENCH / "costmodel_calibration.md").write_text(md + "\n")
+    (BENCH / "costmodel_calibration.json").write_text(json.dumps(
+        {"operations": calibration.as_dicts(rows), "kernels": kernels, "commit": _git_head()}, indent=1))
     print(f"\nwrote {BENCH / 'costmodel_calibration.md'} and .json")
     return 0
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harness.bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("predict", help="per-round device time from real-shape traces (cost model)")
-    p.add_argument("--model", default="qwen3.6-35b-a3b", help="model.config preset")
-    p.add_argument("--tp", type=int, default=4)
+    p = sub.add_parser("predict", help="per-round device time band of the megakernel and the layerwise variant")
+    p.add_argument("--model", default="qwen3.6-35b-a3b", help="model.config preset (default qwen3.6-35b-a3b)")
+    p.add_argument("--tp", type=int, default=4, choices=[4], help="TP ranks (the round kernel is built for 4)")
+    p.add_argument("--context", type=int, default=2048,
+                   help="position of the pending token = tokens already in the KV caches (default 2048)")
+    p.add_argument("--routing", default="expected", choices=["expected", "min", "max"],
+                   help="distinct experts per verify layer: expected (15.75 for top-8 of 256), min (8), max (16)")
     p.add_argument("--acceptance", type=float, default=0.75,
                    help="probability the draft token is accepted (tokens/round = 1 + acceptance)")
-    p.add_argument("--pe-throttle", action="store_true", help="scale PE by the measured 1.69x throttle")
     p.add_argument("--trace", nargs="*", help="predict these saved nkisim trace JSON files instead")
     p.add_argument("--stages", default="function", help="stage tags for --trace: file | function | loc")
-    p.add_argument("--shape-only", action="store_true",
-                   help="trace every family shape-only (MoE then shows its minimum traffic: all tokens on the same "
-                        "k experts); by default MoE executes on its demo data to show one block per distinct expert")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the JSON object (also written to bench/)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_predict)
-    c = sub.add_parser("calibrate", help="model vs the published per-op measurements (trn2-costs.md)")
+    k = sub.add_parser("kernel", help="predict any NKI kernel function (shape-only trace)",
+                       description="Trace FILE::FUNCTION shape-only under nkisim and predict it with the trn2 cost "
+                                   "model (band: low / central / high).")
+    k.add_argument("target", help="FILE::FUNCTION (an @nki.jit kernel or a plain kernel function)")
+    k.add_argument("--arg", action="append", metavar="NAME=D0,D1,...:DTYPE",
+                   help="a tensor argument, e.g. --arg x=128,512:bfloat16 (repeat, in the function's order)")
+    k.add_argument("--int", action="append", metavar="NAME=VALUE",
+                   help="an int argument (--int n=4), or a real integer array: --int pos=2048:int32:1x1")
+    k.add_argument("--lnc", type=int, default=1, help="1 or 2 physical cores per launch (default 1)")
+    k.add_argument("--tp", type=int, default=1, help="ranks (nkisim.launch with collectives), default 1")
+    k.add_argument("--json", action="store_true", help="print one JSON object")
+    k.set_defaults(fn=cmd_kernel)
+    c = sub.add_parser("calibrate", help="model vs the published per-op measurements and kernel times")
+    c.add_argument("--sdk", help="checkout of aws-neuron/aws-neuron-sdk (tutorial kernels under nki/examples)")
+    c.add_argument("--nki-library", help="checkout of aws-neuron/nki-library")
+    c.add_argument("--seed", help="checkout of KevGomes1403/nki-moe-megakernel (the isolated DeltaNet layer)")
+    c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_calibrate)
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
-    return a.fn(a)
+    a.argv = argv[1:]
+    try:
+        return a.fn(a)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,39 +1,42 @@
-"""Trace summaries of every decode subkernel at the real per-rank shapes of Qwen3.6-35B-A3B.
+"""Trace summaries of every decode kernel launch at the real per-rank shapes of Qwen3.6-35B-A3B.
 
     python -m harness.kernel_report                 # table, T=2 (verify), bfloat16, one rank of TP=4
     python -m harness.kernel_report --tokens 1 --json
 
-Each kernel is launched once in nkisim's shape-only mode (no weights allocated; the trace is the one
-an executing run yields) through the family's ``demo_args``. Per physical core it reports
-instructions per engine, DMA bytes read from HBM, collectives, and the SBUF / PSUM high-water marks.
-The cost model (``python -m harness.bench predict``) reads the same traces. Writes
-``bench/kernel_traces.json``.
+Each launch of the layerwise variant (``megakernel.layerwise`` stage kernels and the embedding) is traced once in
+nkisim's shape-only mode from its kernel case (``harness.kernel_cases``: the real per-rank shapes, the real int32
+positions and read slot, the register values of the attention loops and the MoE routing model). Per physical
+core it reports instructions per engine, DMA bytes read from HBM, collectives, and the SBUF / PSUM high-water
+marks. Writes ``bench/kernel_traces.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
 
 import nkisim
 
-FAMILIES = ("embedding", "rmsnorm", "gdn", "attention", "moe", "lm_head")
+STAGES = ("gdn", "attention", "moe", "head", "mtp_fc")
 ENGINES = ("PE", "ACT", "DVE", "POOL", "DMA", "SP")
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def trace_family(name: str, cfg, tokens: int, dtype: str) -> dict:
-    """Shape-only launch of one family's demo kernel; returns nkisim.summary's per-instance dict."""
-    nkisim.install()
+def trace_case(case) -> dict:
+    """Trace one kernel case; returns nkisim.summary's per-instance dict."""
     from nkisim.summary import summarize
-    module = importlib.import_module(f"nki_kernels.{name}")
-    kernel, args = module.demo_args(cfg, tp=4, T=tokens, dtype=dtype, shape_only=True)
-    with nkisim.trace.capture() as tr:
-        kernel(*args)
-    return summarize(tr)
+    return summarize(case.trace())
+
+
+def cases(cfg, tokens: int, dtype: str) -> dict:
+    from harness import kernel_cases as kc
+    out = {"embedding": kc.embedding_case(cfg, tokens, dtype=dtype)}
+    for st in STAGES:
+        T = 1 if st == "mtp_fc" else tokens
+        out[st] = kc.stage_case(cfg, st, T, dtype=dtype)
+    return out
 
 
 def hbm_read_bytes(inst: dict) -> int:
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from model.config import preset
     cfg = preset("qwen3.6-35b-a3b")
-    report = {name: trace_family(name, cfg, args.tokens, args.dtype) for name in FAMILIES}
+    nkisim.install()
+    report = {name: trace_case(c) for name, c in cases(cfg, args.tokens, args.dtype).items()}
     BENCH.mkdir(exist_ok=True)
     (BENCH / "kernel_traces.json").write_text(json.dumps(
         {"tokens": args.tokens, "dtype": args.dtype, "tp": 4, "lnc": 2, "kernels": report}, indent=1))

@@ -3,16 +3,19 @@
     import nkisim; from harness import costmodel
     with nkisim.trace.capture() as tr:
         kernel[2](*args)
-    p = costmodel.predict(tr, stages="function")
-    print(p.table())                      # latency, busy %, HBM bytes / bandwidth, critical path, stages
+    b = costmodel.predict_band(tr, stages="function")   # low / central / high
+    print(b.time_us(), b.central.table())
 
-Modules: ``constants`` (every number, cited), ``costs`` (per-instruction formulas), ``deps``
-(RAW/WAR/WAW graph from trace regions), ``timeline`` (event-driven engines / DMA queues / HBM pipe /
-rendezvous), ``predict`` (metrics), ``stages`` (stage tags), ``compose`` (per-round estimate from
-per-layer kernels), ``plots``, ``calibration`` (model vs published per-op measurements).
+Modules: ``constants`` (every number, cited; uncertain ones as bands), ``costs`` (per-instruction formulas at one
+end of the bands), ``deps`` (RAW/WAR/WAW graph from trace regions), ``timeline`` (event-driven engines, DMA
+trigger queues, DGEs, bandwidth sharing, loop fences, rendezvous), ``predict`` (metrics, critical path),
+``stages`` (stage tags), ``layers`` (per-layer critical-path breakdown), ``compose`` (round estimates: the
+megakernel, the layerwise graph, rooflines), ``plots``, ``calibration`` (model vs published measurements).
 """
 from . import constants
-from .predict import Prediction, instructions_of, predict
+from .costs import Params
+from .predict import BandPrediction, Prediction, instructions_of, predict, predict_band
 from .stages import StageMarks
 
-__all__ = ["constants", "predict", "Prediction", "instructions_of", "StageMarks"]
+__all__ = ["constants", "predict", "predict_band", "Prediction", "BandPrediction", "Params", "instructions_of",
+           "StageMarks"]

@@ -1,281 +1,223 @@
-"""Per-round estimates composed from per-family kernel traces (the layerwise variant), the analytic HBM
-roofline, and the hook for a full-round megakernel trace.
+"""Round estimates at the same context and routing: the round megakernel (one full-round trace), the layerwise
+variant (its stage kernels, one trace per distinct launch, composed as the one XLA graph a layerwise round is)
+and an HBM roofline beside each, from that variant's own bytes. Every figure is a band (low / central / high).
 
 A round (DESIGN.md §1) = D1 draft (MTP, T=1) + V verify (40-layer trunk, T=2) + D2 replay (MTP, T=1).
-The layerwise composition launches one kernel per family call; between launches it pays the measured
-launch head (``LAUNCH_OVERHEAD_NS``) and, after every mixer / MoE launch, the measured TP all-reduce of
-the layer output. Each kernel's own trace already contains its HBM round trip of the residual (its
-wrapper loads x from HBM and stores its partial). A family whose ``demo_args`` has not landed yet is
-stood in for by its analytic weight bytes over the rank bandwidth plus one small-DMA latency, and is
-labelled ``stand-in`` everywhere.
+
+**Layerwise.** ``harness.kernel_variants.LayerwiseVariant`` launches, per round: D1 = embedding, MTP fc stage,
+attention stage (at p - 1), MoE stage, head stage; V = embedding, per layer a mixer stage (GDN or attention)
+and a MoE stage, head stage; D2 = embedding, MTP fc, attention (at p), MoE. On a device these are NKI custom
+calls inside ONE XLA graph: the graph compiler assembles the kernels into one executable (SDK
+nki/deep-dives/nki-compiler.rst "How the NKI Compiler Works with the Graph Compiler"), so the round pays one
+NEFF start (``LAUNCH_OVERHEAD_NS``), not one per kernel. Each kernel runs on its own (its trace starts and ends
+drained: nothing overlaps across a kernel boundary) and the next one's first transfer waits on a semaphore of
+the previous one (``HANDOFF_DMA_NS``). Between them the graph does what the host does in the simulation: the
+cross-rank sum of the stage partials (an XLA all-reduce of [T, H] float32, ``costs.collective_ns``), the
+residual add (one VectorE op), the argmax agreement after a head (an all-gather of (value, index) per core) and
+the MTP fc columns (an all-gather of [1, H] float32).
 """
 from __future__ import annotations
 
-import importlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import constants as C
 from . import costs
-from .predict import Prediction, predict
-
-FAMILIES = ("embedding", "rmsnorm", "gdn", "attention", "moe", "lm_head")
-
-
-# ---- analytic weight / state bytes per rank (stand-ins and the roofline cross-check) -----------------
-def analytic_bytes(cfg, family, T, tp=C.TP_RANKS, dtype_bytes=2, context=0):
-    """HBM bytes one rank must move for one launch of ``family`` at T tokens (weights, state, caches)."""
-    H = cfg.hidden_size
-    if family == "embedding":
-        return T * H * dtype_bytes
-    if family == "rmsnorm":
-        return H * dtype_bytes + 2 * T * H * dtype_bytes
-    if family == "gdn":
-        kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
-        w = H * (2 * kd + 2 * vd + 2 * cfg.linear_num_value_heads) // tp + vd // tp * H
-        w += cfg.conv_dim // tp * cfg.linear_conv_kernel_dim
-        state = cfg.linear_num_value_heads // tp * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        return w * dtype_bytes + state * (1 + T)
-    if family == "attention":
-        D = cfg.head_dim
-        q = H * 2 * cfg.num_attention_heads * D // tp          # q and its gate
-        kv = 2 * H * D                                          # the rank's KV head
-        o = cfg.num_attention_heads * D // tp * H
-        cache = 2 * (context + T) * D * dtype_bytes
-        return (q + kv + o) * dtype_bytes + cache
-    if family == "moe":
-        I, Ish = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        experts = min(T * cfg.num_experts_per_tok, cfg.num_experts)
-        return (H * cfg.num_experts + 3 * H * Ish // tp + experts * 3 * H * I // tp) * dtype_bytes
-    if family == "lm_head":
-        return cfg.vocab_size // tp * H * dtype_bytes
-    if family == "mtp_fc":
-        return 2 * H * H // tp * dtype_bytes
-    raise ValueError(f"no analytic bytes for family {family!r}")
-
-
-# ---- the round plan -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Call:
-    stage: str          # D1 / V / D2
-    family: str
-    T: int
-    count: int
-    reduce_after: bool  # a TP all-reduce of the [T, H] output follows this launch
-
-
-def round_plan(cfg):
-    """The launches of one layerwise round, in order (counts fold the identical layers)."""
-    n_lin = len(cfg.linear_layers)
-    n_full = len(cfg.full_layers)
-    L = cfg.num_hidden_layers
-    mtp = []
-    if cfg.mtp_num_hidden_layers:
-        mtp = [("embedding", 1, 1, False), ("rmsnorm", 1, 2, False), ("mtp_fc", 1, 1, True),
-               ("rmsnorm", 1, 1, False), ("attention", 1, 1, True), ("rmsnorm", 1, 1, False),
-               ("moe", 1, 1, True), ("rmsnorm", 1, 1, False), ("lm_head", 1, 1, False)]
-    verify = [("embedding", 2, 1, False), ("rmsnorm", 2, L, False), ("gdn", 2, n_lin, True),
-              ("attention", 2, n_full, True), ("rmsnorm", 2, L, False), ("moe", 2, L, True),
-              ("rmsnorm", 2, 1, False), ("lm_head", 2, 1, False)]
-    out = []
-    replay = mtp[:-2]  # D2 only writes the MTP KV row: no final MTP norm, no LM head (DESIGN.md §1)
-    for stage, calls in (("D1", mtp), ("V", verify), ("D2", replay)):
-        for fam, T, n, red in calls:
-            if n:
-                out.append(Call(stage, fam, T, n, red))
-    return out
-
-
-# ---- per-family traces -------------------------------------------------------------------------
-def trace_family(cfg, family, T, tp=C.TP_RANKS, dtype="bfloat16", shape_only=True):
-    """Trace ``nki_kernels.<family>.demo_args(cfg, tp, T, dtype, shape_only)``; None if the family (or its
-    demo_args) does not exist yet. ``shape_only=False`` executes on the demo's data: needed where the
-    traffic is data-dependent (MoE: a shape-only trace reads register values as 0, so all T tokens pick
-    the same k experts -- the minimum traffic; executing shows one block per distinct expert)."""
-    import nkisim
-    try:
-        mod = importlib.import_module(f"nki_kernels.{family}")
-    except ImportError:
-        return None
-    demo = getattr(mod, "demo_args", None)
-    if demo is None:
-        return None
-    kernel, args = demo(cfg, tp=tp, T=T, dtype=dtype, shape_only=shape_only)
-    with nkisim.trace.capture() as tr:
-        if isinstance(args, list):                          # per-rank argument tuples: a multi-rank launch
-            nkisim.launch(kernel, args, tp=len(args))
-        else:
-            kernel(*args)
-    return tr
-
-
-@dataclass
-class FamilyCost:
-    family: str
-    T: int
-    latency_ns: float
-    hbm_bytes_per_rank: float
-    source: str                       # "trace" or "stand-in"
-    prediction: Prediction | None = None
-    error: str | None = None
-
-
-EXECUTE_DEFAULT = ("moe",)     # families traced on data (data-dependent traffic), see trace_family
-
-
-def family_costs(cfg, tp=C.TP_RANKS, dtype="bfloat16", pe_throttle=False, progress=None,
-                 execute=EXECUTE_DEFAULT):
-    """{(family, T): FamilyCost} for every (family, T) of the round plan; families in ``execute`` are
-    traced executing on their demo data instead of shape-only."""
-    out = {}
-    keys = sorted({(c.family, c.T) for c in round_plan(cfg)})
-    for fam, T in keys:
-        if progress:
-            progress(fam, T)
-        tr, err = None, None
-        if fam != "mtp_fc":
-            try:
-                tr = trace_family(cfg, fam, T, tp=tp, dtype=dtype, shape_only=fam not in execute)
-            except Exception as e:      # a family under construction: report it, stand in for it
-                err = f"{type(e).__name__}: {e}"
-                tr = None
-        if tr is not None and tr.instructions:
-            p = predict(tr, stages="function", name=f"{fam} T={T}", pe_throttle=pe_throttle)
-            src = "executed" if fam in execute else "trace"
-            out[(fam, T)] = FamilyCost(fam, T, p.latency_ns, p.hbm_bytes / p.n_ranks, src, p)
-        else:
-            b = analytic_bytes(cfg, fam, T, tp=tp)
-            t = C.DMA_SMALL_LATENCY_NS + b / C.HBM_BW_PER_RANK * 1e9
-            out[(fam, T)] = FamilyCost(fam, T, t, b, "stand-in", None, err)
-    return out
+from .layers import breakdown, label_layers, per_kind
+from .predict import BandPrediction, predict_band
 
 
 @dataclass
 class RoundEstimate:
-    """A per-round estimate: a composed layerwise round, or a megakernel round trace."""
+    """One variant's round: every figure {low, central, high} in ns."""
     variant: str
-    round_ns: float
     label: str
-    stage_ns: dict                         # D1 / V / D2 -> ns
-    part_ns: dict                          # (stage, part) -> ns, part = family / "launch overhead" / "all-reduce"
+    round_ns: dict
+    stage_ns: dict                          # D1 / V / D2 (/ other) -> {end: ns}
+    part_ns: dict                           # (stage, part) -> {end: ns}
     hbm_bytes_per_rank: float
-    bottlenecks: list                      # [(ns per round, what)] largest first
-    families: dict = field(default_factory=dict)
-    prediction: Prediction | None = None   # the megakernel's full-round prediction
+    bottlenecks: list                       # [(central ns per round, what)] largest first
+    layers: dict = field(default_factory=dict)      # per-layer breakdown (megakernel, central)
+    layer_kinds: dict = field(default_factory=dict)  # layer kind -> {end: per_kind summary}
+    launches: list = field(default_factory=list)     # layerwise: (stage, what, count, {end: ns each})
+    prediction: BandPrediction | None = None
+    notes: dict = field(default_factory=dict)
 
-    @property
     def roofline_ns(self):
-        return self.hbm_bytes_per_rank / C.HBM_BW_PER_RANK * 1e9
-
-    def tokens_per_s(self, acceptance):
-        """Committed tokens per second when the draft is accepted with probability ``acceptance``
-        (1 + acceptance tokens per round)."""
-        return (1.0 + acceptance) / (self.round_ns * 1e-9)
+        """This variant's HBM bytes per rank at each end's bandwidth."""
+        return {e: self.hbm_bytes_per_rank / C.HBM_BW_PER_RANK.at(e) * 1e9 for e in C.ENDS}
 
     def summary(self, acceptance):
+        us = _us
         return {
-            "variant": self.variant, "label": self.label, "round_us": self.round_ns / 1e3,
-            "acceptance": acceptance, "tokens_per_s": self.tokens_per_s(acceptance),
+            "variant": self.variant, "label": self.label,
+            "round_us": us(self.round_ns),
+            "tokens_per_s": {e: (1.0 + acceptance) / (self.round_ns[e] * 1e-9) for e in C.ENDS},
+            "stages_us": {s: us(v) for s, v in self.stage_ns.items()},
+            "parts_us": {f"{s}/{p}": us(v) for (s, p), v in self.part_ns.items()},
             "hbm_MB_per_rank": self.hbm_bytes_per_rank / 1e6,
-            "achieved_GBps_per_rank": self.hbm_bytes_per_rank / self.round_ns,
-            "hbm_utilisation_pct": 100.0 * self.hbm_bytes_per_rank / self.round_ns / (C.HBM_BW_PER_RANK / 1e9),
-            "roofline_us": self.roofline_ns / 1e3,
-            "stage_us": {k: v / 1e3 for k, v in self.stage_ns.items()},
-            "part_us": {f"{s}/{p}": v / 1e3 for (s, p), v in self.part_ns.items()},
-            "bottlenecks": [{"us": ns / 1e3, "what": w} for ns, w in self.bottlenecks[:10]],
-            "families": {f"{f} T={T}": {"us": c.latency_ns / 1e3, "source": c.source,
-                                        "hbm_MB_per_rank": c.hbm_bytes_per_rank / 1e6,
-                                        **({"error": c.error} if c.error else {})}
-                         for (f, T), c in sorted(self.families.items())},
+            "roofline_us": us(self.roofline_ns()),
+            "bottlenecks": [{"us": ns / 1e3, "what": w} for ns, w in self.bottlenecks[:12]],
+            **self.notes,
         }
 
 
-def compose_layerwise(cfg, fam_costs, tp=C.TP_RANKS):
-    """Sum the round plan: launches x (kernel latency + launch head) + the all-reduces between them."""
-    stage_ns = defaultdict(float)
-    part_ns = defaultdict(float)
-    bott = defaultdict(float)
-    hbm = 0.0
-    H = cfg.hidden_size
-    for c in round_plan(cfg):
-        fc = fam_costs[(c.family, c.T)]
-        k = c.count
-        stage_ns[c.stage] += k * (fc.latency_ns + C.LAUNCH_OVERHEAD_NS)
-        part_ns[(c.stage, c.family)] += k * fc.latency_ns
-        part_ns[(c.stage, "launch overhead")] += k * C.LAUNCH_OVERHEAD_NS
-        bott[f"launch head x{'{n}'} ({C.LAUNCH_OVERHEAD_NS / 1e3:.1f} us each, NEFF instruction fetch)"] += \
-            k * C.LAUNCH_OVERHEAD_NS
-        hbm += k * fc.hbm_bytes_per_rank
-        if c.reduce_after:
-            ar = costs.collective_ns("all_reduce", c.T * H * 2, tp)
-            stage_ns[c.stage] += k * ar
-            part_ns[(c.stage, "all-reduce")] += k * ar
-            bott[f"TP all-reduce of the layer output ({ar / 1e3:.1f} us each, serialised)"] += k * ar
-        if c.family == "lm_head":           # agree on the argmax over the 8 vocabulary shards
-            ag = costs.collective_ns("all_gather", 8, tp)
-            stage_ns[c.stage] += ag
-            part_ns[(c.stage, "argmax all-gather")] += ag
-            bott["argmax all-gather after each LM head"] += ag
-        if fc.prediction is not None:
-            for ns, loc, eng, op, n in fc.prediction.critical:
-                bott[f"{loc} {eng} {op} ({c.family} T={c.T})"] += k * ns
-        else:
-            bott[f"{c.family} T={c.T} (stand-in: weight bytes / bandwidth)"] += k * fc.latency_ns
-    n_launch = sum(c.count for c in round_plan(cfg))
-    bott = {w.replace("{n}", str(n_launch)): v for w, v in bott.items()}
-    total = sum(stage_ns.values())
-    stand = sorted({f"{f} T={T}" for (f, T), c in fam_costs.items() if c.source == "stand-in"})
-    label = (f"composed from per-layer kernels: {n_launch} launches (per-launch head, residual HBM round trips "
-             f"inside each kernel, TP all-reduce after each mixer/MoE)")
-    if stand:
-        label += "; stand-ins (bytes/bandwidth) for " + ", ".join(stand)
-    ex = sorted({f for (f, T), c in fam_costs.items() if c.source == "executed"})
-    if ex:
-        label += "; executed on demo data (data-dependent traffic): " + ", ".join(ex)
-    return RoundEstimate("layerwise (composed)", total, label, dict(stage_ns), dict(part_ns), hbm,
-                         sorted(((v, w) for w, v in bott.items()), reverse=True), dict(fam_costs))
+def _us(d):
+    return {e: v / 1e3 for e, v in d.items()}
 
 
-def roofline_round(cfg, fam_costs):
-    """Round time if every byte of the composed round moved at the sustainable bandwidth and nothing else
-    cost anything."""
-    stage = defaultdict(float)
-    part = defaultdict(float)
-    hbm = 0.0
-    for c in round_plan(cfg):
-        b = c.count * fam_costs[(c.family, c.T)].hbm_bytes_per_rank
-        hbm += b
-        stage[c.stage] += b / C.HBM_BW_PER_RANK * 1e9
-        part[(c.stage, c.family)] += b / C.HBM_BW_PER_RANK * 1e9
-    t = sum(stage.values())
-    return RoundEstimate("roofline", t, f"HBM bytes per rank / {C.HBM_BW_PER_RANK / 1e9:.0f} GB/s", dict(stage),
-                         dict(part), hbm, [(t, "HBM bandwidth")])
+def _ends(f):
+    return {e: f(e) for e in C.ENDS}
 
 
-def megakernel_round(cfg, tp=C.TP_RANKS, dtype="bfloat16", pe_throttle=False):
-    """The full-round megakernel, if ``megakernel`` provides ``demo_args(cfg, tp, T, dtype, shape_only)``
-    (same convention as the families; T=2 verify tokens) and optionally ``STAGES`` (a ``stages`` argument
-    for :func:`predict`, e.g. {"D1": [...], "V": [...], "D2": [...]}). None until it exists."""
-    import nkisim
-    try:
-        mod = importlib.import_module("megakernel")
-    except ImportError:
-        return None
-    demo = getattr(mod, "demo_args", None)
-    if demo is None:
-        return None
-    kernel, args = demo(cfg, tp=tp, T=2, dtype=dtype, shape_only=True)
-    with nkisim.trace.capture() as tr:
-        if isinstance(args, list):
-            nkisim.launch(kernel, args, tp=len(args))
-        else:
-            kernel(*args)
-    p = predict(tr, stages=getattr(mod, "STAGES", "function"), name="megakernel", pe_throttle=pe_throttle)
-    return from_prediction("megakernel", p, "one launch per round (full-round trace)")
+V_STAGES = ("V", "V norms", "V GDN", "V all-reduce", "V MoE", "V attention", "V LM head")
 
 
-def from_prediction(variant, p: Prediction, label):
+# ---- the megakernel ------------------------------------------------------------------------------
+def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None):
+    """Trace the shipped round megakernel (``harness.kernel_cases.round_case``) and predict its band."""
+    from harness import kernel_cases
+    case = kernel_cases.round_case(cfg, context, routing, tp, lnc, dtype)
+    if progress:
+        progress("tracing the round megakernel")
+    tr = case.trace()
+    if progress:
+        progress(f"predicting {len(tr.instructions):,} instructions x 3 ends")
+    band = predict_band(tr, stages=case.stages, name="megakernel")
+    labels = label_layers(tr.instructions, cfg.layer_types)
+    rows = {e: breakdown(band.at(e), labels) for e in C.ENDS}
+    kinds = {e: per_kind(rows[e]) for e in C.ENDS}
+    stage_ns, part_ns = {}, {}
+    for e in C.ENDS:
+        for s, v in band.at(e).critical_by_stage.items():
+            top = "V" if s in V_STAGES else s
+            stage_ns.setdefault(top, {}).setdefault(e, 0.0)
+            stage_ns[top][e] += v
+            part_ns.setdefault(("round", s), {})[e] = v
+    for s in stage_ns:
+        for e in C.ENDS:
+            stage_ns[s].setdefault(e, 0.0)
+    head = {e: C.LAUNCH_OVERHEAD_NS for e in C.ENDS}
+    part_ns[("round", "launch head")] = head
+    p = band.central
     bott = [(ns, f"{loc} {eng} {op} x{n}") for ns, loc, eng, op, n in p.critical]
-    return RoundEstimate(variant, p.latency_ns + C.LAUNCH_OVERHEAD_NS, label + " + one launch head",
-                         dict(p.critical_by_stage), {("round", s): v for s, v in p.critical_by_stage.items()},
-                         p.hbm_bytes / p.n_ranks, bott, prediction=p)
+    from harness.kernel_cases import kernel_parameters
+    notes = {"instructions": p.n_instructions, "kernel_parameters": kernel_parameters(case),
+             "distinct_experts": list(case.provider.moe.log), "routing": case.routing.describe(),
+             "critical_by_category_us": {e: _us(band.at(e).critical_by_category) for e in C.ENDS},
+             "runtime_loops": len(tr.loops)}
+    return RoundEstimate("megakernel", "one launch per round (full-round trace, shipped kernel: runtime loops)",
+                         _ends(lambda e: band.at(e).latency_ns + C.LAUNCH_OVERHEAD_NS), stage_ns, part_ns,
+                         p.hbm_bytes / p.n_ranks, bott, rows["central"], kinds, prediction=band, notes=notes)
+
+
+# ---- the layerwise variant -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    stage: str          # D1 / V / D2
+    key: tuple          # the kernel case: (kind, tokens, position, mtp, distinct)
+    count: int
+    after: str          # what the graph does after it: "all_reduce" | "all_gather_best" | "all_gather_fc" | ""
+
+
+def layerwise_plan(cfg, context, routing):
+    """The layerwise round's launches in order (identical launches folded into counts)."""
+    p = context
+    L = cfg.num_hidden_layers
+    out = []
+    if cfg.mtp_num_hidden_layers:
+        out += [Launch("D1", ("embedding", 1, p, False, None), 1, ""),
+                Launch("D1", ("mtp_fc", 1, p, True, None), 1, "all_gather_fc"),
+                Launch("D1", ("attention", 1, p - 1, True, None), 1, "all_reduce"),
+                Launch("D1", ("moe", 1, p, True, None), 1, "all_reduce"),
+                Launch("D1", ("head", 1, p, True, None), 1, "all_gather_best")]
+    out.append(Launch("V", ("embedding", 2, p, False, None), 1, ""))
+    out.append(Launch("V", ("gdn", 2, p, False, None), len(cfg.linear_layers), "all_reduce"))
+    out.append(Launch("V", ("attention", 2, p, False, None), len(cfg.full_layers), "all_reduce"))
+    counts = defaultdict(int)
+    for i in range(L):
+        counts[routing.distinct(i)] += 1
+    for d, n in sorted(counts.items()):
+        out.append(Launch("V", ("moe", 2, p, False, d), n, "all_reduce"))
+    out.append(Launch("V", ("head", 2, p, False, None), 1, "all_gather_best"))
+    if cfg.mtp_num_hidden_layers:
+        out += [Launch("D2", ("embedding", 1, p, False, None), 1, ""),
+                Launch("D2", ("mtp_fc", 1, p, True, None), 1, "all_gather_fc"),
+                Launch("D2", ("attention", 1, p, True, None), 1, "all_reduce"),
+                Launch("D2", ("moe", 1, p, True, None), 1, "all_reduce")]
+    return out
+
+
+def _case(cfg, key, routing, tp, lnc, dtype):
+    from harness import kernel_cases
+    kind, T, p, mtp, d = key
+    if kind == "embedding":
+        return kernel_cases.embedding_case(cfg, T, tp, lnc, p, dtype)
+    return kernel_cases.stage_case(cfg, kind, T, p, routing, d, mtp, tp, lnc, dtype)
+
+
+def between_ns(cfg, after, T, tp, params):
+    """What the XLA graph does after a launch (see the module docstring), at one end of the bands."""
+    H = cfg.hidden_size
+    if after == "all_reduce":
+        return costs.collective_ns("all_reduce", T * H * 4, tp, params) + C.DVE_FIXED_NS + C.DVE_NS_PER_ELEM * T * H / 128
+    if after == "all_gather_best":
+        return costs.collective_ns("all_gather", T * 2 * 4, tp, params)
+    if after == "all_gather_fc":
+        return costs.collective_ns("all_gather", H * 4, tp, params)
+    return 0.0
+
+
+def layerwise_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None):
+    from harness.register_models import Routing
+    routing = routing or Routing("expected", 2, cfg.num_experts_per_tok, cfg.num_experts)
+    plan = layerwise_plan(cfg, context, routing)
+    preds = {}
+    for c in plan:
+        if c.key not in preds:
+            case = _case(cfg, c.key, routing, tp, lnc, dtype)
+            if progress:
+                progress(f"layerwise: {case.name}")
+            preds[c.key] = (case, predict_band(case.trace(), stages="function", name=case.name))
+    stage_ns = defaultdict(lambda: {e: 0.0 for e in C.ENDS})
+    part_ns = defaultdict(lambda: {e: 0.0 for e in C.ENDS})
+    bott = defaultdict(float)
+    launches = []
+    hbm = 0.0
+    n_calls = 0
+    for c in plan:
+        case, band = preds[c.key]
+        n_calls += c.count
+        hbm += c.count * band.central.hbm_bytes / band.central.n_ranks
+        each = {}
+        for e in C.ENDS:
+            prm = costs.Params.at(e)
+            k = band.at(e).latency_ns
+            b = prm.handoff_dma_ns
+            x = between_ns(cfg, c.after, c.key[1], tp, prm)
+            each[e] = k + b + x
+            stage_ns[c.stage][e] += c.count * (k + b + x)
+            part_ns[(c.stage, case.name)][e] += c.count * k
+            part_ns[(c.stage, "kernel boundaries")][e] += c.count * b
+            if x:
+                part_ns[(c.stage, f"XLA {c.after.replace('_', '-')}")][e] += c.count * x
+        launches.append((c.stage, case.name, c.count, each))
+        for ns, loc, eng, op, n in band.central.critical:
+            bott[f"{loc} {eng} {op} ({case.name})"] += c.count * ns
+        prm = costs.Params.at("central")
+        x = between_ns(cfg, c.after, c.key[1], tp, prm)
+        if x:
+            bott[f"XLA {c.after} between launches"] += c.count * x
+        bott["kernel boundaries (semaphore hand-off between NKI calls)"] += c.count * prm.handoff_dma_ns
+    head = {e: C.LAUNCH_OVERHEAD_NS for e in C.ENDS}
+    part_ns[("round", "launch head")] = head
+    total = {e: sum(v[e] for v in stage_ns.values()) + C.LAUNCH_OVERHEAD_NS for e in C.ENDS}
+    label = (f"one XLA graph per round: {n_calls} NKI kernel calls (one NEFF start per round, a semaphore hand-off "
+             f"per call, XLA collectives and residual adds between them)")
+    moe_d = [c.key[4] for c in plan if c.key[0] == "moe" and c.key[1] > 1 for _ in range(c.count)]
+    notes = {"kernel_calls": n_calls, "routing": routing.describe(),
+             "distinct_experts": [routing.distinct(i) for i in range(cfg.num_hidden_layers)],
+             "distinct_experts_traced": sorted(set(moe_d))}
+    return RoundEstimate("layerwise", label, total, dict(stage_ns), dict(part_ns), hbm,
+                         sorted(((v, w) for w, v in bott.items()), reverse=True), launches=launches, notes=notes)
+

@@ -1,13 +1,12 @@
 """Dependency graph of a trace: RAW, WAR and WAW hazards between instructions, from the regions each
-instruction reads and writes (buffer id + partition range + byte range).
+instruction reads and writes (buffer id or physical address + partition range + byte range).
 
-Bookkeeping is per buffer and per partition range: an :class:`IntervalMap` over the byte axis holds, for
-each disjoint byte segment, the last writer and the latest reader *per stream* (engine queue). Because
-every stream executes in order, depending on the latest reader of each stream is enough for WAR, and on
-the last writer for RAW/WAW; dependencies on the instruction's own stream are implied and dropped.
-An access whose partition range only partly overlaps an earlier one adds the dependencies but does not
-retire the earlier entries (conservative; any extra edge it keeps is implied by a WAW chain).
-Cost is O(segments touched) per access with a bisect, so 10^6-instruction traces build in seconds.
+Bookkeeping is per core, per buffer (or physical memory) and per quadrant of partitions: an
+:class:`IntervalMap` over the byte axis holds, for each disjoint byte segment, the last writer and the latest
+reader *per stream*. A stream that executes in order (a compute engine) needs only its latest reader for WAR;
+a DMA completes out of order, so the timeline gives every DMA a stream of its own. Dependencies on the
+instruction's own stream are implied and dropped by the caller. Cost is O(segments touched) per access with a
+bisect.
 """
 from __future__ import annotations
 
@@ -69,100 +68,60 @@ class IntervalMap:
         del self.b[i + 1:j]
 
 
+QUADRANT = 32          # partitions per bookkeeping bucket (trn2 compute engines start at 0/32/64/96)
+
+
 class DependencyBuilder:
     """Feed accesses in program (trace) order; returns the predecessor set of each instruction.
 
-    ``key_of(region, core)`` chooses the address space: by default the buffer id (the trace's ``buf``),
-    so reuse of freed on-chip memory by a new allocation is not a hazard (the compiler's allocator is
-    free to place it elsewhere). With ``physical=True`` on-chip regions are keyed by (core, memory)
-    and their physical partition/byte addresses, so address reuse serialises like it would with
-    nkisim's first-fit placement."""
+    Hazards are per core: two physical cores are ordered only by their synchronising instructions
+    (``core_barrier``, ``sendrecv``, collectives: rendezvous in the timeline), never by the order nkisim
+    happened to record them in -- a shared-HBM tensor written by one core and read by the other without a
+    barrier between them is a race on hardware, not an edge. Regions are keyed by (buffer id, core), so reuse
+    of freed on-chip memory by a new allocation is not a hazard (the compiler's allocator is free to place it
+    elsewhere); with ``physical=True`` on-chip regions are keyed by (core, memory) and their physical
+    partition/byte addresses instead, so address reuse serialises like it would with nkisim's first-fit
+    placement.
+
+    On-chip partitions are tracked per quadrant of 32: an access to partitions [p0, p0 + n) touches the interval
+    maps of the quadrants it overlaps. Conservative (rows of one quadrant share bookkeeping) and cheap: at most
+    four maps per access. A write retires what it covers in its quadrants; a later reader of a row it did not
+    write still waits for the older writer through the write's own WAW edge."""
 
     def __init__(self, physical: bool = False):
         self.physical = physical
-        self.maps = {}          # key -> {prange: IntervalMap}
+        self.maps = {}          # key -> IntervalMap
 
-    def _key(self, reg, core):
-        if self.physical and "part" in reg:
-            return (core, reg["mem"])
-        return reg["buf"]
-
-    def _maps(self, reg, core):
-        key = self._key(reg, core)
-        pr = tuple(reg["part"]) if "part" in reg else None
-        d = self.maps.get(key)
-        if d is None:
-            d = self.maps[key] = {}
-        return d, pr
-
-    @staticmethod
-    def _overlaps(pr, q):
-        if pr is None or q is None:
-            return True
-        return pr[0] < q[0] + q[1] and q[0] < pr[0] + pr[1]
-
-    @staticmethod
-    def _covers(q, pr):
-        """Does access range q cover the whole partition range pr?"""
-        if q is None:
-            return True
-        if pr is None:
-            return False
-        return q[0] <= pr[0] and pr[0] + pr[1] <= q[0] + q[1]
+    def _regions(self, reg, core):
+        if "part" in reg:
+            base = (core, reg["mem"]) if self.physical else (reg["buf"], core)
+            p0, n = reg["part"]
+            q0, q1 = p0 // QUADRANT, (p0 + max(n, 1) - 1) // QUADRANT
+            keys = [(base, q) for q in range(q0, q1 + 1)]
+        else:
+            keys = [(reg["buf"], core)]
+        out = []
+        for k in keys:
+            m = self.maps.get(k)
+            if m is None:
+                m = self.maps[k] = IntervalMap()
+            out.append(m)
+        return out
 
     def access(self, idx, stream, core, reads, writes):
         deps = set()
         for reg in reads:
-            d, q = self._maps(reg, core)
             lo, hi = reg["bytes"]
             if hi <= lo:
                 continue
-            m = d.get(q)
-            if m is not None and len(d) == 1:          # fast path: one partition range on this buffer
-                m.read(lo, hi, idx, stream, deps)
-                continue
-            found = False
-            for pr, m in d.items():
-                if pr == q:
-                    found = True
-                    m.read(lo, hi, idx, stream, deps)
-                elif self._overlaps(pr, q):
-                    # another partition range: pick up its writers, but record the read under q only
-                    m.collect_write(lo, hi, _WritersOnly(deps))
-            if not found:
-                m = d[q] = IntervalMap()
+            for m in self._regions(reg, core):
                 m.read(lo, hi, idx, stream, deps)
         for reg in writes:
-            d, q = self._maps(reg, core)
             lo, hi = reg["bytes"]
             if hi <= lo:
                 continue
-            m = d.get(q)
-            if m is not None and len(d) == 1:
+            for m in self._regions(reg, core):
                 m.collect_write(lo, hi, deps)
-                m.write(lo, hi, idx)
-                continue
-            for pr, m in d.items():
-                if self._overlaps(pr, q):
-                    m.collect_write(lo, hi, deps)
-                    if self._covers(q, pr):
-                        m.write(lo, hi, idx)
-            if q not in d:
-                m = d[q] = IntervalMap()
                 m.write(lo, hi, idx)
         deps.discard(idx)
         return deps
-
-
-class _WritersOnly:
-    """A deps sink for reads through another partition range: keeps writers, ignores readers."""
-    __slots__ = ("deps",)
-
-    def __init__(self, deps):
-        self.deps = deps
-
-    def add(self, x):
-        self.deps.add(x)
-
-    def update(self, xs):
-        pass

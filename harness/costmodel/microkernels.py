@@ -66,19 +66,22 @@ def trace_small_dmas(n=64):
 
 
 @nki.jit
-def weight_stream(w):
-    """w: [n, 128, F] HBM; n independent HBM->SBUF loads of [128, F] (a weight stream, all issued up front)."""
+def weight_stream(w, ring):
+    """w: [n, 128, F] HBM; n HBM->SBUF loads of [128, F] issued up front into a ring of ``ring`` buffers (load i
+    reuses the buffer of load i - ring: a weight stream; ring = n gives every load its own buffer)."""
     n, P, F = w.shape
+    bufs = []
+    for i in range(ring):
+        bufs.append(nl.ndarray((P, F), w.dtype, buffer=nl.sbuf))
     for i in range(n):
-        t = nl.ndarray((P, F), w.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=w[i])
+        nisa.dma_copy(dst=bufs[i % ring], src=w[i])
     out = nl.ndarray((1, 1), w.dtype, buffer=nl.shared_hbm)
     return out
 
 
-def trace_weight_stream(n, row_bytes, lnc=2):
+def trace_weight_stream(n, row_bytes, lnc=2, ring=None):
     k = weight_stream if lnc == 1 else weight_stream[lnc]
-    return capture(k, SD((n, 128, row_bytes // 2), "bfloat16"))
+    return capture(k, SD((n, 128, row_bytes // 2), "bfloat16"), n if ring is None else ring)
 
 
 # ---- TensorE ------------------------------------------------------------------------------------
@@ -215,6 +218,22 @@ def trace_dve(P, F, dtype="float32"):
 
 
 @nki.jit
+def dve_reciprocal(x):
+    """One VectorE reciprocal of x [P, F] fp32 (SBUF)."""
+    P, F = x.shape
+    t = nl.ndarray((P, F), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    u = nl.ndarray((P, F), x.dtype, buffer=nl.sbuf)
+    nisa.reciprocal(dst=u, data=t)
+    out = nl.ndarray((1, 1), x.dtype, buffer=nl.shared_hbm)
+    return out
+
+
+def trace_reciprocal(F=512, P=128):
+    return capture(dve_reciprocal, SD((P, F), "float32"))
+
+
+@nki.jit
 def argmax_chunk(x):
     """x: [1, F] bf16: tensor_reduce(max) on one partition, then nc_find_index8 of that max (the argmax chunk)."""
     P, F = x.shape
@@ -295,3 +314,78 @@ def trace_all_reduce(T=2, H=2048, tp=4, lnc=2):
     with nkisim.trace.capture() as tr:
         nkisim.launch(all_reduce_8kb, [(SD((T, H), "bfloat16"), rg) for _ in range(tp)], tp=tp, lnc=lnc)
     return tr
+
+
+# ---- the costs of issue 13: physical reuse, DMA trigger queue, runtime-loop boundaries -----------------
+def _reuse_stage(x, u, F):
+    """Write an SBUF tile (DVE) and read it into u (ACT); the tile is freed on return (its address reused)."""
+    t = nl.ndarray((x.shape[0], F), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.0)
+    nisa.activation(dst=u, op=nl.copy, data=t)
+
+
+@nki.jit
+def physical_reuse(x, F):
+    """x gives P. Stage 1: memset a [P, F] tile (DVE), copy it into u1 on ACT (the long read); stage 2 allocates a
+    tile of the same size -- first-fit places it at the freed address -- and memsets it: with physical hazards
+    that write waits for stage 1's ACT read (WAR on the address), by buffer id it does not."""
+    P = x.shape[0]
+    u1 = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+    u2 = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+    _reuse_stage(x, u1, F)
+    t = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=2.0)
+    nisa.tensor_copy(dst=u2, src=t)
+    out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+    return out
+
+
+def trace_physical_reuse(F=2048):
+    return capture(physical_reuse, SD((128, 1), "float32"), F)
+
+
+@nki.jit
+def queued_dmas(x, y):
+    """x, y: [P, F] fp32 HBM. DVE memsets a tile for a long time... (F columns), DMA 1 stores it (waits for the
+    DVE), DMA 2 loads y into another tile (independent) -- in program order after DMA 1, so in one trigger queue
+    it waits behind DMA 1's trigger."""
+    P, F = x.shape
+    t = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.0)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+    out = nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    v = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=v, src=y)
+    return out
+
+
+def trace_queued_dmas(F=4096):
+    return capture(queued_dmas, SD((128, F), "float32"), SD((128, F), "float32"))
+
+
+@nki.jit
+def loop_body(n, x):
+    """n: [1, 1] int32 (the trip count, a real input); x gives [P, F]. A runtime loop of n iterations, each a DVE
+    op on tile a (in place) and an ACT op on tile b (in place): independent engines, so without loop boundaries
+    they overlap across iterations; then one store of a."""
+    P, F = x.shape
+    r = nisa.register_alloc()
+    nisa.register_load(r, n)
+    a = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=a, value=1.0)
+    b = nl.ndarray((P, F // 4), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=b, value=1.0, engine=nisa.engine.gpsimd)
+
+    def body(i):
+        nisa.tensor_scalar(dst=a, data=a, op0=nl.multiply, operand0=0.5)
+        nisa.activation(dst=b, op=nl.copy, data=b)
+    nl.fori_loop(0, r, body)
+    out = nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=a)
+    return out
+
+
+def trace_loop_body(n=4, F=1024):
+    import numpy as np
+    return capture(loop_body, np.array([[n]], np.int32), SD((128, F), "float32"))
