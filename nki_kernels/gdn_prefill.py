@@ -4,108 +4,125 @@ Same math as the decode mixer (``nki_kernels/gdn.py``; reference ``ReferenceMode
 PyTorch twin ``model.tp.gdn_prefill.gdn_prefill_rank``), reading the SAME per-rank weight layout
 (:func:`nki_kernels.gdn.gdn_weight_layout`) and writing the SAME decode state (``window [slots, K-1, C_rank]``
 activation dtype, ``state [slots, Hv_r, D, D]`` float32): the launch reads slot ``read_slot`` and writes the
-window and recurrent state after its last token into slot ``write_slot`` (both run-time ``[1, 1]`` int32
-tensors used as DMA scalar offsets), so a prompt prefilled in several calls, each starting from the slot the
-previous one wrote, ends bit-identical to one call (every per-token quantity depends only on the carried
-window and state; the 64-token blocks are aligned to the start of each call, so the split points must be
-multiples of 64 for bit-identity; any split is exact math).
+window and recurrent state after its last token into slot ``write_slot`` (run-time ``[1, 1]`` int32 tensors,
+DMA scalar offsets; they may be equal). A prompt prefilled in several calls, each reading the slot the previous
+one wrote, equals one call: the 64-token blocks start at each call's first token, so split points must be
+multiples of 64; at multiples of :func:`super_tile_tokens` (512 tokens for the deployment, bf16 at LNC=2) every
+call meets the same operand shapes and the result is bit-identical (tested). At other multiples of 64 each
+element's arithmetic is unchanged too (cross-block terms are exact zeros), but nkisim's numpy matmul may order
+an fp32 sum by operand shape, so there the results agree to fp32 rounding.
 
-Recurrence (per value head, FLA's chunked gated delta rule, kernel-algorithms.md §1.3) over 64-token blocks
-with the start state S: G = segment-relative cumsum of g inside the block (fp32), Gamma_ij = exp(G_i - G_j)
-(j <= i) formed elementwise AFTER the matmuls, A = strict_lower(diag(beta) K K^T * Gamma), T = I + A,
-X = T^-T, U = T^-1 (beta V), W = T^-1 (beta exp(G) K), V_new = U - W S,
-O = exp(G) Q S + lower_incl(Q K^T * Gamma) V_new, S <- exp(G_C) S + (exp(G_C - G) K)^T V_new.
+Recurrence (per value head; FLA's chunked gated delta rule, kernel-algorithms.md §1.3) over 64-token blocks
+with start state S: G = cumsum of g inside the block (fp32), Gamma_ij = exp(G_i - G_j) (j <= i) applied
+elementwise AFTER the matmuls, A = strict_lower(diag(beta) K K^T * Gamma), X = (I + A)^-T,
+U = X^T (beta V), W = X^T (beta exp(G) K), V_new = U - W S, O = exp(G) Q S + lower_incl(Q K^T * Gamma) V_new,
+S <- exp(G_C) S + (exp(G_C - G) K)^T V_new.
 
 Layouts
 -------
 * ``xT [128, H/128, L]`` HBM, activation dtype: the normed hidden states feature-major, element (p, j, t) =
-  x[t, j*128 + p] -- the decode ``xT`` layout with T = L. The composition's prefill RMSNorm produces it
-  (the MoE prefill needs the same feature-major operand for its projections), so the mixer spends no
-  transposes on its input. :func:`feature_major` is the host-side conversion for tests.
-* ``y [L, H]`` HBM float32: this core's out_proj partial (token-major; the composition sums the cores'
-  and ranks' partials). The wrapper returns ``[n_cores, L, H]``.
-* Weights: :func:`nki_kernels.gdn.gdn_weight_layout` (``w_in [n, 128, J, N]`` contraction-major,
-  ``conv_w [n, D, NH, K]``, ``w_out [n, D, Hv_c, H]``, ``A_log``/``dt_bias [Hv_r]``, ``norm_w [D, 1]``).
-  Core c owns value heads ``[c*Hv_c, (c+1)*Hv_c)`` and their key heads (``core_split``).
+  x[t, j*128 + p] -- the decode ``xT`` layout with T = L. The composition's prefill RMSNorm produces it once
+  per layer (the MoE prefill needs the same feature-major operand), so the mixer spends no transposes on its
+  input. :func:`feature_major` is the host-side conversion.
+* ``y [L, H]`` HBM float32: this core's out_proj partial, token-major (the composition all-reduces the
+  partials); the wrapper returns ``[n_cores, L, H]``.
+* Weights: :func:`nki_kernels.gdn.gdn_weight_layout` unchanged (``w_in [n, 128, J, N]``, ``conv_w [n, D, NH, K]``,
+  ``w_out [n, D, Hv_c, H]``, ``A_log``/``dt_bias [Hv_r]``, ``norm_w [D, 1]``); core c owns value heads
+  ``[c*Hv_c, (c+1)*Hv_c)`` and their key heads (``core_split``; a key head shared by both cores, tiny
+  configs only, is computed by both and written by its owner, after a core_barrier).
 * ``finite [n_cores, 1]`` float32 (wrapper output): 1.0 when the core's final recurrent state and its y are
-  finite (0 * (sum of both) == 0; the row sums of y come free with its PSUM evictions). A NaN / Inf in xT
-  reaches every core's y and state; one in the carried state or window reaches the cores that own it.
-  This flag reports non-finite input (or an overflow) instead of letting it propagate silently;
-  :func:`check_finite` turns it into an error on the host.
+  finite (0 * (sum of both) == 0; y's row sums come free with its PSUM evictions). A NaN / Inf in xT reaches
+  every core; one in the carried state or window the cores that own it. The flag reports non-finite input (or
+  an overflow) instead of letting it propagate silently; :func:`check_finite` raises on the host.
 
-Algorithm per core (static Python loops: the token count is a compile-time shape, one specialisation per
-chunk length; a length that is not a multiple of 128 is zero-padded inside the last tile with beta = 0
-and g = 0, which leaves the state untouched, and only the valid rows of y are written)
------------------------------------------------------------------------------------------------------------
-1. Super-tiles of up to 512 tokens (one fp32 PSUM bank of columns): in_proj with the **weights stationary**
-   (``stationary = w_in[:, j, head cols] [128, D]``, ``moving = xT[:, j, 512 tokens]``, 16 accumulating
-   matmuls per head) gives channel-major u, z, b, a ``[D, tokens]`` directly; w_in is SBUF-resident when it
-   fits (bf16: 49 KB per partition), else streamed per super-tile.
-2. Causal conv, channel-major with the carried window as the first 3 columns: **4 accumulating matmuls per
-   head against diagonal tap matrices** ``diag(w[:, k])`` (built once) over shifted windows of the raw-u
-   tile, then one ACT SiLU straight out of PSUM. Chosen by the cost model over the shifted-AP form
-   (4 DVE FMAs per head): PE 4 x 254 ns vs DVE 4 x 682 ns per head and 512 tokens, and DVE is the engine
-   this kernel is short of (see "Cost"). (The Flywheel 0/1 shift-selector form is for tokens on
-   partitions; here tokens are on the free axis, so the shift is just an access-pattern offset.)
-3. Gates in fp32 on ``[Hv_c, tokens]`` rows (heads on partitions, tokens on the free axis):
-   g = -exp(A_log) softplus(a + dt_bias); ln beta = -softplus(-b) (beta = exp(ln beta) = sigmoid(b);
-   ``allow_neg_eigval``: + ln 2); G by one DVE ``tensor_tensor_scan`` that restarts at every block
-   (segment-relative cumulative log-decay); then ONE ACT exp gives exp(G), beta exp(G), beta and
-   exp(G_C - G) together. l2norm of q, k: ACT square, partition sum by a ones-matmul, ACT rsqrt(+1e-6).
-4. Per 128-token tile = two 64-token blocks (block 2t on partitions 0-63, 2t+1 on 64-127; every
-   [128, 128] matrix below is block-diagonal, so one matmul handles both blocks of a head):
-   * ``[K K^T | K Q^T]`` with the key index on partitions: ONE matmul per key head (stationary K^T,
-     moving [K^T | Q^T]) -- the shared-K^T item of Flywheel; both value heads of a key head use it.
-   * decay exponents G_i - G_j (+ 0 / -1e30 block-causal mask) built on the PE in PSUM (broadcast of
-     the G rows by a ones stationary against block-expanded rows, + the mask, - G_j by a transposed
-     broadcast), one ACT exp per tile for all heads; ``P^T = (K Q^T) * Gamma^T`` and
-     ``A^T = (K K^T) * beta_i Gamma^T`` by one DVE multiply each (beta folded into the exponent).
-     Never exp of a large cumulative sum: every exponent is a within-block difference <= 0.
-   * ``X = (I + A)^-T`` by the **Flywheel blocked inverse** (:func:`flywheel_inverse`), batched over
-     the core's value heads.
-   * ``U = X^T (beta V)`` and ``W^T = (beta exp(G) K)^T X`` (X as stationary of one and moving of the
-     other), evicted as ``-W^T`` (fp32).
-   * per block, the sequential chain: ``V_new = U - W S`` (fp32 matmul accumulated onto U in PSUM),
-     one ACT eviction, the state update ``(exp(G_C - G) K)^T V_new`` (V_new shared with the output),
-     ``S <- exp(G_C) S + update`` (ACT scale + DVE add, fp32).
-   * output channel-major ``O^T = S^T (exp(G) Q)^T + V_new^T P^T`` (S as fp32 stationary), gated RMSNorm
-     channel-major (ones-matmul partition sum), out_proj with the gated output as stationary
-     (``[D, 128 tokens]``) against the resident w_out -> ``y [128 tokens, H]`` -> HBM.
+Algorithm per core
+------------------
+Static Python loops only (the token count is a compile-time shape: one specialisation per chunk length; both
+cores run identical control flow). A length that is not a multiple of 128 is zero-padded inside the last tile
+with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y are written.
 
-Flywheel inverse (upper-triangular orientation, nc_matmul(a, b) = a^T b)
----------------------------------------------------------------------
-With Z = A^T strictly upper (key index j on partitions) and the level masks m_s (same s-block, different
-s/4-block), level 1 (4x4 blocks): N1^T = Z*m_4, I - N1 = (I - N1^T)^T (one PE transpose),
-I - N1^2 = nc(I - N1^T, I + N1), L = nc(I - N1^T, I + N1^2) = T_4^-1, U = nc(I + N1^2, I - N1^T) = T_4^-T.
-Levels 16 and 64: N = nc(Z_s, L) = A_s T_prev^-1 (exactly the off-block part, because the previous inverse
-is block-diagonal), N^T = nc(L, Z_s), I - N^2 = nc(I - N^T, I + N), F = (I - N)(I + N^2) = nc(I - N^T, I + N^2),
-T^-1 = T_prev^-1 F = nc(U, F), T^-T = nc(F, U) (the last level only T^-T = X). Every "I +/- PSUM" is folded
-into the one eviction instruction. 15 matmuls and 15 evictions per head and tile (2 blocks), all
-[128, 128]; N^4 = 0 at every level, so no long Neumann products appear (the doc's §1.6 instability).
-Operands are bf16 (fp32 accumulation) when beta < 1; with ``allow_neg_eigval`` (beta up to 2, the
-worst case) every inverse matmul is fp32 (bf16 level 1 alone already gives 0.16 max error there).
-Error bound of X vs a float64 inverse (max-abs, entries of X are <= beta): bf16 and beta <= 1:
-<= 2e-2 (measured 1.5e-2 on alternating near-equal keys, 8e-3 on 4 cycling keys, 4e-3 on a repeated
-key with random beta, 1e-3 on random keys); fp32 and beta < 2: <= 1e-3 (measured 1.5e-4).
+1. Super-tiles of 512 tokens (4 tiles; 128 for fp32 or 8 value heads per core, where SBUF is short): in_proj
+   with the **weights stationary** (``stationary = w_in[:, j, head cols] [128, D]``, ``moving = xT[:, j, 512
+   tokens]``, 16 accumulating matmuls per head) gives channel-major u, z, b, a ``[D, tokens]`` directly. The
+   weights stream per super-tile through a 3-group SBUF ring, each group DMA'd two groups ahead (6.3 MB per
+   core and super-tile; SBUF goes to the tiles in flight). Order: b|a, the q, k, v heads, then the burst of
+   step 2-3, then z (needed last) as PE filler behind the burst.
+2. Causal conv, channel-major with the carried window in the first 3 columns: **4 accumulating matmuls per
+   head against diagonal tap matrices** ``diag(w[:, k])`` (built once) over shifted column windows of the
+   raw-u tile, one ACT SiLU straight out of PSUM. (Tokens are on the free axis, so the Flywheel 0/1
+   shift-selector reduces to an access-pattern offset; the taps go on the diagonal of the stationary.)
+   Chosen by the cost model: the shifted-AP alternative (1 DVE multiply + 3 DVE FMAs per head from SBUF)
+   predicted 1,563 us vs 1,450 us for this kernel at 4K tokens (1K: 432 vs 405 us) -- the DVE ops land in
+   the latency-bound burst below.
+3. Gates in fp32 on ``[Hv_c, tokens]`` rows (heads on partitions, tokens free): g = -exp(A_log)
+   softplus(a + dt_bias); ln beta = -softplus(-b) (so beta = exp(ln beta) = sigmoid(b) without a sigmoid
+   table; ``allow_neg_eigval``: + ln 2); G by one DVE ``tensor_tensor_scan`` restarting at every block
+   (segment-relative cumulative log-decays); exps for exp(G), beta exp(G), beta, exp(G_C - G). Then the
+   decay matrices of all tiles (below). l2norm of q, k: ACT square, ones-matmul partition sum, ACT
+   rsqrt(sum + 1e-6), one DVE multiply (q also by Dk^-0.5).
+4. Per 128-token tile = two 64-token blocks (block 2t on partitions 0-63, 2t+1 on 64-127): every [128, 128]
+   matrix is block-diagonal, so one matmul serves both blocks of a head.
+   * ``[K K^T | K Q^T]`` with the key index on partitions: ONE matmul per key head (stationary K^T, moving
+     [K^T | Q^T]): K^T shared by A_kk and A_qk, and by both value heads of the key head.
+   * decays: exponent row_i - G_j + mask (0 / -1e30, block-causal) -- the row (G for P, G + ln beta for A)
+     broadcast over the partitions by an fp32 matmul of a ones stationary against block-expanded rows, the
+     mask by a second matmul, -G_j as the per-partition bias of the ACT exp; every kept exponent is a
+     within-block difference <= 0 (never exp of a large cumulative sum, never a split exp(G_i) exp(-G_j)).
+     ``P^T = (K Q^T) * Gamma^T`` and ``A^T = (K K^T) * beta_i Gamma^T``: one DVE multiply each out of PSUM.
+   * ``X = (I + A)^-T``: the **Flywheel blocked inverse** (below), batched over the value heads.
+   * ``U = X^T (beta V)`` (left in PSUM) and ``W^T = (beta exp(G) K)^T X`` (X is the stationary of one and the
+     moving operand of the other), evicted as ``-W^T`` in fp32.
+   * the chain, per block: ``V_new = U - W S`` (fp32 matmul accumulated onto U), one ACT eviction, the
+     state update ``(exp(G_C - G) K)^T V_new`` (V_new is shared with the output), ``S <- exp(G_C) S + update``
+     (ACT scale per head + one DVE add, fp32).
+   * output channel-major: ``O^T = S^T (exp(G) Q)^T + V_new^T P^T`` (the state as fp32 stationary), gated
+     RMSNorm channel-major (ones-matmul partition sum), out_proj with the gated output as stationary
+     ``[D, 128 tokens]`` against the SBUF-resident w_out (4 PSUM banks of 512 columns) -> y rows -> HBM.
+5. Software pipeline (:func:`_run_tiles`): each engine runs its instruction stream in program order, so
+   independent work must sit between an instruction and its consumer on another engine. Step t interleaves,
+   item by item, the chain of tile t, the second half of the state-independent work (P1: inverse, U, W) of
+   tile t+1 and the first half of tile t+2's (two independent inverse chains; one tile ahead with two head
+   groups, LNC=1, or in fp32), the output (P3) of tile t-1, and the projections of the next super-tile as PE filler.
+   PSUM is a pool of 8 one-bank tiles handed out least-recently-released first, and the x, raw-u, weight
+   and y buffers are fixed rings: a tile freshly allocated on the address just freed would wait for that
+   address's last reader (a false dependency between independent streams), and SBUF would fragment.
 
-Numerics follow the reference's casts: u, z, b, a and the conv output are rounded to the activation
-dtype, l2norm/gates/cumsum/state in fp32, o rounded before the gated norm. In bf16 the chunk matmuls take
-bf16 operands (K K^T, Q K^T, the inverse, U, W, P V_new, the state update; like FLA), while every matmul
-that READS the state (W S, Q S) is fp32 on both sides (the doc's §1.6: the state operand's bf16 rounding
-dominates the error otherwise). Assumption (not documented by AWS): an fp32 matmul is exact for
-one-hot / 0/1 selections (products by 1.0), which the broadcasts of the gate rows use.
+Flywheel inverse (upper-triangular orientation; nc_matmul(a, b) = a^T b)
+-----------------------------------------------------------------------
+With Z = A^T strictly upper (key index on partitions) and level masks m_s (same s-block, different
+s/4-block): level 1 (4x4 blocks) N1^T = Z m_4, I - N1 = (I - N1^T)^T (a PE transpose), I - N1^2 =
+nc(I - N1^T, I + N1), T_4^-1 = nc(I - N1^T, I + N1^2), T_4^-T = nc(I + N1^2, I - N1^T). Levels 16 and 64:
+N = nc(Z_s, T^-1) = A_s T_prev^-1 (exactly the off-block part, the previous inverse being block-diagonal),
+N^T = nc(T^-1, Z_s), I - N^2 = nc(I - N^T, I + N), F = (I - N)(I + N^2) = nc(I - N^T, I + N^2),
+T^-1 = nc(T^-T_prev, F), T^-T = nc(F, T^-T_prev) (the last level: X = T^-T only). Each "I +/- PSUM" is folded
+into the one eviction. 15 matmuls and 15 evictions per head and tile (both blocks), 12 dependent steps; N^4 = 0
+at every level, so no long Neumann products (kernel-algorithms.md §1.6). Operands are bf16 (fp32 accumulation)
+for beta < 1; with ``allow_neg_eigval`` (beta up to 2, the worst case) every inverse matmul is fp32 (bf16 level
+1 alone already errs by 0.16 there). Error of X vs a float64 inverse (max-abs; |X| <= beta), tested: bf16,
+beta <= 1: <= 2e-2 (measured 1.5e-2 on alternating near-equal keys, 8e-3 on 4 cycling keys, 4e-3 on a repeated
+key with random beta, 1e-3 on random keys); fp32, beta < 2: <= 1e-3 (measured 1.5e-4).
 
-ACT tables (measured groups: t0 {copy, square, rsqrt}, silu, exp, softplus; 1.28 us per switch):
-per super-tile copy -> silu (conv and z gate) -> softplus (g, ln beta) -> exp (gates) -> t0, then per
-tile exp (decays) -> t0 (evictions, norm): native SiLU out of PSUM (one ACT instruction per head) costs
-one table switch per super-tile, while SiLU as x / (1 + exp(-x)) (the decode kernel's choice) or
-0.5 x (1 + tanh(x / 2)) (tanh is a table of its own) would add 2-3 DVE passes per head (~16 us per
-super-tile) to save it; sigmoid(b) is exp(-softplus(-b)) so no sigmoid table is loaded; l2norm is
-square + rsqrt in t0 (one rsqrt, no reciprocal).
+Numerics follow the reference's casts: u, z, b, a and the conv output rounded to the activation dtype;
+l2norm, gates, cumsum and the state in fp32; o rounded before the gated norm. In bf16 the chunk matmuls take
+bf16 operands like FLA's (K K^T, Q K^T, the inverse, U, W, P V_new, the state update; the decays and silu(z)
+are stored in bf16), while every matmul that reads the state (W S, Q S) is fp32 on both sides (§1.6: the state
+operand's bf16 rounding dominates otherwise). Assumption (not documented by AWS): an fp32 matmul is exact for
+products by 1.0 (the one-hot broadcasts of the gate rows and the identity transposes).
 
-Cost (``python -m harness.bench kernel``-style: ``harness.costmodel.predict`` on the nkisim trace of
-:func:`demo_args`, real per-rank shapes, LNC=2, bf16): see the "Predicted" paragraph at the end of this
-docstring (filled in from the measured trace).
+ACT tables (measured groups t0 {copy, square, rsqrt}, silu, exp, softplus; 1.28 us per switch): per
+super-tile the stage-A functions run as bursts -- SiLU of the conv, softplus, exp (gates and every decay of
+the super-tile), then t0 (l2norm and all tile work), SiLU of z -- 6 switches per super-tile (49 loads,
+63 us, at 4K tokens). Native SiLU out of PSUM is one ACT instruction per head; x / (1 + exp(-x)) (the decode
+kernel's choice) needs a DVE reciprocal (8x the DVE element cost) and 0.5 x (1 + tanh(x / 2)) a table of its
+own plus two DVE passes per head (~11 us per super-tile), so neither pays for the one switch they would save.
+l2norm is one square, one rsqrt (with the eps as bias) and one multiply.
+
+Predicted (``python -m harness.bench kernel nki_kernels/gdn_prefill.py::gdn_prefill_kernel --lnc 2 --arg
+xT=128,16,L:bfloat16 ...`` at the real per-rank shapes of Qwen3.6 at TP=4 (4 key / 8 value heads, H=2048),
+bf16, LNC=2; central (low - high)): L = 1,024 tokens: 402 us (354 - 625); L = 4,096: 1,431 us (1,291 - 2,347).
+At 4K per core: PE busy 1,052 us (projections 423, the inverse 180, out_proj 130, conv 65), ACT 616, DVE 542,
+POOL 204; HBM 207 MB per rank (w_in streamed 8 times: 101 MB; y 64 MB; xT 32 MB), roofline 326 us. The
+high end is the PE throttle band (x1.69 on every matmul) on a PE-bound kernel.
 """
 
 from __future__ import annotations
@@ -139,8 +156,9 @@ F32 = nl.float32
 # rows of the per-super-tile gate tile ``gr [Hv_c, NQ, W]`` (fp32): G, H = G + ln beta, exp(G), -G
 Q_G, Q_H, Q_GAM, Q_NG = 0, 1, 2, 3
 NQ = 4
-# columns of the token-major gate tile ``gt [128, tiles, 3, Hv_c]``: beta exp(G), beta, exp(G_C - G)
-C_BG, C_BETA, C_DEC = 0, 1, 2
+# columns of the token-major gate tile ``gt [128, tiles, NC, Hv_c]``: beta exp(G), beta, exp(G_C - G), -G
+C_BG, C_BETA, C_DEC, C_NG = 0, 1, 2, 3
+NC = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,8 +450,8 @@ def _a_item(g, c, A, item, neg):
         for tl in range(A["nt"]):
             per = []
             for grp in g["groups"]:
-                per.append([_decay(g, c, A["gr"], Q_G, c["madd_incl"], W, tl * TILE, grp, g["mdt"], "decay_incl"),
-                            _decay(g, c, A["gr"], Q_H, c["madd_strict"], W, tl * TILE, grp, g["idt"], "decay_beta")])
+                per.append([_decay(g, c, A, Q_G, c["madd_incl"], tl * TILE, grp, g["mdt"], "decay_incl"),
+                            _decay(g, c, A, Q_H, c["madd_strict"], tl * TILE, grp, g["idt"], "decay_beta")])
             decays.append(per)
         A["decays"] = decays
         gam = nl.ndarray((hv, 1, W), F32, buffer=nl.sbuf, name="gamma_rows")       # exp(G): all the tiles need
@@ -518,12 +536,13 @@ def _gates(g, c, A, neg):
     nisa.tensor_scalar(dst=gr[:, Q_NG, :], data=gr[:, Q_G, :], op0=nl.multiply, operand0=-1.0)
     # token-major gate columns of every tile (PE transposes)
     nt = A["nt"]
-    gt_ps, pb = _ps(c, P, [nt, 3, hv])
+    gt_ps, pb = _ps(c, P, [nt, NC, hv])
     for tl in range(nt):
-        for q in range(3):
-            nisa.nc_matmul(dst=gt_ps[:, tl, q, :], stationary=tb[:, q, tl * TILE:(tl + 1) * TILE],
+        for q in range(NC):
+            src = gr[:, Q_NG, tl * TILE:(tl + 1) * TILE] if q == C_NG else tb[:, q, tl * TILE:(tl + 1) * TILE]
+            nisa.nc_matmul(dst=gt_ps[:, tl, q, :], stationary=src,
                            moving=c["I_f"][0:hv, 0:hv], accumulate=False)
-    gt = nl.ndarray((P, nt, 3, hv), F32, buffer=nl.sbuf, name="gate_tok")
+    gt = nl.ndarray((P, nt, NC, hv), F32, buffer=nl.sbuf, name="gate_tok")
     nisa.tensor_copy(dst=gt, src=gt_ps, engine=DVE_ENG)
     _ps_free(c, pb)
     A["gt"] = gt
@@ -666,28 +685,29 @@ def _expand(g, c, gr, q, W, c0, grp, name):
     return t
 
 
-def _decay(g, c, gr, q, madd, W, c0, grp, dtype, name):
-    """exp(row_q[i] - G[j] + madd[j, i]) for the group's heads: [128 j, n, 128 i]. The exponent is summed in PSUM by three matmuls (the row broadcast over the
-    partitions and minus G_j broadcast over the free axis in fp32, the additive 0 / -1e30 block-causal mask
-    in the matmul dtype: 1 x -1e30 is as good in bf16), then one ACT exp."""
+def _decay(g, c, A, q, madd, c0, grp, dtype, name):
+    """exp(row_q[i] - G[j] + madd[j, i]) for the group's heads: [128 j, n, 128 i]. The row broadcast over the
+    partitions (fp32 matmul of a ones stationary against the block-expanded rows) plus the additive 0 / -1e30
+    block-causal mask (a matmul in the matmul dtype: 1 x -1e30 is as good in bf16) accumulate in PSUM; -G_j is
+    the per-partition bias of one ACT exp per head."""
     h0, n = grp["h0"], grp["n"]
-    ex = _expand(g, c, gr, q, W, c0, grp, None)
+    ex = _expand(g, c, A["gr"], q, A["W"], c0, grp, None)
     ps, pb = _ps(c, P, [n, TILE])
     nisa.nc_matmul(dst=ps, stationary=c["ones_hv"], moving=ex, accumulate=False)
     nisa.nc_matmul(dst=ps, stationary=c["I_m"], moving=_bview(madd, P, [[0, n], [1, TILE]], 0), accumulate=True)
-    nisa.nc_matmul(dst=ps, stationary=gr[:, Q_NG, c0:c0 + TILE], moving=c["blockind"][:, h0:h0 + n, :],
-                   accumulate=True)
     out = nl.ndarray((P, n, TILE), dtype, buffer=nl.sbuf, name=name)
-    nisa.activation(dst=out, op=nl.exp, data=ps)
+    for h in range(n):
+        nisa.activation(dst=out[:, h, :], op=nl.exp, data=ps[:, h, :], bias=A["gt"][:, c0 // TILE, C_NG, h0 + h:h0 + h + 1])
     _ps_free(c, pb)
     return out
 
 
 def super_tiles(isz, hv):
-    """Tiles per projection super-tile: 4 (512 tokens, the projections stream full 512-column moving tiles)
-    for a bf16 core with at most 4 value heads (Qwen3.6 at TP=4, LNC=2: peak SBUF 182 KB of 208 KB in the
-    nkisim trace), else 1: float32 operands or 8 value heads per core (LNC=1) double the tiles in flight,
-    and the super-tile is what gives way (peaks 191-207 KB measured at one tile). Compile time."""
+    """Tiles per projection super-tile: 4 (512 tokens: the projections stream full 512-column moving tiles)
+    for a bf16 core with at most 4 value heads (Qwen3.6 at TP=4, LNC=2: peak SBUF 203 KB of 208 KB in the
+    nkisim trace at 3-4K tokens), else 1: fp32 operands or 8 value heads per core (LNC=1) double the bytes in
+    flight, and the super-tile is what gives way (peaks 189 KB fp32 at LNC=2, 195 KB bf16 at LNC=1, 4K tokens;
+    the projections then run 128-column matmuls at the PE floor). Compile time."""
     return SUPER if (isz == 2 and hv <= PSUM_COLS // P) else 1
 
 
@@ -747,7 +767,7 @@ def _p1_item(g, c, T, item):
     D, hv, hk, mdt, idt = g["D"], g["hv"], g["hk"], g["mdt"], g["idt"]
     A, c0 = T["A"], T["c0"]
     W, q32, qkm = A["W"], A["q32"], A["qkm"]
-    gto = (c0 // TILE) * 3 * hv         # this tile's columns in A["gt"]
+    gto = (c0 // TILE) * NC * hv        # this tile's columns in A["gt"]
     if kind == "shared":
         # [K K^T | K Q^T] per key head (key index on partitions), token-major k and gate columns
         kkq = []
@@ -991,7 +1011,9 @@ def _run_tiles(g, c, xT, hist, S, groups, wo, y, eps, neg):
         c["u_ring"].append(nl.ndarray((g["D"], g["NH"], g["Km1"] + Wm), g["adt"], buffer=nl.sbuf, name="u_raw"))
     c["y_sums"] = nl.ndarray((TILE, nt * ((g["H"] + PSUM_COLS - 1) // PSUM_COLS)), F32, buffer=nl.sbuf,
                              name="y_row_sums")
-    ahead = 2 if len(groups) == 1 else 1     # with two head groups a tile already has two inverse chains
+    # P1 two tiles ahead (two independent inverse chains) -- one tile ahead with two head groups (they are
+    # the second chain) or in fp32 (twice the bytes in flight)
+    ahead = 2 if (len(groups) == 1 and g["adt"] != F32) else 1
     ctxs = [_a_open(g, c, xT, 0, hist)]
     _a_fill(g, c, ctxs[0], -1.0, neg)
     if n_super > 1:
@@ -1186,8 +1208,8 @@ def gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, st
 
 
 @nki.jit
-def gdn_prefill_kernel(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, write_slot, eps,
-                       allow_neg_eigval):
+def gdn_prefill_kernel(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, write_slot,
+                       eps=1e-6, allow_neg_eigval=False):
     """HBM wrapper: ``xT [128, H/128, L]`` (feature-major, activation dtype; :func:`feature_major`), weights in
     the layout of :func:`nki_kernels.gdn.gdn_weight_layout` for this launch's LNC, ``window [slots, K-1, C_rank]``,
     ``state [slots, Hv_r, D, D]`` float32 (slot ``write_slot`` written in place), ``read_slot`` / ``write_slot``

@@ -11,15 +11,17 @@ Tolerances (``max|k - r| / max|r|`` unless said otherwise)
 -------------------------------------------------------
 float32 -- exactness: the kernel's chunked algebra is the twin's (``model.functional.gdn_chunked``, same
 64-token blocks, same formulas); they differ in summation order (PE 128-row contractions, the blocked
-inverse's products vs torch's triangular solve) and in ACT's exp/rsqrt/silu: y, state <= 1e-4 (measured
-<= 4e-6), windows (raw projections) <= 1e-5 (measured <= 5e-7).
+inverse's products vs torch's triangular solve): y, state <= 1e-4 (measured over every default and slow
+case <= 7.3e-6 and 9.8e-6), windows (raw projections) <= 1e-5 (measured <= 5.8e-7).
 bfloat16 -- deployment: on top of the reference's own bf16 roundings (u, z, b, a, the conv output, o; the
 decode kernel's parity test explains their one-ulp flips), the chunk matmuls take bf16 operands like FLA's
 (K K^T, Q K^T, the inverse, U, W, P V_new, the state update; the state-reading W S and Q S stay fp32).
-Relative RMSE of y <= 2e-2 and max <= 5e-2, state <= 2e-2 (measured on the seeded and stress cases:
-rmse <= 6.5e-3, max 2.3e-2, state 6e-3); windows as in the decode test (one bf16 ulp where a sum rounds
-differently). With beta near 2 (``allow_neg_eigval``, the inverse in fp32, the rest bf16) the bf16 operand
-rounding of V_new and of the keys is amplified by (I + A)^-1 (entries up to beta): rmse <= 5e-2.
+Relative RMSE of y <= 2e-2 and max <= 5e-2, state <= 2e-2 (measured over every default and slow case,
+tiny and real, stress included: rmse <= 6.4e-3, max 2.1e-2, state 5.6e-3); windows as in the decode test
+(one bf16 ulp where a sum rounds differently). With beta = 2 (``allow_neg_eigval``; the inverse in fp32, the
+other chunk matmuls bf16) a repeated key makes the delta rule nearly singular and the bf16 operands of U, W
+and the state update dominate (kernel-algorithms.md §1.6 measures 5e-2 rel-RMSE with beta = 1.9 for
+bf16 chunk matmuls whatever the inverse): rmse <= 8e-2, max 1e-1, state 5e-2 (measured 4.6e-2, 3.8e-2, 4e-3).
 """
 
 from __future__ import annotations
@@ -229,7 +231,7 @@ def test_stress(stress, dtype):
 def test_beta_near_two(stress, dtype):
     """allow_neg_eigval: beta = 2 sigmoid(b) = 2 (the inverse's worst case); the inverse runs in fp32."""
     r = run_case("tiny", 2, 0, 200, 2, DTYPES[dtype], seed=9, stress=stress, neg=True)
-    check(r, bf16_rmse=5e-2, bf16_max=1e-1, bf16_state=5e-2)
+    check(r, bf16_rmse=8e-2, bf16_max=1e-1, bf16_state=5e-2)
 
 
 # ---------------------------------------------------------------------------------------------
