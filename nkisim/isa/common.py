@@ -300,6 +300,10 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     if launch.world.aborted is not None:
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")
+    if inst.shape_only:                 # a shape-only write forgets the values a DMA carried (dma.carry_known)
+        for _, t in writes:
+            if type(t) is NkiTensor and t.storage.known is not None:
+                t.storage.known = None
     for lst in (writes, reads):
         for _, t in lst:
             if type(t) is NkiTensor:

@@ -66,11 +66,12 @@ def register_load(dst, src):
         raise NkiValidationError(f"{op}: dst is a read-only loop induction register")
     inst = record(op, "SP", reads=[("src", src)], reg_writes=(dst,))
     provider = inst.launch.world.register_values
-    known = not inst.shape_only or src.storage.data is not None     # a real integer input in shape-only mode
     v = None
-    if known:
+    if not inst.shape_only or src.storage.data is not None:     # executing, or a real integer input (shape-only)
         v = read_raw(op, "src", src, flat=False).reshape(-1)[0]
         v = float(v) if dtypes.is_float(src.dtype) else int(v)
+    elif src.storage.known is not None:                         # shape-only: a DMA copy of a real integer input
+        v = src.storage.known.get(src.boffset // src.itemsize)
     if provider is not None:
         got = provider(_query(inst, src, v))
         if v is None and got is not None:

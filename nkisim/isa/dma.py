@@ -127,9 +127,41 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
                   dge_mode=dge_mode.name, cast=src.dtype != dst.dtype, trigger=engine.name,
                   run_bytes=min(run_bytes(src), run_bytes(dst)))
     if inst.shape_only:
+        carry_known(dst, src)
         return Instruction(op)
     _execute(op, dst, src, oob_mode)
     return Instruction(op)
+
+
+KNOWN_MAX_ELEMS = 1024      # shape-only: integer values a DMA may carry on chip (a few scalars, a broadcast column)
+
+
+def _elements(t):
+    """Flat element indices (in the storage) of a direct view, in view order."""
+    rows = np.arange(t.shape[0], dtype=np.int64) * t.bstrides[0]
+    return np.broadcast_to(element_addresses(t, rows), t.shape).reshape(-1) // t.itemsize
+
+
+def carry_known(dst, src):
+    """Shape-only mode: a DMA copying integer values from a real integer input (or from a tile that holds such
+    copied values) into a small on-chip tile keeps them on the destination (``storage.known``), so that a later
+    ``register_load`` of it sees them. Only copies: anything an engine computes still has no data (and any other
+    write forgets the carried values, isa/common.record)."""
+    if dst.indirect is not None or src.indirect is not None or not dst.storage.onchip:
+        return
+    if dst.size > KNOWN_MAX_ELEMS or dst.dtype not in dtypes.INTEGER or src.dtype not in dtypes.INTEGER:
+        return
+    st = src.storage
+    if st.data is not None:
+        vals = [int(v) for v in raw(src).reshape(-1)]
+    elif st.known is not None:
+        idx = _elements(src)
+        if not all(int(i) in st.known for i in idx):
+            return
+        vals = [st.known[int(i)] for i in idx]
+    else:
+        return
+    dst.storage.known = dict(zip((int(i) for i in _elements(dst)), vals))
 
 
 def read_view(op, name, t, oob_mode):

@@ -162,3 +162,56 @@ def test_runtime_loops_are_traced_with_iterations_and_trip_counts():
     assert zero["loc"].startswith("test_shape_only_values.py:")
     ex, _ = _trace(nested, np.array([[3]], np.int32), np.zeros((1, 1), np.float32))
     assert so.comparable() == ex.comparable() and so.loops == ex.loops
+
+
+@nki.jit
+def rows_from_copied_count(n, x):
+    """Like rows_from_count, but the count is first DMA-copied into SBUF (the nki-library pattern) and broadcast
+    to 4 partitions; register_load reads partition 2's copy."""
+    s = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=s, src=n.ap(pattern=[[0, 4], [1, 1]], offset=0))
+    r = nisa.register_alloc()
+    nisa.register_load(r, s[2:3, :])
+    t = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=0.0)
+
+    def body(i):
+        nisa.dma_copy(dst=t, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0, scalar_offset=i,
+                                      indirect_dim=0))
+    nl.fori_loop(0, r, body)
+    out = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+@nki.jit
+def rows_from_overwritten_copy(n, x):
+    """The count is DMA-copied into SBUF and then overwritten on chip (+1): the copy's value is forgotten."""
+    s = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=s, src=n)
+    nisa.tensor_scalar(dst=s, data=s, op0=nl.add, operand0=1)
+    r = nisa.register_alloc()
+    nisa.register_load(r, s)
+    t = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=0.0)
+
+    def body(i):
+        nisa.dma_copy(dst=t, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], offset=0, scalar_offset=i,
+                                      indirect_dim=0))
+    nl.fori_loop(0, r, body)
+    out = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_a_dma_copy_of_a_real_int_input_keeps_its_value():
+    n = np.array([[3]], np.int32)
+    ex, _ = _trace(rows_from_copied_count, n, _x())
+    so, _ = _trace(rows_from_copied_count, n, SD((6, 64), "float32"))
+    assert len([r for r in so.instructions if r.get("loop")]) == 3
+    assert so.comparable() == ex.comparable()
+
+
+def test_an_on_chip_write_forgets_the_copied_value():
+    so, _ = _trace(rows_from_overwritten_copy, np.array([[3]], np.int32), SD((6, 64), "float32"))
+    assert not [r for r in so.instructions if r.get("loop")]      # computed on chip: the placeholder again
