@@ -1218,6 +1218,7 @@ def gdn_prefill_kernel(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, 
     """
     _, J, L = xT.shape
     n = w_in.shape[0]
+    assert n * L * J * P < 2 ** 31, f"gdn_prefill: y [{n}, {L}, {J * P}] has element offsets beyond int32"
     y_out = nl.ndarray((n, L, J * P), F32, buffer=nl.shared_hbm, name="y_partials")
     fin_out = nl.ndarray((n, 1), F32, buffer=nl.shared_hbm, name="finite")
     core = nl.program_id(0) if nl.program_ndim() != 0 else 0
