@@ -15,8 +15,8 @@ bench/costmodel_layers.png and .md (the per-layer critical-path breakdown). ``--
 
 ``kernel``: predicts any NKI kernel function from any file (its package context honoured) in shape-only mode:
 ``--arg NAME=D0,D1,...:DTYPE`` per tensor argument in the function's order, ``--int NAME=VALUE`` for an int
-argument (``--int NAME=V0,V1,...:int32[:D0xD1]`` for a real integer array), ``--lnc`` / ``--tp`` for the
-launch. Prints the time band, per-engine busy time, bytes moved and the top critical-path items (``--json``:
+argument (``--int NAME=V0,V1,...:int32[:D0xD1]`` for a real integer array), ``--float NAME=VALUE``, ``--lnc`` /
+``--tp`` for the launch; parameters not given take their defaults. Prints the time band, per-engine busy time, bytes moved and the top critical-path items (``--json``:
 one object). Bad input prints one line and exits 2.
 
 ``calibrate``: the model beside every published per-operation measurement of trn2-costs.md, and its predictions
@@ -127,6 +127,7 @@ def cmd_predict(a):
         "distinct_experts": mk.notes["distinct_experts"], "kernel_parameters": mk.notes["kernel_parameters"],
         "tokens_per_s": mks["tokens_per_s"], "acceptance": acc,
         "critical_by_category_us": mk.notes["critical_by_category_us"],
+        "band_anomalies_us": mk.notes["band_anomalies_us"],
         "instructions": mk.notes["instructions"], "runtime_loops": mk.notes["runtime_loops"],
         "bottlenecks": mks["bottlenecks"],
         "layers": [{"layer": lab, "kind": r["kind"], "total_us": r["total_ns"] / 1e3,
@@ -145,6 +146,10 @@ def cmd_predict(a):
         "elapsed_s": {"total_wall": round(time.time() - t0, 1), "total_cpu": round(time.process_time() - c0, 1),
                       "megakernel_wall": round(t_mk, 1)},
     }
+    if a.corrections:
+        out["corrections"] = compose.corrections(cfg, a.context, routing, a.tp, 2,
+                                                 progress=None if a.quiet or a.json else
+                                                 (lambda s: print(f"  corrections: {s}", file=sys.stderr)))
     (BENCH / "costmodel_predict.json").write_text(json.dumps(out, indent=1))
     title = f"{a.model}, TP={a.tp} x LNC=2, T=2 verify, context {a.context}, routing {a.routing}"
     plots.plot_stages([mk, lw], BENCH / "costmodel_stages.png", f"predicted round ({title})")
@@ -201,6 +206,11 @@ def _print_predict(out, mk, lw, layers):
         print(f"roofline ({name} bytes, {out['hbm_MB_per_rank'][name]:,.0f} MB/rank)  {_band(out['roofline_us'][name])}")
     print("\nmegakernel critical path per layer (central us):")
     print(layers.table(mk.layers))
+    if "corrections" in out:
+        print("\nwhat each correction does to the central megakernel round (us; without = the round with only that "
+              "correction taken out):")
+        for r in out["corrections"]["rows"]:
+            print(f"  {r['effect_us']:>+10,.1f}  (without: {r['without_us']:>10,.1f})  {r['correction']}")
     print("\nmegakernel top critical-path items (central):")
     for b in out["bottlenecks"][:8]:
         print(f"  {b['us']:>9,.1f} us  {b['what']}")
@@ -270,16 +280,28 @@ def _parse_int(spec, what):
         raise BadInput(f"{what}: cannot read {spec!r} as VALUE or V0,V1,...:DTYPE[:D0xD1] ({e})") from None
 
 
+def _relative_depth(path):
+    """Deepest relative import of a source file (``from ..x import y`` -> 2), 0 when none."""
+    import ast
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (SyntaxError, OSError, UnicodeDecodeError):
+        return 0
+    return max([n.level for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [0])
+
+
 def _import_file(path):
-    """Import a kernel file with its package context: if its directory is a package (has __init__.py), the
-    module is imported under its dotted package name from the first ancestor that is not a package (so relative
-    imports work); otherwise as a standalone module, its directory on sys.path."""
+    """Import a kernel file with its package context: it is imported under its dotted package name from the
+    first ancestor directory that is not a package (has no __init__.py) and is at least as far up as its deepest
+    relative import reaches (namespace packages included), so relative imports work; a file with neither is
+    imported as a standalone module, its directory on sys.path."""
     import importlib
     import importlib.util
     path = Path(path).resolve()
     d = path.parent
     parts = [path.stem]
-    while (d / "__init__.py").is_file():
+    need = _relative_depth(path)
+    while (d / "__init__.py").is_file() or len(parts) <= need:
         parts.insert(0, d.name)
         d = d.parent
     if str(d) not in sys.path:
@@ -294,9 +316,17 @@ def _import_file(path):
     return mod
 
 
-def trace_kernel(target, args=(), ints=(), lnc=1, tp=1):
-    """(trace, name) of FILE::FUNCTION launched shape-only with ``args`` ["NAME=D0,..:DTYPE"] and ``ints``
-    ["NAME=VALUE"]. Raises BadInput for every user error, including a kernel nkisim refuses."""
+def _parse_float(spec, what):
+    try:
+        return float(spec)
+    except ValueError:
+        raise BadInput(f"{what}: {spec!r} is not a number") from None
+
+
+def trace_kernel(target, args=(), ints=(), lnc=1, tp=1, floats=()):
+    """(trace, name) of FILE::FUNCTION launched shape-only with ``args`` ["NAME=D0,..:DTYPE"], ``ints``
+    ["NAME=VALUE"] and ``floats`` ["NAME=VALUE"]. Raises BadInput for every user error, including a kernel nkisim
+    refuses."""
     import inspect
 
     import nkisim
@@ -322,7 +352,9 @@ def trace_kernel(target, args=(), ints=(), lnc=1, tp=1):
     kernel = fn if isinstance(fn, nkisim.Kernel) else nki.jit(fn)
     sig = inspect.signature(kernel.fn)
     given = {}
-    for spec, parse, flag in [(s, _parse_shape_dtype, "--arg") for s in args] + [(s, _parse_int, "--int") for s in ints]:
+    specs = ([(s, _parse_shape_dtype, "--arg") for s in args] + [(s, _parse_int, "--int") for s in ints] +
+             [(s, _parse_float, "--float") for s in floats])
+    for spec, parse, flag in specs:
         if "=" not in spec:
             raise BadInput(f"kernel: {flag} expects NAME=..., got {spec!r}")
         name, _, val = spec.partition("=")
@@ -375,7 +407,7 @@ def kernel_summary(band, name, lnc, tp):
 
 def cmd_kernel(a):
     from harness.costmodel import predict_band
-    tr, name = trace_kernel(a.target, a.arg or (), a.int or (), a.lnc, a.tp)
+    tr, name = trace_kernel(a.target, a.arg or (), a.int or (), a.lnc, a.tp, a.float or ())
     band = predict_band(tr, stages="function", name=name)
     s = kernel_summary(band, name, a.lnc, a.tp)
     if a.json:
@@ -428,6 +460,9 @@ def main(argv=None):
                    help="distinct experts per verify layer: expected (15.75 for top-8 of 256), min (8), max (16)")
     p.add_argument("--acceptance", type=float, default=0.75,
                    help="probability the draft token is accepted (tokens/round = 1 + acceptance)")
+    p.add_argument("--corrections", action="store_true",
+                   help="also measure what each correction of issue 13 does to the central megakernel round (re-traces "
+                        "the round three times: several minutes); adds 'corrections' to the JSON")
     p.add_argument("--trace", nargs="*", help="predict these saved nkisim trace JSON files instead")
     p.add_argument("--stages", default="function", help="stage tags for --trace: file | function | loc")
     p.add_argument("--json", action="store_true", help="print the JSON object (also written to bench/)")
@@ -441,6 +476,7 @@ def main(argv=None):
                    help="a tensor argument, e.g. --arg x=128,512:bfloat16 (repeat, in the function's order)")
     k.add_argument("--int", action="append", metavar="NAME=VALUE",
                    help="an int argument (--int n=4), or a real integer array: --int pos=2048:int32:1x1")
+    k.add_argument("--float", action="append", metavar="NAME=VALUE", help="a float argument, e.g. --float eps=1e-6")
     k.add_argument("--lnc", type=int, default=1, help="1 or 2 physical cores per launch (default 1)")
     k.add_argument("--tp", type=int, default=1, help="ranks (nkisim.launch with collectives), default 1")
     k.add_argument("--json", action="store_true", help="print one JSON object")

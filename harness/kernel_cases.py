@@ -104,20 +104,24 @@ def _runtime(cfg, context: int, dtype: str) -> dict:
 
 # ---- the round megakernel -------------------------------------------------------------------------
 def round_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
-               dtype: str = "bfloat16") -> KernelCase:
-    """The round megakernel as shipped (runtime loops, ``max_context=None``) at position p = ``context``."""
+               dtype: str = "bfloat16", max_context: int | None = None) -> KernelCase:
+    """The round megakernel as shipped (runtime loops, ``max_context=None``) at position p = ``context``.
+    ``max_context`` builds the attention's unrolled shape-only specialisation instead (the pre-issue-13
+    costing, kept for comparison: ``harness.costmodel.compose.corrections``)."""
     from megakernel.round import RoundSpec, build_kernel, stage_of
     from megakernel.sharded import kv_groups
     from model.tp.embed_head import vocab_per_core
     routing = routing or Routing("expected", 2, cfg.num_experts_per_tok, cfg.num_experts)
     spec = RoundSpec(tuple(cfg.layer_types), len(kv_groups(cfg, 0, tp)), tp, lnc, float(cfg.rms_norm_eps),
-                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), "round")
+                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), "round", max_context)
     run = _runtime(cfg, context, dtype)
     per_rank = [{**t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype)]
     kernel = build_kernel(spec, sorted(per_rank[0]))
     return KernelCase("round megakernel", kernel, per_rank, tp, lnc, RoundRegisters(context, routing, lnc),
                       stage_of, context, routing, 2,
-                      notes={"kernel_parameters": len(per_rank[0]), "shipped": "max_context=None (runtime loops)"})
+                      notes={"kernel_parameters": len(per_rank[0]),
+                             "shipped": "max_context=None (runtime loops)" if max_context is None else
+                             f"NOT the shipped kernel: max_context={max_context} (attention loops unrolled)"})
 
 
 def kernel_parameters(case: KernelCase) -> dict:

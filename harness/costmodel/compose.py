@@ -102,12 +102,12 @@ def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, 
     p = band.central
     bott = [(ns, f"{loc} {eng} {op} x{n}") for ns, loc, eng, op, n in p.critical]
     from harness.kernel_cases import kernel_parameters
-    notes = {"instructions": p.n_instructions, "kernel_parameters": kernel_parameters(case),
+    notes = {"instructions": p.n_instructions, "band_anomalies_us": band.anomalies(), "kernel_parameters": kernel_parameters(case),
              "distinct_experts": list(case.provider.moe.log), "routing": case.routing.describe(),
              "critical_by_category_us": {e: _us(band.at(e).critical_by_category) for e in C.ENDS},
              "runtime_loops": len(tr.loops)}
     return RoundEstimate("megakernel", "one launch per round (full-round trace, shipped kernel: runtime loops)",
-                         _ends(lambda e: band.at(e).latency_ns + C.LAUNCH_OVERHEAD_NS), stage_ns, part_ns,
+                         _ends(lambda e: band.time_us()[e] * 1e3 + C.LAUNCH_OVERHEAD_NS), stage_ns, part_ns,
                          p.hbm_bytes / p.n_ranks, bott, rows["central"], kinds, prediction=band, notes=notes)
 
 
@@ -192,7 +192,7 @@ def layerwise_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, d
         each = {}
         for e in C.ENDS:
             prm = costs.Params.at(e)
-            k = band.at(e).latency_ns
+            k = band.time_us()[e] * 1e3
             b = prm.handoff_dma_ns
             x = between_ns(cfg, c.after, c.key[1], tp, prm)
             each[e] = k + b + x
@@ -221,3 +221,72 @@ def layerwise_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, d
     return RoundEstimate("layerwise", label, total, dict(stage_ns), dict(part_ns), hbm,
                          sorted(((v, w) for w, v in bott.items()), reverse=True), launches=launches, notes=notes)
 
+
+
+# ---- what each correction of issue 13 does to the round ---------------------------------------------------
+def corrections(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, progress=None):
+    """[{"correction", "without_us", "effect_us"}]: the central megakernel round with each modelling correction
+    of issue 13 taken out on its own (the rest kept), so ``effect_us`` = central - central without it. The
+    routing, shipped-kernel and context rows re-trace the round; the others re-simulate (or re-build) the same
+    trace."""
+    from harness import kernel_cases
+    from harness.register_models import Routing
+    from .predict import trace_parts
+    from .timeline import build, simulate
+    routing = routing or Routing("expected", 2, cfg.num_experts_per_tok, cfg.num_experts)
+    head = C.LAUNCH_OVERHEAD_NS
+    out = []
+
+    def traced(case, what):
+        if progress:
+            progress(what)
+        recs, loops = trace_parts(case.trace())
+        return build(recs, loops)
+
+    P = traced(kernel_cases.round_case(cfg, context, routing, tp, lnc), "the shipped round")
+    base = simulate(P, costs.Params.at("central")).end + head
+
+    def add(name, ns):
+        out.append({"correction": name, "without_us": ns / 1e3, "effect_us": (base - ns) / 1e3})
+
+    for name, ov in (("cross-engine hand-off (semaphores)", dict(handoff_ns=0.0, handoff_dma_ns=0.0)),
+                     ("DMA size efficiency (descriptor overhead per run)", dict(dma_descriptor_overhead_bytes=0.0)),
+                     ("HWDGE DMAs triggered from the SP queue in program order", dict(dma_trigger_queue="none")),
+                     ("all-reduce / collective trigger delay", dict(cc_trigger_ns=0.0)),
+                     ("runtime-loop boundaries (fences)", dict(loop_fences="none")),
+                     ("PE floor 94 ns (was 140 ns)", dict(pe_floor_ns=140.0))):
+        add(name, simulate(P, costs.Params.at("central", **ov)).end + head)
+    recip = P.base[:]
+    for i, rec in enumerate(P.recs):
+        if rec["op"] == "reciprocal" and rec["engine"] == "DVE":
+            recip[i] = C.DVE_FIXED_NS + C.DVE_NS_PER_ELEM * costs.free_elems(rec)
+    n_recip = sum(1 for a, b in zip(recip, P.base) if a != b)
+    P1 = _program_with(P, base=recip)
+    add(f"DVE reciprocal at 8x per element ({n_recip} instructions)", simulate(P1, costs.Params.at("central")).end
+        + head)
+    if progress:
+        progress("physical reuse off (rebuild)")
+    P0 = build(P.recs, P.loops, physical_deps=False)
+    add("physical SBUF reuse (WAR on reused addresses)", simulate(P0, costs.Params.at("central")).end + head)
+    del P0, P1
+    for name, case in (
+            ("realistic routing (vs all tokens on the same top-k experts)",
+             kernel_cases.round_case(cfg, context, Routing("min", 2, cfg.num_experts_per_tok, cfg.num_experts), tp,
+                                     lnc)),
+            (f"the shipped kernel's runtime loops (vs the max_context={context} unrolled specialisation)",
+             kernel_cases.round_case(cfg, context, routing, tp, lnc, max_context=context)),
+            (f"context {context} (vs the old headline's 4,096, shipped kernel)",
+             kernel_cases.round_case(cfg, 4096, routing, tp, lnc))):
+        Q = traced(case, name)
+        add(name, simulate(Q, costs.Params.at("central")).end + head)
+        del Q
+    return {"central_us": base / 1e3, "context": context, "routing": routing.describe(), "rows": out}
+
+
+def _program_with(P, **fields):
+    """A shallow copy of a Program with some fields replaced."""
+    import copy
+    Q = copy.copy(P)
+    for k, v in fields.items():
+        setattr(Q, k, v)
+    return Q

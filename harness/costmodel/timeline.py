@@ -57,6 +57,7 @@ class Program:
     group_members: list = field(default_factory=list)
     order: list = field(default_factory=list)      # core index -> its instructions in program order
     boundaries: list = field(default_factory=list)  # (core index, position in order, "entry" | "iteration" | "exit")
+    loops: list = field(default_factory=list)       # the trace's runtime-loop records
     n_ranks_total: int = C.TP_RANKS
 
 
@@ -168,6 +169,7 @@ def build(recs, loops=(), physical_deps=True) -> Program:
             deps = [p for p in deps if P.groups.get(p) != g]
         st = P.stream
         P.preds.append([p for p in deps if p != i and (s < 0 or st[p] != s)])
+    P.loops = list(loops)
     P.boundaries = _boundaries(P, recs, loops, core_idx)
     return P
 
