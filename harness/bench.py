@@ -16,7 +16,8 @@ bench/costmodel_layers.png and .md (the per-layer critical-path breakdown). ``--
 ``kernel``: predicts any NKI kernel function from any file (its package context honoured) in shape-only mode:
 ``--arg NAME=D0,D1,...:DTYPE`` per tensor argument in the function's order, ``--int NAME=VALUE`` for an int
 argument (``--int NAME=V0,V1,...:int32[:D0xD1]`` for a real integer array), ``--float NAME=VALUE``, ``--lnc`` /
-``--tp`` for the launch; parameters not given take their defaults. Prints the time band, per-engine busy time, bytes moved and the top critical-path items (``--json``:
+``--tp`` for the launch; parameters not given take their defaults. Prints the time band, per-engine busy time,
+bytes moved and the top critical-path items (``--json``:
 one object). Bad input prints one line and exits 2.
 
 ``calibrate``: the model beside every published per-operation measurement of trn2-costs.md, and its predictions
@@ -197,7 +198,8 @@ def _print_predict(out, mk, lw, layers):
     print("  critical path by kind (central us): " + ", ".join(
         f"{k} {v:,.0f}" for k, v in out["critical_by_category_us"]["central"].items() if v))
     print(f"  {out['instructions']:,} instructions, {out['runtime_loops']:,} runtime loops, "
-          f"{out['kernel_parameters']['count']} HBM tensor parameters ({out['kernel_parameters']['bytes'] / 1e9:.2f} GB "
+          f"{out['kernel_parameters']['count']} HBM tensor parameters "
+          f"({out['kernel_parameters']['bytes'] / 1e9:.2f} GB "
           f"per rank)")
     print(f"layerwise round    {_band(out['layerwise']['round_us'])}   ({out['layerwise']['kernel_calls']} NKI calls "
           f"in one XLA graph)")

@@ -299,7 +299,8 @@ def kernel_rows(roots, progress=None):
     cases = list(KERNELS) + [seed_case()]
     for k in cases:
         row = {"label": k.label, "source": f"{k.repo}:{k.path}::{k.function}", "args": list(k.args),
-               "ints": list(k.ints), "floats": list(k.floats), "lnc": k.lnc, "published": k.published, "published_us": k.published_us,
+               "ints": list(k.ints), "floats": list(k.floats), "lnc": k.lnc, "published": k.published,
+               "published_us": k.published_us,
                "note": k.note}
         root = roots.get(k.repo)
         if root is None:
@@ -364,7 +365,8 @@ def markdown(rs=None, kernels=()):
                   "|---|---|---|---|---|---|---|"]
         for k in kernels:
             if k.get("status") != "predicted":
-                lines.append(f"| {k['label']} | {k.get('status')} | {k['published'] or '—'} | — | — | — | {k['note']} |")
+                lines.append(f"| {k['label']} | {k.get('status')} | {k['published'] or '—'} | — | — | — | "
+                             f"{k['note']} |")
                 continue
             t = k["time_us"]
             ratio = f"{k['central_over_published']:.2f}" if k.get("central_over_published") else "—"

@@ -102,7 +102,8 @@ def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, 
     p = band.central
     bott = [(ns, f"{loc} {eng} {op} x{n}") for ns, loc, eng, op, n in p.critical]
     from harness.kernel_cases import kernel_parameters
-    notes = {"instructions": p.n_instructions, "band_anomalies_us": band.anomalies(), "kernel_parameters": kernel_parameters(case),
+    notes = {"instructions": p.n_instructions, "band_anomalies_us": band.anomalies(),
+             "kernel_parameters": kernel_parameters(case),
              "distinct_experts": list(case.provider.moe.log), "routing": case.routing.describe(),
              "critical_by_category_us": {e: _us(band.at(e).critical_by_category) for e in C.ENDS},
              "runtime_loops": len(tr.loops)}
@@ -160,7 +161,8 @@ def between_ns(cfg, after, T, tp, params):
     """What the XLA graph does after a launch (see the module docstring), at one end of the bands."""
     H = cfg.hidden_size
     if after == "all_reduce":
-        return costs.collective_ns("all_reduce", T * H * 4, tp, params) + C.DVE_FIXED_NS + C.DVE_NS_PER_ELEM * T * H / 128
+        add = C.DVE_FIXED_NS + C.DVE_NS_PER_ELEM * T * H / 128           # the residual add, [128, T*H/128]
+        return costs.collective_ns("all_reduce", T * H * 4, tp, params) + add
     if after == "all_gather_best":
         return costs.collective_ns("all_gather", T * 2 * 4, tp, params)
     if after == "all_gather_fc":

@@ -108,7 +108,8 @@ DMA_ISSUE_NS = 40951.0 / 64   # costs/measured "128-byte DMAs x64: 40,951 ns ins
 #                               instruction on its DGE (SDK trainium2_arch.rst DGE: "about 600 ns to execute")
 DMA_ISSUE_INDIRECT_NS = 62100.0 / 60   # costs/measured XLA glue "60 DMA_INDIRECT 62.1 µs (~1.0 µs each)" on GpSimd
 DMA_ENGINES_PER_CORE = 16     # SDK nki-dma-bandwidth-guide.rst: "Each NeuronCore has 16 DMA engines"
-DMA_ENGINE_BW = 23.0          # B/ns per DMA engine on trn2 (same guide, table "BW / Engine"): 16 x 23 = 368 GB/s per core
+DMA_ENGINE_BW = 23.0          # B/ns per DMA engine on trn2 (same guide, table "BW / Engine"): 16 x 23 = 368 GB/s
+#                               per core
 # A DMA spreads its partitions over the engines ("Use full partitions (P=128). Fewer partitions means fewer engines
 # utilized", same guide): it uses min(16, partitions) engines.
 DMA_DESCRIPTOR_OVERHEAD_BYTES = Band(
