@@ -304,16 +304,22 @@ def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
         for _, t in writes:
             if type(t) is NkiTensor and t.storage.known is not None:
                 t.storage.known = None
-    for lst in (writes, reads):
-        for _, t in lst:
-            if type(t) is NkiTensor:
-                st = t.storage
-                if st.psum or st.loops:
-                    _loop_rules(op, inst, reads, writes, extra.get("accumulate", None))
-                    break
-        else:
-            continue
-        break
+    if inst.loop_events:                # a runtime loop has started: the loop rules (see _loop_rules)
+        for lst in (writes, reads):
+            for _, t in lst:
+                if type(t) is NkiTensor:
+                    st = t.storage
+                    if st.psum or st.loops:
+                        _loop_rules(op, inst, reads, writes, extra.get("accumulate", None))
+                        break
+            else:
+                continue
+            break
+    else:                               # before any runtime loop: only note which PSUM values exist (epoch 0)
+        for lst in (writes, reads):
+            for _, t in lst:
+                if type(t) is NkiTensor and t.storage.psum:
+                    t.storage.epoch = 0
     if launch.world.lint:
         f = sys._getframe(2)            # the code that called the ISA op
         b = f.f_back
@@ -409,8 +415,9 @@ def _loop_rules(op, inst, reads, writes, accumulate):
                            f"PSUM (SDK-NL fori_loop / while_loop: 'carry any other loop state through SBUF/HBM'; "
                            f"neuronx-cc 2.27 NCC_IBIR092 'Live-in/Live-out MemoryLocation'): allocate the PSUM tile "
                            f"inside the loop body and carry state in SBUF (switch: nkisim.hw.LOOP_PSUM_CHECK)")
-            overwrite = is_write and (op != "nc_matmul" or accumulate is False) and covers(t)
-            if st.epoch is not None and st.epoch != ev and not overwrite:
+            e = st.epoch
+            if e is not None and e != ev and not (is_write and (op != "nc_matmul" or accumulate is False)
+                                                  and covers(t)):    # (a whole overwrite starts a new value)
                 _loop_rule(hw.LOOP_PSUM_LIVE, op, name, t, "live",
                            f"{'accumulates onto' if is_write else 'reads'} PSUM tensor {t.describe()} whose value was "
                            f"written before a runtime-loop boundary (the value is live across an nl.fori_loop / "
