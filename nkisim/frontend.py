@@ -641,8 +641,9 @@ def lint_node(tree, fname, filename, line_offset, helper):
                     word = "is not" if isinstance(o, ast.IsNot) else "is"
                     if helper and not HELPER_ERRORS:
                         _warn_once(filename, line, f"'{word}'", kind, fname, where,
-                                   "the NKI compiler rejects 'is'/'is not' (NKI 0.3.0 Language Restrictions) and the "
-                                   "front end processes every function the kernel calls: use == / !=")
+                                   "NKI 0.3.0 'Language restrictions' says the compiler does not support 'is'/'is "
+                                   "not' (AWS's nki-library uses 'is None' in helpers it compiles, hence a warning "
+                                   "here; an error in the kernel body): use == / !=")
                         continue
                     raise NkiValidationError(
                         f"nki.jit: NKI Python subset: {kind} {fname} uses '{word}' at {where}:{line}; the NKI compiler rejects 'is'/'is "
