@@ -1,0 +1,1125 @@
+"""Sparse MoE prefill (context encoding) for a chunk of N tokens on one TP rank split over its LNC cores.
+
+Same math as the decode subkernel (``nki_kernels/moe.py``, ``moe_tkg``; twin ``model.tp.moe.moe_rank``), reading
+the SAME per-rank weight layout (:func:`nki_kernels.moe.moe_hbm_layout`: router block, expert blocks, shared
+expert; whole tensors, or a stacked group with ``layer=`` as ``megakernel.sharded`` builds them)::
+
+    logits = x Wr^T (rounded to the activation dtype)       p = softmax(logits) in fp32
+    top-k set with ties to the LOWER expert index, w = p_top / sum(p_top) rounded to the activation dtype
+    y = sum_e w_e * down_e(silu(gate_e x) * up_e x)  +  sigmoid(w_seg . x) * shared(x)
+
+Layouts
+-------
+* input ``x [N*H/128, 128]`` HBM, activation dtype: the chunk's normed hidden states TOKEN-major, each token's
+  H features as H/128 consecutive rows of 128 (row t*H/128 + j = x[t, j*128:(j+1)*128]): a free reshape of the
+  [N, H] output of the composition's post-attention RMSNorm, which makes it without any transpose. 128-element
+  rows are what the gather-transpose DMA moves (its indices address rows of the base tensor).
+  :func:`token_rows` converts on the host. N is a compile-time shape (one specialisation per chunk length).
+* output ``y [N, H]`` HBM float32: the RANK's partial of the MoE output (the sum over the TP ranks is the block
+  output before its cast). Core c writes the full rows of token tiles c, c + L, ... (128 tokens each, L = LNC
+  degree), so the rows are disjoint between the cores: the composition all-reduces y over the ranks only.
+* output ``finite [L, 1]`` float32: 1.0 when every router logit of the chunk (and every softmax row sum) is
+  finite. A NaN or Inf anywhere in a token's hidden state reaches all of its router logits (x . w over all of
+  H), so a non-finite input is reported here instead of propagating silently; :func:`check_finite` raises.
+
+Work split over the LNC cores
+-----------------------------
+Core c owns the contraction rows ``h in [c*H/L, (c+1)*H/L)`` of every projection and the output columns
+``[c*H/L, (c+1)*H/L)`` of every expert's down projection. It reads the gate|up rows of ITS h-half of BOTH
+cores' expert blocks and the down rows of ITS output half of both blocks (the decode layout folds the down
+projection into R = 128/ic row groups, group g holding output columns g*H/R..: core c's groups are contiguous
+partitions), so every element of every used expert is read exactly once per rank per chunk and the cores' DMA
+halves are equal whatever the routing. The fp32 partial gate/up sums are swapped with ``sendrecv`` and added on
+both cores, which then hold the full intermediate and contract the down projection over all of it (K = 128 at
+the real shapes: the full PE array). Both cores route the same data, so every register, trip count and loop is
+the same on both (the LNC rule); the cores differ only in static addresses.
+
+Algorithm (static code over compile-time shapes; data enters only through DMA offsets, gather indices,
+register values and one runtime loop)
+-------------------------------------------------------------------------------------------------------
+0. x^T of the core's h-rows is made resident in SBUF (``xr [128, N, jc]``, token-major within a partition) by
+   DMA transposes (bfloat16, SDK-TRN2: up to 90 % of the DMA rate; float32: PE transposes). The router and the
+   shared expert read it.
+1. **Router** per 128-token tile: partial logits over the core's h-rows (stationary x^T tile, moving the
+   router columns of both router blocks), swapped and added, rounded; softmax, exact top-k set and
+   renormalised weights by the decode kernel's method (``max8`` values only and the unique key
+   ``(p == vk) * (E - e)`` for tied experts: no instruction's tie behaviour is relied on). A token's k experts
+   ascending come from ``max8`` of ``sel * (E - e)``; its rank among the tokens choosing each expert (ascending
+   token order) from a strict-lower-triangular ones matmul plus the running per-expert counts (PE, exact in
+   fp32); ``nc_n_gather`` picks the rank and weight of the k chosen experts.
+2. **Grouping**: per-expert counts c_e. An expert is *regular* if 0 < c_e <= ``capacity`` (compile-time,
+   :func:`default_capacity`: mean + 3.5 sigma + 8 of uniform routing, a multiple of 16) and *heavy* above. The
+   regular experts, ascending, take static slots 0..S-1 (S = min(E, N k)), slot s owning rows
+   ``[s*cap, (s+1)*cap)`` of the assignment tables; heavy experts get whole 128-row windows after them. Every
+   (token, choice) gets its row ``base(e) + rank``. One scatter DMA per (tile, choice) writes the token's row
+   index of x into that row of the choice's own HBM table (one table per choice keeps the scatters of different
+   choices independent: a scatter's written region is its whole table); the cores scatter disjoint halves of the
+   choices, and after a ``core_barrier`` one ``dma_compute`` sum per row chunk merges the k tables into the index
+   table (every word repeated jc times; unwritten rows read as token 0, whose outputs are never read). Meanwhile
+   the **shared expert** runs as one job per 128-token tile on the resident x^T, its rows (rounded like the
+   twin's) going to the scratch rows after the slots'.
+3. **Regular slots** (static loop over S; the slot's expert id is a register; its weight DMAs -- two per slot and
+   core, 2 KB runs -- are ``scalar_offset`` reads on the expert axis with ``oob_mode=skip``, so an unused slot
+   moves no byte): one gather-transpose DMA (SW-DGE) brings the x^T columns of the slot's cap tokens straight
+   from HBM (bfloat16; float32 gathers rows and transposes on the PE); gate|up with the weights stationary and
+   the tokens moving (one matmul per h-block and gate/up, gate and up in one PSUM bank), the fp32 partials
+   swapped and added, rounded, ``h = silu(g) * u`` rounded (the twin's casts), and the down projection per
+   window of <= 128 rows with h^T stationary, evicted rounded to the activation dtype (the twin rounds each
+   rank's down projection the same way) and written to the slot's scratch rows. The loop is software-pipelined
+   in program order (engines and DMA trigger queues execute in program order): weights RING slots ahead, x
+   gathers GATHER_AHEAD ahead, gate|up UP_AHEAD ahead of the down projection, every per-slot tile in a ring.
+4. **Heavy experts** (only if ``capacity < N``): ONE runtime loop over their 128-row windows (trip count = the
+   number of heavy windows, 0 for realistic routing); a window's weight DMAs are skipped (out-of-bounds id)
+   unless it is its expert's first window, so a heavy expert is also read once. Loop state in SBUF only; no
+   PSUM tensor lives across the loop.
+5. **Combine** (after a ``core_barrier``: the other core wrote the other half of the columns) per token tile
+   of this core: k full-row gathers from the scratch and the shared rows, summed on the PE against ``diag(w)``
+   stationaries (the routing weights in the activation dtype, as the twin's ``weights.to(x.dtype)``; fp32 PSUM)
+   and the shared rows times their fp32 sigmoid gate on the eviction, into the fp32 output.
+
+Read bound: a regular expert is read once in step 3, a heavy one once in step 4 (at its first window), an
+unused slot or a continuation window not at all; :func:`routed_expert_bytes` counts the reads of an executing
+trace (nkisim records a skipped transfer with its bytes but an unresolved offset, which the counter drops; the
+cost model still charges those bytes, so a prediction with unused slots -- N k < E -- is pessimistic).
+
+ACT runs only ``exp`` (routing) then ``silu`` (experts): one table switch; every PSUM eviction is on DVE.
+
+Predicted (``python -m harness.bench kernel nki_kernels/moe_prefill.py::moe_prefill --arg x=N*16,128:bfloat16
+--arg router=2,128,16,129:bfloat16 --arg experts=256,2,128,3072:bfloat16 --arg shared=2,128,3072:bfloat16
+--int top_k=8 --lnc 2``: real per-rank shapes, TP=4, LNC=2, bf16; shape-only registers read 0, which is the
+realistic routing at N k >= E -- all 256 slots used, no heavy expert -- and an executing 1K run on random data
+predicts the same): N = 1024: 1,233 us central (1,055 - 1,585), 608 MB HBM per rank (DMA roofline 958 us);
+N = 4096: 2,401 us (2,067 - 2,785), 1,028 MB (roofline 1,619 us). The weight floor is 404 MB per rank per layer
+(256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the compute floor (15.2 MFLOP per token and
+rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the kernel moves every assignment's x rows in,
+its output rows out and back (4 KB each per rank), plus the padding of the slots (capacity 64 / 176 against
+mean counts 32 / 128), and runs a DVE-bound routing prologue and a DMA-bound combine tail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+from nki_kernels.moe import INT32_MAX, MAX8, P, _geometry, block_width, layers_per_table
+
+BANK = 512          # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
+WIN = 128           # rows of one down-projection window (token-major output rows on partitions)
+RING = 8            # expert weight buffers in flight (6 KB per partition each at the real shapes) ...
+RING_BUDGET = 112 * 1024    # ... within this many SBUF bytes per partition together with the resident x^T
+XCH = 512           # tokens per x^T transpose DMA
+PSUM_POOL = 7       # PSUM banks handed out round-robin to the slot and combine phases
+UP_AHEAD = 2        # slots whose gate|up is issued before the down projection of the current slot
+GATHER_AHEAD = 6    # slots whose x^T gather is issued ahead
+F32 = nl.float32
+I32 = nl.int32
+U32 = nl.uint32
+POOL_ENG = nisa.engine.gpsimd
+
+
+# ---------------------------------------------------------------------------------------------
+# geometry (traced and host): the one home of the prefill's split and table sizes
+# ---------------------------------------------------------------------------------------------
+
+def default_capacity(n_tokens, n_experts, top_k):
+    """Static tokens per regular expert slot: mean + 3.5 sigma + 8 of uniformly random routing (mean = N k / E,
+    sigma = sqrt(mean)), rounded up to a multiple of 16, at most N rounded up to 16 (then no expert can be
+    heavy). At the real shapes (E 256, k 8): N = 512 -> 48, 1024 -> 64, 2048 -> 112, 4096 -> 176 (an expert
+    above it -- uniform routing: P ~ 1e-5 per expert -- takes the exact but serial heavy path)."""
+    mean = n_tokens * top_k / n_experts
+    cap = int(math.ceil((mean + 3.5 * math.sqrt(mean) + 8.0) / 16.0)) * 16
+    return min(-(-n_tokens // 16) * 16, cap)
+
+
+def core_split(J, lnc, pid):
+    """(first h-block, h-blocks, first partition, partitions) of core ``pid``'s contraction rows: whole 128-row
+    blocks when J splits over the cores, else (J = 1, LNC = 2) the two 64-partition halves of the one block."""
+    if J % lnc == 0:
+        return J // lnc * pid, J // lnc, 0, P
+    if J == 1 and lnc == 2:
+        return 0, 1, pid * (P // 2), P // 2
+    raise ValueError(f"moe_prefill: {J} hidden blocks of {P} do not split over {lnc} cores")
+
+
+def table_rows(n_tokens, n_experts, top_k, cap):
+    """(S, heavy-window bound, first heavy row, rows) of the assignment tables: S = min(E, N k) regular slots of
+    ``cap`` rows (rounded up to 128), then at most N k // 128 + N k // (cap + 1) heavy windows of 128 rows (none
+    when cap >= N)."""
+    A = n_tokens * top_k
+    S = min(n_experts, A)
+    hb = -(-S * cap // WIN) * WIN
+    nhw = 0 if cap >= n_tokens else A // WIN + A // (cap + 1)
+    return S, nhw, hb, hb + nhw * WIN
+
+
+def chunks(n, size):
+    """[(start, length)] of n split into pieces of at most ``size``."""
+    out = []
+    r = 0
+    while r < n:
+        out.append((r, min(size, n - r)))
+        r += size
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side helpers (plain torch / numpy, never traced)
+# ---------------------------------------------------------------------------------------------
+
+def token_rows(x):
+    """Token-major normed input ``x [N, H]`` -> the kernel's ``x [N*H/128, 128]`` (a reshape, same dtype)."""
+    from nki_kernels.host import as_torch
+    x = as_torch(x)
+    N, H = x.shape
+    if H % P:
+        raise ValueError(f"token_rows: hidden size {H} is not a multiple of {P}")
+    return x.reshape(N * H // P, P).contiguous()
+
+
+def check_finite(finite, what="moe_prefill"):
+    """Raise ``FloatingPointError`` when a launch's ``finite`` flags report a non-finite router logit."""
+    from nki_kernels.host import as_torch
+    f = as_torch(finite).float().reshape(-1)
+    if not bool((f == 1.0).all()):
+        raise FloatingPointError(f"{what}: non-finite router logits: NaN or Inf in the hidden states of the chunk "
+                                 f"(flags per core {f.tolist()})")
+
+
+# ---------------------------------------------------------------------------------------------
+# traced helpers: pools
+# ---------------------------------------------------------------------------------------------
+
+def _psum_pool():
+    """PSUM_POOL one-bank fp32 tiles handed out round-robin (a bank is reused PSUM_POOL requests later)."""
+    banks = []
+    for b in range(PSUM_POOL):
+        banks.append(nl.ndarray((P, BANK), dtype=F32, buffer=nl.psum, name="moe_pf_psum" + str(b)))
+    return {"banks": banks, "next": 0}
+
+
+def _ps(c, parts, cols, name):
+    """A [parts, cols] fp32 PSUM tile: the pool's next bank, or (no pool: inside the runtime loop) a fresh one."""
+    pool = c["psum"]
+    if pool == None:
+        return nl.ndarray((parts, cols), dtype=F32, buffer=nl.psum, name=name)
+    b = pool["banks"][pool["next"] % PSUM_POOL]
+    pool["next"] = pool["next"] + 1
+    return b[0:parts, 0:cols]
+
+
+def _tile(c, key, shape, dtype, depth):
+    """The next SBUF tile of the ring ``key`` (``depth`` buffers, made on first use), or a fresh tile when
+    c["rings"] is None (inside the runtime loop)."""
+    rings = c["rings"]
+    if rings == None:
+        return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, name=key)
+    for d in shape:
+        key = key + "_" + str(d)
+    if key not in rings:
+        bufs = []
+        for i in range(depth):
+            bufs.append(nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf, name=key + str(i)))
+        rings[key] = [bufs, 0]
+    r = rings[key]
+    t = r[0][r[1] % len(r[0])]
+    r[1] = r[1] + 1
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# traced helpers: constants, x^T, router
+# ---------------------------------------------------------------------------------------------
+
+def _consts(g):
+    adt, E = g["adt"], g["E"]
+    c = {"psum": None, "rings": None}
+    v = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="moe_pf_iota_tri")
+    nisa.iota(dst=v, pattern=[[1, P]], offset=0, channel_multiplier=-1)          # column - partition
+    tri = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="moe_pf_tri")       # tri[a, b] = 1 iff a < b
+    nisa.tensor_scalar(dst=tri, data=v, op0=nl.greater, operand0=0.0)
+    c["tri"] = tri
+    tri_a = nl.ndarray((P, P), dtype=adt, buffer=nl.sbuf, name="moe_pf_tri_a")
+    nisa.tensor_copy(dst=tri_a, src=tri)
+    c["tri_a"] = tri_a
+    ones = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="moe_pf_ones")
+    nisa.memset(dst=ones, value=1.0)
+    c["ones"] = ones
+    ones_a = nl.ndarray((P, 1), dtype=adt, buffer=nl.sbuf, name="moe_pf_ones_a")
+    nisa.memset(dst=ones_a, value=1.0)
+    c["ones_a"] = ones_a
+    rev = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_rev")      # E - e
+    nisa.iota(dst=rev, pattern=[[-1, E]], offset=E)
+    c["rev"] = rev
+    j8 = nl.ndarray((P, MAX8), dtype=F32, buffer=nl.sbuf, name="moe_pf_j8")
+    nisa.iota(dst=j8, pattern=[[1, MAX8]], offset=0)
+    c["j8"] = j8
+    c["ident"] = nl.shared_identity_matrix(P, dtype=F32)
+    c["ident_a"] = nl.shared_identity_matrix(P, dtype=adt)
+    # (jb0 + p % jc) of the gather-transpose index tiles: flat index m*128 + p is (row, h-block p % jc)
+    if g["adt"] == nl.bfloat16:
+        jt = nl.ndarray((P, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_jcol")
+        nisa.iota(dst=jt, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        nisa.tensor_scalar(dst=jt, data=jt, op0=nl.bitwise_and, operand0=g["jc"] - 1)
+        nisa.tensor_scalar(dst=jt, data=jt, op0=nl.add, operand0=g["jb0"])
+        c["jcol"] = jt
+    return c
+
+
+def _load_x(g, c, x):
+    """xr [128, N, jc]: x^T of this core's contraction rows, token-major within each partition."""
+    N, J, jc, p0, npart, jb0, adt = g["N"], g["J"], g["jc"], g["p0"], g["np"], g["jb0"], g["adt"]
+    xr = nl.ndarray((P, N, jc), dtype=adt, buffer=nl.sbuf, name="moe_pf_xr")
+    for t0, n in chunks(N, XCH):
+        if adt == nl.bfloat16:      # DMA transpose [jc, n, np] -> [np, n, jc] (SDK-TRN2: up to 90 % of DMA rate)
+            nisa.dma_transpose(dst=xr[p0:p0 + npart, t0:t0 + n, :],
+                               src=x.ap(pattern=[[P, jc], [J * P, n], [1, npart]], offset=(t0 * J + jb0) * P + p0))
+        else:                       # float32: rows to SBUF, PE transposes
+            for s0, m in chunks(n, P):
+                for jj in range(jc):
+                    rows = nl.ndarray((m, npart), dtype=adt, buffer=nl.sbuf, name="moe_pf_xrows")
+                    nisa.dma_copy(dst=rows, src=x.ap(pattern=[[J * P, m], [1, npart]],
+                                                     offset=((t0 + s0) * J + jb0 + jj) * P + p0))
+                    ps = nl.ndarray((npart, m), dtype=F32, buffer=nl.psum, name="moe_pf_xT_ps")
+                    nisa.nc_transpose(dst=ps, data=rows, engine=nisa.engine.tensor)
+                    nisa.tensor_copy(dst=xr[p0:p0 + npart, t0 + s0:t0 + s0 + m, jj], src=ps)
+    return xr
+
+
+def _load_router(g, router):
+    """rr [128, jc, L*(E/L + 1)]: the columns of every router block (experts b*E/L.. and the gate) for this
+    core's contraction rows."""
+    L, jc, p0, npart, jb0, Eh = g["L"], g["jc"], g["p0"], g["np"], g["jb0"], g["Eh"]
+    rr = nl.ndarray((P, jc, L * (Eh + 1)), dtype=g["adt"], buffer=nl.sbuf, name="moe_pf_router")
+    for b in range(L):
+        nisa.dma_copy(dst=rr[p0:p0 + npart, :, b * (Eh + 1):(b + 1) * (Eh + 1)],
+                      src=router[b, p0:p0 + npart, jb0:jb0 + jc, :], dge_mode=nisa.dge_mode.hwdge)
+    return rr
+
+
+def _x_cols(g, xr, t0, n, jj):
+    """x^T of tokens t0..t0+n-1, h-block jj of this core: [np, n] view of the resident xr."""
+    N, jc = g["N"], g["jc"]
+    return xr.ap(pattern=[[N * jc, g["np"]], [jc, n]], offset=g["p0"] * N * jc + t0 * jc + jj)
+
+
+def _swap_add(g, c, ps, dst, tag):
+    """dst (SBUF) = ps (PSUM, this core's partial) + the other core's partial, rounded to dst's dtype (at LNC=1
+    just the rounding copy)."""
+    if g["L"] == 1:
+        nisa.tensor_copy(dst=dst, src=ps)
+        return
+    shape = tuple(ps.shape)
+    mine = _tile(c, tag + "_mine", shape, F32, UP_AHEAD + 1)
+    nisa.tensor_copy(dst=mine, src=ps)
+    theirs = _tile(c, tag + "_theirs", shape, F32, UP_AHEAD + 1)
+    nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - g["pid"], recv_from_rank=1 - g["pid"], pipe_id=0)
+    nisa.tensor_tensor(dst=dst, data1=ps, data2=theirs, op=nl.add)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. routing
+# ---------------------------------------------------------------------------------------------
+
+def _route_tile(g, c, xr, rr, run, t0, n, ti, st):
+    """Routing of tokens t0..t0+n-1 (tile ti): writes the tile's rows of E8 (chosen experts ascending, uint32),
+    RK8 (their ranks among the tokens choosing them, fp32), W8 (renormalised weights, activation dtype), GATE
+    (shared-expert gate, fp32); adds the tile's selections to the running counts ``run [1, E]`` and its logit
+    check into ``st["fin"]``."""
+    L, Eh, E, k, jc, adt, T = g["L"], g["Eh"], g["E"], g["k"], g["jc"], g["adt"], g["T"]
+    Wc = L * (Eh + 1)
+    p0, npart = g["p0"], g["np"]
+    lg_ps = nl.ndarray((n, Wc), dtype=F32, buffer=nl.psum, name="moe_pf_logits_ps")
+    for jj in range(jc):
+        nisa.nc_matmul(dst=lg_ps, stationary=_x_cols(g, xr, t0, n, jj), moving=rr[p0:p0 + npart, jj, :],
+                       accumulate=jj > 0)
+    full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
+    _swap_add(g, c, lg_ps, full, "moe_pf_logits")
+    # all E logits contiguous (expert b*Eh + i is column b*(Eh+1) + i of full), rounded to the activation dtype
+    lg = nl.ndarray((n, E), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits")
+    nisa.tensor_copy(dst=lg.ap(pattern=[[E, n], [Eh, L], [1, Eh]], offset=0),
+                     src=full.ap(pattern=[[Wc, n], [Eh + 1, L], [1, Eh]], offset=0))
+    lsum = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_logit_sum")
+    nisa.tensor_reduce(dst=lsum, op=nl.add, data=full, axis=1)
+
+    # softmax (fp32)
+    nmx = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_nmax")
+    nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=lg, axis=1, negate=True)
+    ex = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_exp")
+    ssum = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_ssum")
+    nisa.activation(dst=ex, op=nl.exp, data=lg, bias=nmx, reduce_op=nl.add, reduce_res=ssum,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    rsum = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_rsum")
+    nisa.reciprocal(dst=rsum, data=ssum)
+    p = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_p")
+    nisa.tensor_scalar(dst=p, data=ex, op0=nl.multiply, operand0=rsum)
+    # finite check: softmax sum + 0 * (sum of all logits) is finite iff every logit is
+    chk = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_check")
+    nisa.scalar_tensor_tensor(dst=chk, data=lsum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=ssum)
+    nisa.nc_matmul(dst=st["fin"], stationary=c["ones"][0:n, 0:1], moving=chk, accumulate=ti > 0)
+
+    # shared-expert gate sigmoid(z) = 1 / (1 + exp(-z)) (stays on the exp table)
+    ez = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_ez")
+    nisa.activation(dst=ez, op=nl.exp, data=full[:, Eh:Eh + 1], scale=-1.0)
+    nisa.tensor_scalar(dst=ez, data=ez, op0=nl.add, operand0=1.0)
+    nisa.reciprocal(dst=st["GATE"][0:n, ti:ti + 1], data=ez)
+
+    # exact top-k set, ties to the lower index (the decode kernel's method)
+    v8 = nl.ndarray((n, MAX8), dtype=F32, buffer=nl.sbuf, name="moe_pf_v8")
+    nisa.max8(dst=v8, src=p)
+    vk = v8[:, k - 1:k]
+    gt = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_gt")
+    nisa.tensor_scalar(dst=gt, data=p, op0=nl.greater, operand0=vk)
+    c8 = nl.ndarray((n, MAX8), dtype=F32, buffer=nl.sbuf, name="moe_pf_c8")
+    nisa.tensor_scalar(dst=c8, data=v8, op0=nl.greater, operand0=vk)
+    ngt = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_ngt")
+    nisa.tensor_reduce(dst=ngt, op=nl.add, data=c8, axis=1)
+    last = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_last")      # need - 1
+    nisa.tensor_scalar(dst=last, data=ngt, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(k - 1))
+    key = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_tiekey")       # (p == vk) * (E - e)
+    nisa.scalar_tensor_tensor(dst=key, data=p, op0=nl.equal, operand0=vk, op1=nl.multiply, operand1=c["rev"][0:n])
+    kt8 = nl.ndarray((n, MAX8), dtype=F32, buffer=nl.sbuf, name="moe_pf_kt8")
+    nisa.max8(dst=kt8, src=key)
+    pick = nl.ndarray((n, MAX8), dtype=F32, buffer=nl.sbuf, name="moe_pf_pick")
+    nisa.scalar_tensor_tensor(dst=pick, data=c["j8"][0:n], op0=nl.equal, operand0=last, op1=nl.multiply,
+                              operand1=kt8)
+    thr = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_thr")
+    nisa.tensor_reduce(dst=thr, op=nl.add, data=pick, axis=1)
+    sel = nl.ndarray((n, E), dtype=adt, buffer=nl.sbuf, name="moe_pf_sel")
+    nisa.scalar_tensor_tensor(dst=sel, data=key, op0=nl.greater_equal, operand0=thr, op1=nl.add, operand1=gt)
+    vsum = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_vsum")
+    nisa.tensor_reduce(dst=vsum, op=nl.add, data=v8[:, 0:k], axis=1)
+    rv = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_rv")
+    nisa.reciprocal(dst=rv, data=vsum)
+    w = nl.ndarray((n, E), dtype=adt, buffer=nl.sbuf, name="moe_pf_w")
+    nisa.scalar_tensor_tensor(dst=w, data=sel, op0=nl.multiply, operand0=rv, op1=nl.multiply, operand1=p)
+
+    # the k chosen experts ascending: max8 of sel * (E - e) lists E - e for them, largest first
+    sk = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_selkey")
+    nisa.tensor_tensor(dst=sk, data1=sel, data2=c["rev"][0:n], op=nl.multiply)
+    s8 = nl.ndarray((n, MAX8), dtype=F32, buffer=nl.sbuf, name="moe_pf_s8")
+    nisa.max8(dst=s8, src=sk)
+    e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
+    nisa.tensor_scalar(dst=e8, data=s8[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(E))
+
+    # rank among the tokens choosing each expert: earlier tiles (run) + earlier rows of this tile
+    rk_ps = nl.ndarray((n, E), dtype=F32, buffer=nl.psum, name="moe_pf_rank_ps")
+    nisa.nc_matmul(dst=rk_ps, stationary=c["tri_a"][0:n, 0:n], moving=sel, accumulate=False)
+    nisa.nc_matmul(dst=rk_ps, stationary=c["ones"][0:1, 0:n], moving=run, accumulate=True)
+    rk = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank")
+    nisa.tensor_copy(dst=rk, src=rk_ps)
+    cs_ps = nl.ndarray((1, E), dtype=F32, buffer=nl.psum, name="moe_pf_count_ps")
+    nisa.nc_matmul(dst=cs_ps, stationary=c["ones_a"][0:n, 0:1], moving=sel, accumulate=False)
+    nisa.tensor_tensor(dst=run, data1=run, data2=cs_ps, op=nl.add)
+    nisa.nc_n_gather(dst=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=rk, indices=e8)
+    nisa.nc_n_gather(dst=st["W8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=w, indices=e8)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. grouping and the index table
+# ---------------------------------------------------------------------------------------------
+
+def _group(g, c, run):
+    """Per-expert counts -> regular slots, heavy windows and every expert's base row. Returns (BB [128, E] fp32:
+    base row of expert e on every partition, ids [1, S] int32: slot expert ids (out of bounds = unused), nhw
+    [1, 1] int32: heavy windows used, hid HBM [NHW, 1] int32: expert id of a heavy expert's first window, out of
+    bounds for the others; None without heavy windows)."""
+    E, cap, S, NHW, HB, N, oob = g["E"], g["cap"], g["S"], g["NHW"], g["HB"], g["N"], g["oob"]
+    echunks = chunks(E, P)
+    nth = -(-N // WIN)
+    thr = nl.ndarray((P, nth), dtype=F32, buffer=nl.sbuf, name="moe_pf_win_thr")
+    nisa.iota(dst=thr, pattern=[[WIN, nth]], offset=0)                  # 0, 128, 256, ...
+    V = []
+    for e0, ec in echunks:
+        cc_ps = nl.ndarray((ec, 1), dtype=F32, buffer=nl.psum, name="moe_pf_cnt_ps")
+        nisa.nc_matmul(dst=cc_ps, stationary=run[0:1, e0:e0 + ec], moving=c["ones"][0:1, 0:1], accumulate=False)
+        cnt = nl.ndarray((ec, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_cnt")
+        nisa.tensor_copy(dst=cnt, src=cc_ps)
+        v = nl.ndarray((ec, 3), dtype=F32, buffer=nl.sbuf, name="moe_pf_expert_flags")   # regular | windows | heavy
+        nisa.tensor_scalar(dst=v[:, 2:3], data=cnt, op0=nl.greater, operand0=float(cap))
+        nisa.scalar_tensor_tensor(dst=v[:, 0:1], data=cnt, op0=nl.greater, operand0=0.0, op1=nl.subtract,
+                                  operand1=v[:, 2:3])
+        above = nl.ndarray((ec, nth), dtype=F32, buffer=nl.sbuf, name="moe_pf_above")
+        nisa.tensor_scalar(dst=above, data=thr[0:ec], op0=nl.less, operand0=cnt)          # 128 m < count
+        nw = nl.ndarray((ec, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_nwin")
+        nisa.tensor_reduce(dst=nw, op=nl.add, data=above, axis=1)                          # ceil(count / 128)
+        nisa.tensor_tensor(dst=v[:, 1:2], data1=nw, data2=v[:, 2:3], op=nl.multiply)
+        V.append(v)
+    tot_ps = nl.ndarray((1, 3), dtype=F32, buffer=nl.psum, name="moe_pf_tot_ps")
+    for i in range(len(echunks)):
+        nisa.nc_matmul(dst=tot_ps, stationary=c["ones"][0:echunks[i][1], 0:1], moving=V[i], accumulate=i > 0)
+    nhw = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_nhw")
+    nisa.tensor_copy(dst=nhw, src=tot_ps[:, 1:2])
+
+    fill = nl.ndarray((P, max(1, -(-max(S, NHW) // P))), dtype=I32, buffer=nl.sbuf, name="moe_pf_oob_fill")
+    nisa.memset(dst=fill, value=oob)
+    ids_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_ids_hbm")
+    _fill_rows(ids_h, fill, S)
+    hid = None
+    if NHW > 0:
+        hid = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_ids_hbm")
+        _fill_rows(hid, fill, NHW)
+    bb_ps = nl.ndarray((P, E), dtype=F32, buffer=nl.psum, name="moe_pf_base_ps")
+    for i in range(len(echunks)):
+        e0, ec = echunks[i]
+        v = V[i]
+        pre_ps = nl.ndarray((ec, 3), dtype=F32, buffer=nl.psum, name="moe_pf_prefix_ps")   # exclusive prefix
+        nisa.nc_matmul(dst=pre_ps, stationary=c["tri"][0:ec, 0:ec], moving=v, accumulate=False)
+        for i2 in range(i):
+            nisa.nc_matmul(dst=pre_ps, stationary=c["ones"][0:echunks[i2][1], 0:ec], moving=V[i2], accumulate=True)
+        pre = nl.ndarray((ec, 3), dtype=F32, buffer=nl.sbuf, name="moe_pf_prefix")
+        nisa.tensor_copy(dst=pre, src=pre_ps)
+        # base row: regular -> slot * cap; heavy -> HB + 128 * first window
+        hb = nl.ndarray((ec, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_base")
+        nisa.tensor_scalar(dst=hb, data=pre[:, 1:2], op0=nl.multiply, operand0=float(WIN), op1=nl.add,
+                           operand1=float(HB))
+        nisa.tensor_tensor(dst=hb, data1=hb, data2=v[:, 2:3], op=nl.multiply)
+        base = nl.ndarray((ec, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_base")
+        nisa.scalar_tensor_tensor(dst=base, data=pre[:, 0:1], op0=nl.multiply, operand0=float(cap), op1=nl.multiply,
+                                  operand1=v[:, 0:1])
+        nisa.tensor_tensor(dst=base, data1=base, data2=hb, op=nl.add)
+        nisa.nc_matmul(dst=bb_ps[:, e0:e0 + ec], stationary=base.ap(pattern=[[1, ec], [0, P]], offset=0),
+                       moving=c["ident"][0:ec, 0:ec], accumulate=False)
+        eid = nl.ndarray((ec, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_eid")
+        nisa.iota(dst=eid, pattern=[[0, 1]], offset=e0, channel_multiplier=1)
+        _scatter_index(ids_h, pre[:, 0:1], v[:, 0:1], S, eid, "moe_pf_slot_row")
+        if NHW > 0:
+            _scatter_index(hid, pre[:, 1:2], v[:, 2:3], NHW, eid, "moe_pf_heavy_row")
+    BB = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_bases")
+    nisa.tensor_copy(dst=BB, src=bb_ps)
+    ids = nl.ndarray((1, S), dtype=I32, buffer=nl.sbuf, name="moe_pf_slot_ids")
+    nisa.dma_copy(dst=ids, src=ids_h.ap(pattern=[[S, 1], [1, S]], offset=0))
+    return BB, ids, nhw, hid
+
+
+def _fill_rows(t, fill, rows):
+    """t [rows, 1] HBM int32 <- the value held by ``fill`` [128, m]."""
+    m = fill.shape[1]
+    for r0, nr in chunks(rows, P * m):
+        full = nr // m
+        if full > 0:
+            nisa.dma_copy(dst=t.ap(pattern=[[m, full], [1, m]], offset=r0), src=fill[0:full, :])
+        rest = nr - full * m
+        if rest > 0:
+            nisa.dma_copy(dst=t.ap(pattern=[[rest, 1], [1, rest]], offset=r0 + full * m), src=fill[0:1, 0:rest])
+
+
+def _scatter_index(table, row_f, flag, rows, payload, name):
+    """table[row] = payload on the partitions whose flag is 1; the others target row ``rows`` (out of bounds,
+    skipped)."""
+    n = row_f.shape[0]
+    r = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name=name + "_f")
+    nisa.tensor_scalar(dst=r, data=row_f, op0=nl.subtract, operand0=float(rows))
+    nisa.tensor_tensor(dst=r, data1=r, data2=flag, op=nl.multiply)
+    nisa.tensor_scalar(dst=r, data=r, op0=nl.add, operand0=float(rows))      # flag ? row : rows
+    ri = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name=name)
+    nisa.tensor_copy(dst=ri, src=r)
+    nisa.dma_copy(dst=table.ap(pattern=[[1, n], [1, 1]], offset=0, vector_offset=ri, indirect_dim=0), src=payload,
+                  oob_mode=nisa.oob_mode.skip)
+
+
+def _zero_rows(t, rows, width, r_lo, r_hi, name):
+    """Rows r_lo..r_hi-1 of the int32 HBM table t [rows, width] <- 0 (DMAs of up to 128 x 256 rows)."""
+    m = max(1, 256 // width)
+    z = nl.ndarray((P, m * width), dtype=I32, buffer=nl.sbuf, name=name)
+    nisa.memset(dst=z, value=0)
+    for r0, nr in chunks(r_hi - r_lo, P * m):
+        full = nr // m
+        if full > 0:
+            nisa.dma_copy(dst=t.ap(pattern=[[m * width, full], [1, m * width]], offset=(r_lo + r0) * width),
+                          src=z[0:full, :])
+        rest = nr - full * m
+        if rest > 0:
+            nisa.dma_copy(dst=t.ap(pattern=[[rest * width, 1], [1, rest * width]],
+                                   offset=(r_lo + r0 + full * m) * width), src=z[0:1, 0:rest * width])
+
+
+def _scatter_entries(g, BB, st):
+    """dest[t, j] = base(e_tj) + rank_tj for every (token, choice) (kept in st["DEST"] for the combine); this
+    core's choices j write t*J (the index of the token's first 128-feature row of x) to row dest of the choice's
+    own table ``tabs[j]`` [TR, 1] (zeroed first: unwritten rows read as token 0). One table per choice keeps the
+    scatters of different choices independent (a scatter's written region is the whole table, so scatters into
+    one table are ordered)."""
+    T, k, J, TR = g["T"], g["k"], g["J"], g["ROWS"] + WIN
+    tabs = []
+    for j in range(k):
+        tabs.append(nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_choice_table" + str(j)))
+    for j in range(g["jlo"], g["jhi"]):
+        _zero_rows(tabs[j], TR, 1, 0, TR, "moe_pf_zero_rows")
+    for ti in range(T):
+        t0, n = g["tiles"][ti]
+        e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
+        d8 = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_dest_base")
+        nisa.nc_n_gather(dst=d8, data=BB[0:n, :], indices=e8)
+        nisa.tensor_tensor(dst=st["DEST"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data1=d8,
+                           data2=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), op=nl.add)
+        pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_payload")
+        nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
+        for j in range(g["jlo"], g["jhi"]):
+            nisa.dma_copy(dst=tabs[j].ap(pattern=[[1, n], [1, 1]], offset=0,
+                                         vector_offset=st["DEST"].ap(pattern=[[T * k, n], [1, 1]], offset=ti * k + j),
+                                         indirect_dim=0), src=pay)
+    return tabs
+
+
+def _merge_tables(g, tabs, tab):
+    """tab [TR, u] (this core's half of the rows) = sum of the choice tables (each row is written in at most one
+    of them), each word repeated u times: the gather index tiles then read tab rows as flat words."""
+    TR, u, L, pid, k = g["ROWS"] + WIN, g["u"], g["L"], g["pid"], g["k"]
+    half = -(-TR // L)
+    r_lo = pid * half
+    r_hi = min(TR, r_lo + half)
+    for r0, nr in chunks(r_hi - r_lo, 8192):
+        srcs = []
+        for j in range(k):
+            srcs.append(tabs[j].ap(pattern=[[1, nr], [0, u]], offset=r_lo + r0))
+        nisa.dma_compute(dst=tab.ap(pattern=[[u, nr], [1, u]], offset=(r_lo + r0) * u), srcs=srcs, reduce_op=nl.add)
+
+
+# ---------------------------------------------------------------------------------------------
+# expert weights and the expert MLP
+# ---------------------------------------------------------------------------------------------
+
+def _weight_buffers(g, geo, tag, clear):
+    """SBUF buffers of one expert's per-core weights: gate|up [128, L, jc, 2 ic] (this core's h-rows of every
+    block, block-major so that each partition's run of a block is one contiguous 2 KB DMA run) and down
+    [I, H/L] (this core's output columns, the full intermediate)."""
+    wgu = nl.ndarray((P, g["L"], g["jc"], 2 * geo["ic"]), dtype=g["adt"], buffer=nl.sbuf, name=tag + "_gu")
+    wd = nl.ndarray((g["L"] * geo["ic"], g["HL"]), dtype=g["adt"], buffer=nl.sbuf, name=tag + "_down")
+    if clear:       # a buffer whose DMA may be skipped (unused slot) is still computed on: zeros, never garbage
+        nisa.memset(dst=wgu, value=0.0, engine=POOL_ENG)
+        nisa.memset(dst=wd, value=0.0, engine=POOL_ENG)
+    return wgu, wd
+
+
+def _weight_dmas(g, geo, table, base, edim, rid, wgu, wd):
+    """Two DMAs: one expert's per-core gate|up rows and down rows of every block into wgu / wd, from ``table`` at
+    element offset ``base`` (the layer's [E, L, P, F] expert table, or the shared [L, P, Fs] block when rid is
+    None). With a register ``rid`` the expert is a run-time scalar offset on axis ``edim``; an out-of-bounds id
+    skips the transfers."""
+    L, jc, jb0, p0, npart, HL, pid = g["L"], g["jc"], g["jb0"], g["p0"], g["np"], g["HL"], g["pid"]
+    ic, R, HR, F, off_d = geo["ic"], geo["R"], geo["HR"], geo["F"], geo["off_d"]
+    gpc = R // L
+    src = [[F, npart], [P * F, L], [1, jc * 2 * ic]]                    # (h-row, block, (h-block, column))
+    dsrc = [[P * F, L], [F, ic], [ic * F, gpc], [1, HR]]               # (block, i, row group, column)
+    o_gu = base + p0 * F + jb0 * 2 * ic
+    o_d = base + pid * gpc * ic * F + off_d
+    dst_gu = wgu.ap(pattern=[[L * jc * 2 * ic, npart], [jc * 2 * ic, L], [1, jc * 2 * ic]],
+                    offset=p0 * L * jc * 2 * ic)
+    dst_d = wd.ap(pattern=[[HL, L * ic], [HR, gpc], [1, HR]], offset=0)
+    if rid == None:
+        nisa.dma_copy(dst=dst_gu, src=table.ap(pattern=src, offset=o_gu), dge_mode=nisa.dge_mode.hwdge)
+        nisa.dma_copy(dst=dst_d, src=table.ap(pattern=dsrc, offset=o_d), dge_mode=nisa.dge_mode.hwdge)
+    else:
+        nisa.dma_copy(dst=dst_gu, src=table.ap(pattern=src, offset=o_gu, scalar_offset=rid, indirect_dim=edim),
+                      dge_mode=nisa.dge_mode.hwdge, oob_mode=nisa.oob_mode.skip)
+        nisa.dma_copy(dst=dst_d, src=table.ap(pattern=dsrc, offset=o_d, scalar_offset=rid, indirect_dim=edim),
+                      dge_mode=nisa.dge_mode.hwdge, oob_mode=nisa.oob_mode.skip)
+
+
+def _xsrc(g, t, rows, t0):
+    """x^T column source of :func:`_gate_up`: tokens t0.. of a [128, rows, jc] tile (xr or a gather)."""
+    jc = g["jc"]
+    return {"t": t, "row": rows * jc, "base": g["p0"] * rows * jc + t0 * jc}
+
+
+def _gate_up(g, c, geo, wgu, xs, ncols, tag):
+    """h^T [I, ncols] (activation dtype) = silu(g) * u of ncols tokens whose x^T columns ``xs`` describes
+    (:func:`_xsrc`), with the twin's casts (g, u and h rounded): the three stages in program order."""
+    up = _up_issue(g, c, geo, wgu, xs, ncols, tag)
+    _up_act(g, c, up, tag)
+    return _up_mul(up)
+
+
+def _up_issue(g, c, geo, wgu, xs, ncols, tag):
+    """Stage A of gate|up: the matmuls (gate and up of a chunk of <= 256 tokens share one PSUM bank) and, at
+    LNC=2, this core's partial sums copied out and swapped with the other core's (one sendrecv per chunk)."""
+    jc, npart, adt, L = g["jc"], g["np"], g["adt"], g["L"]
+    ic = geo["ic"]
+    I = L * ic
+    row = L * jc * 2 * ic
+    up = {"h": _tile(c, tag + "_h", (I, ncols), adt, UP_AHEAD + 1), "parts": []}
+    for k0, kw in chunks(ncols, BANK // 2):
+        acc = _ps(c, I, 2 * kw, tag + "_gu_ps")
+        for half in range(2):          # 0: gate, 1: up
+            for jj in range(jc):
+                stat = wgu.ap(pattern=[[row, npart], [jc * 2 * ic, L], [1, ic]],
+                              offset=g["p0"] * row + jj * 2 * ic + half * ic)
+                mov = xs["t"].ap(pattern=[[xs["row"], npart], [jc, kw]], offset=xs["base"] + k0 * jc + jj)
+                nisa.nc_matmul(dst=acc[:, half * kw:(half + 1) * kw], stationary=stat, moving=mov,
+                               accumulate=jj > 0)
+        theirs = None
+        if L == 2:
+            mine = _tile(c, tag + "_mine", (I, 2 * kw), F32, UP_AHEAD + 1)
+            nisa.tensor_copy(dst=mine, src=acc)
+            theirs = _tile(c, tag + "_theirs", (I, 2 * kw), F32, UP_AHEAD + 1)
+            nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - g["pid"], recv_from_rank=1 - g["pid"], pipe_id=0)
+        up["parts"].append([k0, kw, acc, theirs, None, None])
+    return up
+
+
+def _up_act(g, c, up, tag):
+    """Stage B: g|u = partial + the other core's (rounded to the activation dtype), silu(g) in fp32."""
+    I = up["h"].shape[0]
+    for part in up["parts"]:
+        k0, kw, acc, theirs = part[0], part[1], part[2], part[3]
+        gr = _tile(c, tag + "_gu", (I, 2 * kw), g["adt"], UP_AHEAD + 1)
+        if theirs == None:
+            nisa.tensor_copy(dst=gr, src=acc)
+        else:
+            nisa.tensor_tensor(dst=gr, data1=acc, data2=theirs, op=nl.add)
+        sg = _tile(c, tag + "_silu", (I, kw), F32, UP_AHEAD + 1)
+        nisa.activation(dst=sg, op=nl.silu, data=gr[:, 0:kw])
+        part[4], part[5] = gr, sg
+
+
+def _up_mul(up):
+    """Stage M: h = silu(g) * u, rounded; returns h^T."""
+    h = up["h"]
+    for part in up["parts"]:
+        k0, kw, gr, sg = part[0], part[1], part[4], part[5]
+        nisa.tensor_tensor(dst=h[:, k0:k0 + kw], data1=sg, data2=gr[:, kw:2 * kw], op=nl.multiply)
+    return h
+
+
+def _down_rows(g, c, geo, wd, h, w0, wr, tag):
+    """Rows w0..w0+wr-1 of the expert output on this core's columns: [wr, H/L], activation dtype."""
+    I = g["L"] * geo["ic"]
+    ya = _tile(c, tag + "_ya", (wr, g["HL"]), g["adt"], 2 * -(-g["cap"] // WIN) + 1)
+    for c0, cw in chunks(g["HL"], BANK):
+        ps = _ps(c, wr, cw, tag + "_down_ps")
+        nisa.nc_matmul(dst=ps, stationary=h[0:I, w0:w0 + wr], moving=wd[0:I, c0:c0 + cw], accumulate=False)
+        nisa.tensor_copy(dst=ya[:, c0:c0 + cw], src=ps)
+    return ya
+
+
+def _gather_x(g, c, x, tab, row0, rows, rreg, tag):
+    """xg [128, rows, jc]: x^T of the tokens in ``tab`` rows row0.. (static) or at the register ``rreg``, on
+    this core's partitions. bfloat16: one gather-transpose DMA (SW-DGE; flat index m*128 + p = (row, h-block
+    p % jc), the index tile is the table's words read flat plus jb0 + p % jc); float32: row gathers of <= 128
+    tokens, then PE transposes."""
+    J, jc, p0, npart, u, adt = g["J"], g["jc"], g["p0"], g["np"], g["u"], g["adt"]
+    xg = _tile(c, tag + "_xg", (P, rows, jc), adt, GATHER_AHEAD + 1)
+    if adt == nl.bfloat16:
+        m = -(-rows * jc // P)
+        idx = _tile(c, tag + "_idx", (P, m), I32, GATHER_AHEAD + 1)
+        if rreg == None:
+            src = tab.ap(pattern=[[1, P], [P, m]], offset=row0 * u)
+        else:
+            src = tab.ap(pattern=[[1, P], [P, m]], offset=0, scalar_offset=rreg, indirect_dim=0)
+        nisa.dma_copy(dst=idx, src=src, dge_mode=nisa.dge_mode.hwdge)
+        nisa.tensor_tensor(dst=idx, data1=idx, data2=c["jcol"].ap(pattern=[[1, P], [0, m]], offset=0), op=nl.add,
+                           engine=POOL_ENG)
+        nisa.dma_transpose(dst=xg.ap(pattern=[[rows * jc, npart], [1, rows * jc]], offset=p0 * rows * jc),
+                           src=x.ap(pattern=[[P, rows * jc], [1, npart]], offset=p0,
+                                    vector_offset=idx.ap(pattern=[[m, P], [1, m]], offset=0, dtype=U32),
+                                    indirect_dim=0))
+        return xg
+    for w0, wr in chunks(rows, P):
+        col = nl.ndarray((wr, 1), dtype=I32, buffer=nl.sbuf, name=tag + "_rowidx")
+        if rreg == None:
+            src = tab.ap(pattern=[[u, wr], [1, 1]], offset=(row0 + w0) * u)
+        else:
+            src = tab.ap(pattern=[[u, wr], [1, 1]], offset=w0 * u, scalar_offset=rreg, indirect_dim=0)
+        nisa.dma_copy(dst=col, src=src, dge_mode=nisa.dge_mode.hwdge)
+        for jj in range(jc):
+            cj = nl.ndarray((wr, 1), dtype=I32, buffer=nl.sbuf, name=tag + "_rowidx_j")
+            nisa.tensor_scalar(dst=cj, data=col, op0=nl.add, operand0=g["jb0"] + jj)
+            rws = nl.ndarray((wr, npart), dtype=adt, buffer=nl.sbuf, name=tag + "_rows")
+            nisa.dma_copy(dst=rws, src=x.ap(pattern=[[P, wr], [1, npart]], offset=p0, vector_offset=cj,
+                                            indirect_dim=0))
+            ps = _ps(c, npart, wr, tag + "_xT_ps")
+            nisa.nc_transpose(dst=ps, data=rws, engine=nisa.engine.tensor)
+            nisa.tensor_copy(dst=xg[p0:p0 + npart, w0:w0 + wr, jj], src=ps)
+    return xg
+
+
+# ---------------------------------------------------------------------------------------------
+# 3.-5. the expert phases
+# ---------------------------------------------------------------------------------------------
+
+def _slot_weights(g, geo, experts_w, ids, s, reg, buf):
+    """Slot s's expert id into ``reg`` and its weight DMAs into ``buf`` (skipped when the slot is unused)."""
+    table, base, edim = experts_w
+    nisa.register_load(reg, ids[0:1, s:s + 1])
+    _weight_dmas(g, geo, table, base, edim, reg, buf[0], buf[1])
+
+
+def _slot_compute(g, c, geo, buf, xs, rows, tag):
+    """The expert MLP of ``rows`` tokens (x^T columns ``xs``) -> [(first row, rows, ya)] (all stages in order)."""
+    h = _gate_up(g, c, geo, buf[0], xs, rows, tag)
+    return _slot_down(g, c, geo, buf, h, tag)
+
+
+def _slot_down(g, c, geo, buf, h, tag):
+    """Stage E: the down projection of h^T per window of <= 128 rows -> [(first row, rows, ya)]."""
+    out = []
+    for w0, wr in chunks(h.shape[1], WIN):
+        out.append((w0, wr, _down_rows(g, c, geo, buf[1], h, w0, wr, tag)))
+    return out
+
+
+def _slot_writes(g, scratch, row0, rows):
+    """The output rows of a job to scratch rows row0.. (this core's columns)."""
+    col0, HL = g["col0"], g["HL"]
+    for w0, wr, ya in rows:
+        nisa.dma_copy(dst=scratch[row0 + w0:row0 + w0 + wr, col0:col0 + HL], src=ya)
+
+
+def _run_jobs(g, c, geo, jobs, scratch, weights):
+    """Software-pipelined expert MLPs in program order (every engine and every DMA trigger queue runs in program
+    order): iteration i issues the gate|up matmuls and partial swap of job i + 2, the down projection of job i,
+    the swap-add and silu of job i + 2, the silu * up of job i + 1, the x gather of job i + GATHER_AHEAD, the
+    output rows of job i - 1 and ``weights(i - 1)`` (the DMAs into the buffer job i - 1 freed).
+
+    A job is {"buf": (wgu, wd), "rows": tokens, "row0": first scratch row, "xs": x^T column source (None until
+    gathered), "gather": None or (tab, table row) to gather its x^T columns from}; ``weights``: None, or the
+    weight ring of :func:`_regular_slots` (job i is slot i)."""
+    n = len(jobs)
+    tag = "moe_pf_job"
+    ups = []
+    for i in range(n):
+        ups.append(None)
+    for i in range(min(GATHER_AHEAD, n)):
+        _job_gather(g, c, jobs[i], tag)
+    for i in range(min(UP_AHEAD, n)):
+        ups[i] = _up_issue(g, c, geo, jobs[i]["buf"][0], jobs[i]["xs"], jobs[i]["rows"], tag)
+        _up_act(g, c, ups[i], tag)
+    if n > 0:
+        _up_mul(ups[0])
+    prev = None
+    for i in range(n):
+        a = i + UP_AHEAD
+        if a < n:
+            ups[a] = _up_issue(g, c, geo, jobs[a]["buf"][0], jobs[a]["xs"], jobs[a]["rows"], tag)
+        rows = _slot_down(g, c, geo, jobs[i]["buf"], ups[i]["h"], tag)
+        if a < n:
+            _up_act(g, c, ups[a], tag)
+        if i + 1 < n:
+            _up_mul(ups[i + 1])
+        if i + GATHER_AHEAD < n:
+            _job_gather(g, c, jobs[i + GATHER_AHEAD], tag)
+        if prev != None:
+            _slot_writes(g, scratch, jobs[i - 1]["row0"], prev)
+        if weights != None and i >= 1:
+            _refill(g, geo, weights, i - 1)
+        ups[i] = None
+        jobs[i]["xs"] = None
+        prev = rows
+    if prev != None:
+        _slot_writes(g, scratch, jobs[n - 1]["row0"], prev)
+
+
+def _job_gather(g, c, job, tag):
+    """Issue the x^T gather of a routed job (a shared-expert job reads the resident x^T: nothing to do)."""
+    if job["gather"] != None:
+        tab, row0 = job["gather"]
+        xg = _gather_x(g, c, g["x"], tab, row0, job["rows"], None, tag)
+        job["xs"] = _xsrc(g, xg, job["rows"], 0)
+
+
+def _refill(g, geo, w, i):
+    """After routed job i: DMA the weights of slot i + D into the buffer slot i used."""
+    D, S = w["D"], g["S"]
+    if i + D < S:
+        _slot_weights(g, geo, w["experts"], w["ids"], i + D, w["regs"][i % D], w["bufs"][i % D])
+
+
+def _regular_slots(g, c, geo, tab, scratch, ids, experts_w):
+    """Static slots 0..S-1: expert ids[s] (out of bounds: unused slot, no weight bytes) on tab rows s*cap..;
+    weights in a ring of D buffers, slot s + D refilled once slot s is done."""
+    S, cap, isz = g["S"], g["cap"], (2 if g["adt"] == nl.bfloat16 else 4)
+    per = (g["L"] * g["jc"] * 2 * geo["ic"] + g["HL"]) * isz           # bytes per partition of one buffer
+    room = RING_BUDGET - g["N"] * g["jc"] * isz                          # beside the resident x^T
+    D = max(2, min(RING, S, room // per))
+    w = {"D": D, "experts": experts_w, "ids": ids, "bufs": [], "regs": []}
+    for i in range(D):
+        w["bufs"].append(_weight_buffers(g, geo, "moe_pf_w" + str(i), True))
+        w["regs"].append(nisa.register_alloc())
+    for s in range(D):
+        _slot_weights(g, geo, experts_w, ids, s, w["regs"][s], w["bufs"][s])
+    jobs = []
+    for s in range(S):
+        jobs.append({"buf": w["bufs"][s % D], "rows": cap, "row0": s * cap, "xs": None, "gather": (tab, s * cap)})
+    return jobs, w
+
+
+def _shared_jobs(g, shw, xr):
+    """The shared expert as one job per 128-token tile, on the resident x^T, output rows SHB + t."""
+    jobs = []
+    for t0, n in g["tiles"]:
+        jobs.append({"buf": shw, "rows": n, "row0": g["SHB"] + t0, "xs": _xsrc(g, xr, g["N"], t0), "gather": None})
+    return jobs
+
+
+def _heavy_rows(g):
+    """HBM [NHW, 1] int32: first table row of heavy window i (HB + 128 i)."""
+    NHW, HB = g["NHW"], g["HB"]
+    t = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_rows_hbm")
+    for r0, nr in chunks(NHW, P):
+        v = nl.ndarray((nr, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_rows")
+        nisa.iota(dst=v, pattern=[[0, 1]], offset=HB + WIN * r0, channel_multiplier=WIN)
+        nisa.dma_copy(dst=t[r0:r0 + nr, :], src=v)
+    return t
+
+
+def _heavy_windows(g, geo, tab, scratch, nhw, hid, experts_w):
+    """One runtime loop over the heavy experts' 128-row windows (trip count nhw, the same on both cores): a
+    window's weights are DMA'd only at its expert's first window (other ids are out of bounds, skipped)."""
+    table, base, edim = experts_w
+    col0, HL, H = g["col0"], g["HL"], g["H"]
+    hrow = _heavy_rows(g)
+    wgu, wd = _weight_buffers(g, geo, "moe_pf_heavy_w", False)
+    n_reg = nisa.register_alloc()
+    nisa.register_load(n_reg, nhw)
+    c = {"psum": None, "rings": None, "jcol": g["jcol"]}
+
+    def window(i):
+        rec = nl.ndarray((1, 2), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_rec")
+        nisa.dma_copy(dst=rec[0:1, 0:1], src=hid.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=i,
+                                                    indirect_dim=0), dge_mode=nisa.dge_mode.hwdge)
+        nisa.dma_copy(dst=rec[0:1, 1:2], src=hrow.ap(pattern=[[1, 1], [1, 1]], offset=0, scalar_offset=i,
+                                                     indirect_dim=0), dge_mode=nisa.dge_mode.hwdge)
+        rid = nisa.register_alloc()
+        nisa.register_load(rid, rec[0:1, 0:1])
+        rrow = nisa.register_alloc()
+        nisa.register_load(rrow, rec[0:1, 1:2])
+        _weight_dmas(g, geo, table, base, edim, rid, wgu, wd)
+        xg = _gather_x(g, c, g["x"], tab, 0, WIN, rrow, "moe_pf_heavy")
+        ya = _slot_compute(g, c, geo, (wgu, wd), _xsrc(g, xg, WIN, 0), WIN, "moe_pf_heavy")[0][2]
+        nisa.dma_copy(dst=scratch.ap(pattern=[[H, WIN], [1, HL]], offset=col0, scalar_offset=rrow, indirect_dim=0),
+                      src=ya, dge_mode=nisa.dge_mode.hwdge)
+
+    nl.fori_loop(0, n_reg, window)
+
+
+def _combine(g, c, scratch, st, y):
+    """Token tiles ti = pid, pid + L, ..: y[tile, :] = sum_j w_tj * scratch[dest_tj] (PE against diag(w), fp32
+    PSUM) + gate_t * scratch[SHB + t] (the shared expert's rows), full rows, written to y."""
+    T, k, H, adt, L, pid, SHB = g["T"], g["k"], g["H"], g["adt"], g["L"], g["pid"], g["SHB"]
+    depth = 2 if adt == nl.bfloat16 else 1          # 32 KB per partition per tile of gathered bf16 rows
+    for ti in range(pid, T, L):
+        t0, n = g["tiles"][ti]
+        G = _tile(c, "moe_pf_rows", (P, k, H), adt, depth)
+        for j in range(k):
+            nisa.dma_copy(dst=G[0:n, j, :], src=scratch.ap(pattern=[[H, n], [1, H]], offset=0,
+                                                           vector_offset=st["DEST"].ap(pattern=[[T * k, n], [1, 1]],
+                                                                                       offset=ti * k + j),
+                                                           indirect_dim=0))
+        sh = _tile(c, "moe_pf_shared_rows", (P, H), adt, 2)
+        nisa.dma_copy(dst=sh[0:n, :], src=scratch[SHB + t0:SHB + t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
+        dg = _tile(c, "moe_pf_diag", (P, k, P), adt, 2)
+        nisa.tensor_tensor(dst=dg[0:n, :, 0:n], data1=c["ident_a"].ap(pattern=[[P, n], [0, k], [1, n]], offset=0),
+                           data2=st["W8"].ap(pattern=[[T * k, n], [1, k], [0, n]], offset=ti * k), op=nl.multiply)
+        yt = _tile(c, "moe_pf_y", (P, H), F32, 2)
+        for c0, cw in chunks(H, BANK):
+            rp = _ps(c, n, cw, "moe_pf_routed_ps")
+            for j in range(k):
+                nisa.nc_matmul(dst=rp, stationary=dg[0:n, j, 0:n], moving=G[0:n, j, c0:c0 + cw], accumulate=j > 0)
+            nisa.scalar_tensor_tensor(dst=yt[0:n, c0:c0 + cw], data=sh[0:n, c0:c0 + cw], op0=nl.multiply,
+                                      operand0=st["GATE"][0:n, ti:ti + 1], op1=nl.add, operand1=rp)
+        nisa.dma_copy(dst=y[t0:t0 + n, :], src=yt[0:n, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# body and wrapper
+# ---------------------------------------------------------------------------------------------
+
+def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=None):
+    """MoE of the chunk on one core: x [N*H/128, 128] HBM (token-major, activation dtype, :func:`token_rows`)
+    -> this core's columns of the rank's partial written to ``y [N, H]`` (HBM float32). Weights from
+    :func:`nki_kernels.moe.moe_hbm_layout` for this launch's LNC (whole, or stacked [G, ...] with ``layer``).
+    capacity: static tokens per regular expert slot (default :func:`default_capacity`, rounded up to 16).
+    Returns ``finite [1, 1]`` float32 SBUF (1.0 when every router logit was finite)."""
+    adt = x.dtype
+    N, H = y.shape
+    J = H // P
+    base = 0
+    sh_base = 0
+    stacked = experts
+    shared_t = shared
+    Ltab = 1
+    if layer != None:
+        if len(experts.shape) != 5 or not 0 <= layer < experts.shape[0]:
+            raise ValueError(f"moe_prefill: layer {layer} of stacked experts {list(experts.shape)}: expected "
+                             f"[G, E, n_cores, {P}, F] with 0 <= layer < G")
+        Ltab = experts.shape[0]
+        base = layer * experts.shape[1] * experts.shape[2] * experts.shape[3] * experts.shape[4]
+        sh_base = layer * shared.shape[1] * shared.shape[2] * shared.shape[3]
+        experts, router, shared = experts[layer], router[layer], shared[layer]
+    elif len(experts.shape) != 4:
+        raise ValueError(f"moe_prefill: experts {list(experts.shape)}: expected [E, n_cores, {P}, F], or stacked "
+                         f"[G, E, n_cores, {P}, F] with layer=")
+    n_elems = 1
+    for d in stacked.shape:
+        n_elems = n_elems * d
+    E, n_cores = experts.shape[0], experts.shape[1]
+    unit = n_elems // (Ltab * E)
+    if n_elems + unit > INT32_MAX:
+        raise ValueError(f"moe_prefill: the experts table {list(stacked.shape)} holds {n_elems} elements; its element "
+                         f"offsets (and one expert past its end, the skip offset) must fit int32 (SDK-LG 'NKI "
+                         f"Values'): stack fewer layers per table (layers_per_table: "
+                         f"{layers_per_table(n_elems // Ltab)})")
+    if H % P or tuple(x.shape) != (N * J, P):
+        raise ValueError(f"moe_prefill: x is {list(x.shape)}, expected [N*H/{P}, {P}] = [{N * J}, {P}] for y "
+                         f"[{N}, {H}] (token_rows)")
+    if adt not in (nl.bfloat16, nl.float32):
+        raise ValueError(f"moe_prefill: activation dtype {adt} is not bfloat16 or float32")
+    for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
+        if t.dtype != adt:
+            raise ValueError(f"moe_prefill: {nm} is {t.dtype} but the activations are {adt}; weights must match")
+    L, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    if n_cores != L or experts.shape[2] != P or E % L or tuple(router.shape) != (L, P, J, E // L + 1) \
+            or tuple(shared.shape[0:2]) != (L, P):
+        raise ValueError(f"moe_prefill: experts {list(experts.shape)} / router {list(router.shape)} / shared "
+                         f"{list(shared.shape)} do not match H={H} and the launch's LNC={L} (expected [E, {L}, {P}, "
+                         f"F], [{L}, {P}, {J}, E/{L} + 1], [{L}, {P}, Fs])")
+    if not 1 <= top_k <= MAX8 or E < MAX8 or E + 1 > BANK:
+        raise ValueError(f"moe_prefill: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {BANK}")
+    if y.dtype != F32:
+        raise ValueError(f"moe_prefill: y is {y.dtype}, expected float32")
+    geo = _geometry(experts.shape[3], H, "expert")
+    geo_s = _geometry(shared.shape[2], H, "shared-expert")
+    for gg in (geo, geo_s):
+        if gg["R"] % L:
+            raise ValueError(f"moe_prefill: {gg['R']} down-row groups do not split over {L} cores")
+    cap = default_capacity(N, E, top_k) if capacity == None else -(-capacity // 16) * 16
+    if not 16 <= cap <= max(16, -(-N // 16) * 16):
+        raise ValueError(f"moe_prefill: capacity {capacity} outside [1, N={N}]")
+    jb0, jc, p0, npart = core_split(J, L, pid)
+    if adt == nl.bfloat16 and P % jc:
+        raise ValueError(f"moe_prefill: {jc} hidden blocks per core must divide {P} (gather-transpose index tiles)")
+    S, NHW, HB, ROWS = table_rows(N, E, top_k, cap)
+    if ROWS * H > INT32_MAX or ROWS >= 2 ** 24 or N * J >= 2 ** 24:
+        raise ValueError(f"moe_prefill: {ROWS} assignment rows x H={H} exceed the int32 / exact-fp32 index range")
+    tiles = chunks(N, P)
+    g = {"x": x, "SHB": ROWS, "N": N, "H": H, "J": J, "E": E, "Eh": E // L, "k": top_k, "L": L, "pid": pid, "adt": adt, "jb0": jb0,
+         "jc": jc, "p0": p0, "np": npart, "HL": H // L, "col0": pid * (H // L), "cap": cap, "S": S, "NHW": NHW,
+         "HB": HB, "ROWS": ROWS, "u": jc, "tiles": tiles, "T": len(tiles),
+         "oob": E * (Ltab - (0 if layer == None else layer)),
+         "jlo": pid * top_k // L, "jhi": (pid + 1) * top_k // L}
+    experts_w = (stacked, base, 0 if layer == None else 1)
+
+    c = _consts(g)
+    g["jcol"] = c.get("jcol")
+    # weights that do not depend on the routing: router rows, the shared expert; x^T resident
+    rr = _load_router(g, router)
+    shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)
+    _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
+    xr = _load_x(g, c, x)
+
+    # 1. routing
+    T, k = g["T"], top_k
+    st = {"E8": nl.ndarray((P, T, k), dtype=U32, buffer=nl.sbuf, name="moe_pf_e8"),
+          "RK8": nl.ndarray((P, T, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank8"),
+          "W8": nl.ndarray((P, T, k), dtype=adt, buffer=nl.sbuf, name="moe_pf_w8"),
+          "GATE": nl.ndarray((P, T), dtype=F32, buffer=nl.sbuf, name="moe_pf_gate"),
+          "DEST": nl.ndarray((P, T, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_dest"),
+          "fin": nl.ndarray((1, 1), dtype=F32, buffer=nl.psum, name="moe_pf_finite_ps")}
+    run = nl.ndarray((1, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_counts")
+    nisa.memset(dst=run, value=0.0)
+    for ti in range(T):
+        t0, n = tiles[ti]
+        _route_tile(g, c, xr, rr, run, t0, n, ti, st)
+    fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
+    nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
+    st["fin"] = None
+
+    # 2. grouping: slots, heavy windows, every assignment's row; the shared expert meanwhile
+    TR = ROWS + WIN
+    scratch = nl.ndarray((g["SHB"] + N, H), dtype=adt, buffer=nl.shared_hbm, name="moe_pf_expert_rows")
+    BB, ids, nhw, hid = _group(g, c, run)
+    c["psum"] = _psum_pool()
+    c["rings"] = {}
+    jobs, w = _regular_slots(g, c, geo, None, scratch, ids, experts_w)     # weight prefetch of slots 0..D-1
+    tabs = _scatter_entries(g, BB, st)
+    _run_jobs(g, c, geo_s, _shared_jobs(g, shw, xr), scratch, None)
+    xr = None
+    tab = nl.ndarray((TR, g["u"]), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
+    if L == 2:
+        nisa.core_barrier(data=tabs[0], cores=(0, 1))
+    _merge_tables(g, tabs, tab)
+    if L == 2:
+        nisa.core_barrier(data=tab, cores=(0, 1))
+
+    # 3. regular slots, 4. heavy windows
+    for s in range(len(jobs)):
+        jobs[s]["gather"] = (tab, jobs[s]["row0"])
+    _run_jobs(g, c, geo, jobs, scratch, w)
+    jobs, w = None, None            # the weight ring's SBUF is released
+    if NHW > 0:
+        c["psum"] = None            # no PSUM tensor lives across the runtime loop
+        _heavy_windows(g, geo, tab, scratch, nhw, hid, experts_w)
+        c["psum"] = _psum_pool()
+
+    # 5. combine (full rows; the other core wrote the other half of the columns)
+    c["rings"] = {}
+    if L == 2:
+        nisa.core_barrier(data=scratch, cores=(0, 1))
+    _combine(g, c, scratch, st, y)
+    return fin
+
+
+@nki.jit
+def moe_prefill(x, router, experts, shared, top_k, capacity=None):
+    """HBM wrapper of :func:`moe_prefill_body`: x [N*H/128, 128] (:func:`token_rows`) -> (y [N, H] float32, the
+    rank's partial; finite [n_cores, 1] float32). Weights from :func:`nki_kernels.moe.moe_hbm_layout` for the
+    launch's LNC; top_k: experts per token; capacity: static tokens per regular expert slot."""
+    H = router.shape[2] * P
+    N = x.shape[0] * P // H
+    L, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    y = nl.ndarray((N, H), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_out")
+    fin_out = nl.ndarray((L, 1), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_finite_out")
+    fin = moe_prefill_body(x, router, experts, shared, top_k, y, capacity)
+    nisa.dma_copy(dst=fin_out[pid:pid + 1, :], src=fin)
+    return y, fin_out
+
+
+# ---------------------------------------------------------------------------------------------
+# trace helpers and the demo launch (host)
+# ---------------------------------------------------------------------------------------------
+
+def routed_expert_bytes(trace, table="arg2"):
+    """HBM bytes the routed-expert weight DMAs of an EXECUTING nkisim trace actually moved: the scalar-offset
+    reads of the experts table (kernel argument ``table``; ``arg2`` is moe_prefill's ``experts``) whose offset
+    resolved inside the table. A transfer skipped by ``oob_mode=skip`` (unused slot, heavy continuation window)
+    is traced with its bytes but an unresolved offset and is not counted."""
+    total = 0
+    for r in trace.instructions:
+        if r["op"] != "dma_copy":
+            continue
+        src = [g for g in r["reads"] if g["arg"] == "src"]
+        if src and src[0].get("indirect") == "scalar" and src[0].get("name") == table and src[0].get("resolved"):
+            total += r["bytes"].get(src[0]["mem"], {}).get("read", 0)
+    return total
+
+
+def kernel_shapes(cfg, tp=4, N=1024, lnc=2, dtype="bfloat16"):
+    """Name -> shape of moe_prefill's tensor arguments for one rank of ``cfg`` (ModelConfig-like)."""
+    H, E = cfg.hidden_size, cfg.num_experts
+    ir, isr = cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp
+    return {"x": (N * H // P, P), "router": (lnc, P, H // P, E // lnc + 1),
+            "experts": (E, lnc, P, block_width(ir // lnc, H)), "shared": (lnc, P, block_width(isr // lnc, H))}
+
+
+def demo_args(cfg, tp=4, N=1024, dtype="bfloat16", shape_only=False, lnc=2, seed=0):
+    """(kernel, args) of one rank's MoE prefill of N tokens at the config's shapes, launched LNC=``lnc``:
+    ``kernel(*args)``. shape_only: ``nkisim.ShapeDtype`` tensors. The registers a shape-only launch loads read 0,
+    which here is the realistic case at N k >= E: every slot is used (all read expert 0's bytes: one expert
+    block per slot, as when every expert is active) and no expert is heavy (the heavy loop runs 0 times).
+    Otherwise seeded random arrays: random tokens route about uniformly."""
+    shapes = kernel_shapes(cfg, tp, N, lnc, dtype)
+    if shape_only:
+        import nkisim
+        args = tuple(nkisim.ShapeDtype(s, dtype) for s in shapes.values())
+    else:
+        import ml_dtypes
+        rng = np.random.default_rng(seed)
+        np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+        H = cfg.hidden_size
+        args = tuple((rng.standard_normal(s, dtype=np.float32) * np.float32(1.0 if n == "x" else H ** -0.5))
+                     .astype(np_dt) for n, s in shapes.items())
+    return (moe_prefill[lnc] if lnc == 2 else moe_prefill), args + (cfg.num_experts_per_tok,)
