@@ -41,12 +41,15 @@ register values and one runtime loop)
    DMA transposes (bfloat16, SDK-TRN2: up to 90 % of the DMA rate; float32: PE transposes). The router and the
    shared expert read it.
 1. **Router** per 128-token tile: partial logits over the core's h-rows (stationary x^T tile, moving the
-   router columns of both router blocks), swapped and added, rounded; softmax, exact top-k set and
-   renormalised weights by the decode kernel's method (``max8`` values only and the unique key
+   router columns of both router blocks), added to the other core's partial, rounded; softmax, exact top-k set
+   and renormalised weights by the decode kernel's method (``max8`` values only and the unique key
    ``(p == vk) * (E - e)`` for tied experts: no instruction's tie behaviour is relied on). A token's k experts
    ascending come from ``max8`` of ``sel * (E - e)``; its rank among the tokens choosing each expert (ascending
-   token order) from a strict-lower-triangular ones matmul plus the running per-expert counts (PE, exact in
-   fp32); ``nc_n_gather`` picks the rank and weight of the k chosen experts.
+   token order) from a strict-lower-triangular ones matmul plus the counts of the earlier tiles (PE, exact in
+   fp32); ``nc_n_gather`` picks the rank and weight of the k chosen experts. At LNC=2 the tiles are paired and
+   each core routes one tile of every pair (one sendrecv per pair brings it the other core's partial logits;
+   the per-pair counts are swapped and prefix-summed on the PE; a second sendrecv per pair swaps the compact
+   results), which halves the DVE-bound routing.
 2. **Grouping**: per-expert counts c_e. An expert is *regular* if 0 < c_e <= ``capacity`` (compile-time,
    :func:`default_capacity`: mean + 3.5 sigma + 8 of uniform routing, a multiple of 16) and *heavy* above. The
    regular experts, ascending, take static slots 0..S-1 (S = min(E, N k)), slot s owning rows
@@ -86,14 +89,16 @@ ACT runs only ``exp`` (routing) then ``silu`` (experts): one table switch; every
 
 Predicted (``python -m harness.bench kernel nki_kernels/moe_prefill.py::moe_prefill --arg x=N*16,128:bfloat16
 --arg router=2,128,16,129:bfloat16 --arg experts=256,2,128,3072:bfloat16 --arg shared=2,128,3072:bfloat16
---int top_k=8 --lnc 2``: real per-rank shapes, TP=4, LNC=2, bf16; shape-only registers read 0, which is the
-realistic routing at N k >= E -- all 256 slots used, no heavy expert -- and an executing 1K run on random data
-predicts the same): N = 1024: 1,233 us central (1,055 - 1,585), 608 MB HBM per rank (DMA roofline 958 us);
-N = 4096: 2,401 us (2,067 - 2,785), 1,028 MB (roofline 1,619 us). The weight floor is 404 MB per rank per layer
-(256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the compute floor (15.2 MFLOP per token and
-rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the kernel moves every assignment's x rows in,
-its output rows out and back (4 KB each per rank), plus the padding of the slots (capacity 64 / 176 against
-mean counts 32 / 128), and runs a DVE-bound routing prologue and a DMA-bound combine tail.
+--int top_k=8 --lnc 2``: real per-rank shapes, TP=4, LNC=2, bf16; the registers of a shape-only launch read 0,
+which is the realistic routing at N k >= E -- all 256 slots used, no heavy expert -- and an executing 1K run on
+random data predicts the same): N = 1024: 1,179 us central (1,027 - 1,526), 608 MB HBM per rank (DMA roofline
+958 us); N = 4096: 2,165 us (1,906 - 2,521), 1,028 MB (roofline 1,619 us). The weight floor is 404 MB per rank
+per layer (256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the compute floor (15.2 MFLOP per
+token and rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the kernel moves every assignment's x
+rows in and its output rows out and back (4 KB each per rank), plus the slots' padding (capacity 64 / 176
+against mean counts 32 / 128); at 4K its timeline is routing ~230 us (DVE), grouping and index tables ~300 us
+(the per-choice scatters are POOL-issue bound; the shared expert runs meanwhile), the slots ~1.3 ms at the DMA
+bound, the combine ~310 us (DMA bound).
 """
 
 from __future__ import annotations
@@ -324,20 +329,23 @@ def _swap_add(g, c, ps, dst, tag):
 # 1. routing
 # ---------------------------------------------------------------------------------------------
 
-def _route_tile(g, c, xr, rr, run, t0, n, ti, st):
-    """Routing of tokens t0..t0+n-1 (tile ti): writes the tile's rows of E8 (chosen experts ascending, uint32),
-    RK8 (their ranks among the tokens choosing them, fp32), W8 (renormalised weights, activation dtype), GATE
-    (shared-expert gate, fp32); adds the tile's selections to the running counts ``run [1, E]`` and its logit
-    check into ``st["fin"]``."""
-    L, Eh, E, k, jc, adt, T = g["L"], g["Eh"], g["E"], g["k"], g["jc"], g["adt"], g["T"]
-    Wc = L * (Eh + 1)
-    p0, npart = g["p0"], g["np"]
-    lg_ps = nl.ndarray((n, Wc), dtype=F32, buffer=nl.psum, name="moe_pf_logits_ps")
+def _partial_logits(g, xr, rr, t0, n):
+    """[n, L*(E/L + 1)] fp32 PSUM: this core's partial router logits (its h-rows) of tokens t0..t0+n-1."""
+    jc, p0, npart = g["jc"], g["p0"], g["np"]
+    lg_ps = nl.ndarray((n, g["L"] * (g["Eh"] + 1)), dtype=F32, buffer=nl.psum, name="moe_pf_logits_ps")
     for jj in range(jc):
         nisa.nc_matmul(dst=lg_ps, stationary=_x_cols(g, xr, t0, n, jj), moving=rr[p0:p0 + npart, jj, :],
                        accumulate=jj > 0)
-    full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
-    _swap_add(g, c, lg_ps, full, "moe_pf_logits")
+    return lg_ps
+
+
+def _route_math(g, c, full, n, ti, st):
+    """Routing of tile ti from its full logits ``full [n, L*(E/L + 1)]`` (activation dtype): writes the tile's
+    rows of E8 (chosen experts ascending, uint32), W8 (renormalised weights, activation dtype) and GATE (the
+    shared-expert gate, fp32), adds its logit check into ``st["fin"]`` (``st["nfin"]`` counts the terms) and
+    returns sel [n, E] (0/1, activation dtype)."""
+    L, Eh, E, k, adt, T = g["L"], g["Eh"], g["E"], g["k"], g["adt"], g["T"]
+    Wc = L * (Eh + 1)
     # all E logits contiguous (expert b*Eh + i is column b*(Eh+1) + i of full), rounded to the activation dtype
     lg = nl.ndarray((n, E), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits")
     nisa.tensor_copy(dst=lg.ap(pattern=[[E, n], [Eh, L], [1, Eh]], offset=0),
@@ -359,7 +367,8 @@ def _route_tile(g, c, xr, rr, run, t0, n, ti, st):
     # finite check: softmax sum + 0 * (sum of all logits) is finite iff every logit is
     chk = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_check")
     nisa.scalar_tensor_tensor(dst=chk, data=lsum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=ssum)
-    nisa.nc_matmul(dst=st["fin"], stationary=c["ones"][0:n, 0:1], moving=chk, accumulate=ti > 0)
+    nisa.nc_matmul(dst=st["fin"], stationary=c["ones"][0:n, 0:1], moving=chk, accumulate=st["nfin"] > 0)
+    st["nfin"] = st["nfin"] + 1
 
     # shared-expert gate sigmoid(z) = 1 / (1 + exp(-z)) (stays on the exp table)
     ez = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_ez")
@@ -405,17 +414,152 @@ def _route_tile(g, c, xr, rr, run, t0, n, ti, st):
     e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
     nisa.tensor_scalar(dst=e8, data=s8[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(E))
 
-    # rank among the tokens choosing each expert: earlier tiles (run) + earlier rows of this tile
+    nisa.nc_n_gather(dst=st["W8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=w, indices=e8)
+    return sel
+
+
+def _tile_ranks(g, c, sel, n, ti, st, pre):
+    """RK8 rows of tile ti: each chosen expert's rank among the tokens choosing it = the tokens of earlier
+    tiles (``pre``: a list of (stationary, moving) matmul terms whose sum is that count broadcast to the n rows)
+    + the earlier rows of this tile (strict-lower-triangular ones matmul)."""
+    T, k, E = g["T"], g["k"], g["E"]
     rk_ps = nl.ndarray((n, E), dtype=F32, buffer=nl.psum, name="moe_pf_rank_ps")
     nisa.nc_matmul(dst=rk_ps, stationary=c["tri_a"][0:n, 0:n], moving=sel, accumulate=False)
-    nisa.nc_matmul(dst=rk_ps, stationary=c["ones"][0:1, 0:n], moving=run, accumulate=True)
+    for stat, mov in pre:
+        nisa.nc_matmul(dst=rk_ps, stationary=stat, moving=mov, accumulate=True)
     rk = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank")
     nisa.tensor_copy(dst=rk, src=rk_ps)
-    cs_ps = nl.ndarray((1, E), dtype=F32, buffer=nl.psum, name="moe_pf_count_ps")
-    nisa.nc_matmul(dst=cs_ps, stationary=c["ones_a"][0:n, 0:1], moving=sel, accumulate=False)
-    nisa.tensor_tensor(dst=run, data1=run, data2=cs_ps, op=nl.add)
+    e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
     nisa.nc_n_gather(dst=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=rk, indices=e8)
-    nisa.nc_n_gather(dst=st["W8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=w, indices=e8)
+
+
+def _tile_counts(g, c, sel, n):
+    """[1, E] fp32 PSUM: how many of the tile's tokens chose each expert."""
+    cs_ps = nl.ndarray((1, g["E"]), dtype=F32, buffer=nl.psum, name="moe_pf_count_ps")
+    nisa.nc_matmul(dst=cs_ps, stationary=c["ones_a"][0:n, 0:1], moving=sel, accumulate=False)
+    return cs_ps
+
+
+def _route(g, c, xr, rr, st):
+    """Routing of every token tile -> st (E8, RK8, W8, GATE, fin) and the per-expert counts ``run [1, E]``.
+
+    LNC=1: tile by tile, the ranks continuing the running counts. LNC=2: the tiles are paired (2i, 2i+1) and
+    core c routes tile 2i + c of every pair (the DVE-bound part halves): both cores compute their partial logits
+    of both tiles, and ONE symmetric sendrecv per pair hands each core the other's partial of the tile it routes;
+    the per-pair counts are swapped, their exclusive prefix (a triangular matmul over the pairs) gives each tile
+    its earlier-tile counts, and a second sendrecv per pair swaps the compact results (experts, ranks, weights,
+    gate). An unpaired last tile is routed by both cores (the symmetric partial swap)."""
+    L, T, E, k, adt = g["L"], g["T"], g["E"], g["k"], g["adt"]
+    tiles = g["tiles"]
+    Wc = L * (g["Eh"] + 1)
+    run = nl.ndarray((1, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_counts")
+    if L == 1:
+        nisa.memset(dst=run, value=0.0)
+        for ti in range(T):
+            t0, n = tiles[ti]
+            ps = _partial_logits(g, xr, rr, t0, n)
+            full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
+            nisa.tensor_copy(dst=full, src=ps)
+            sel = _route_math(g, c, full, n, ti, st)
+            _tile_ranks(g, c, sel, n, ti, st, [(c["ones"][0:1, 0:n], run)])
+            nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
+        return run
+    pid = g["pid"]
+    Tp = T // 2
+    own = []                                    # (tile, sel) of the tiles this core routes
+    if Tp > 0:
+        # pick[t, i, i'] = (i' == i): column i of pick[:, i, :] gathers a tile's counts into row i (PSUM rows)
+        pv = nl.ndarray((P, Tp, Tp), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_pick_iota")
+        nisa.iota(dst=pv, pattern=[[-1, Tp], [1, Tp]], offset=0)
+        pick = nl.ndarray((P, Tp, Tp), dtype=adt, buffer=nl.sbuf, name="moe_pf_pair_pick")
+        nisa.tensor_scalar(dst=pick, data=pv, op0=nl.equal, operand0=0.0)
+        cnt_ps = nl.ndarray((Tp, E), dtype=F32, buffer=nl.psum, name="moe_pf_pair_counts_ps")
+    for i in range(Tp):
+        mine = None
+        for half in range(2):
+            ti = 2 * i + half
+            t0, n = tiles[ti]
+            ps = _partial_logits(g, xr, rr, t0, n)
+            if half == pid:
+                mine = ps
+            else:
+                send = nl.ndarray((P, Wc), dtype=F32, buffer=nl.sbuf, name="moe_pf_logits_send")
+                if n < P:
+                    nisa.memset(dst=send, value=0.0)
+                nisa.tensor_copy(dst=send[0:n, :], src=ps)
+        ti = 2 * i + pid
+        n = tiles[ti][1]
+        recv = nl.ndarray((P, Wc), dtype=F32, buffer=nl.sbuf, name="moe_pf_logits_recv")
+        nisa.sendrecv(src=send, dst=recv, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+        full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
+        nisa.tensor_tensor(dst=full, data1=mine, data2=recv[0:n, :], op=nl.add)
+        sel = _route_math(g, c, full, n, ti, st)
+        nisa.nc_matmul(dst=cnt_ps, stationary=pick[0:n, i, :], moving=sel, accumulate=i > 0)
+        own.append((ti, sel))
+    last = None
+    if T % 2:
+        ti = T - 1
+        t0, n = tiles[ti]
+        full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
+        _swap_add(g, c, _partial_logits(g, xr, rr, t0, n), full, "moe_pf_logits")
+        last = (ti, _route_math(g, c, full, n, ti, st))
+    # counts of every tile: mine (tile 2i + pid) and the other core's (tile 2i + 1 - pid) of every pair
+    pre_terms = []
+    if Tp > 0:
+        cnt_own = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_counts")
+        nisa.tensor_copy(dst=cnt_own, src=cnt_ps)
+        cnt_peer = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_counts_peer")
+        nisa.sendrecv(src=cnt_own, dst=cnt_peer, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+        pair = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_sums")
+        nisa.tensor_tensor(dst=pair, data1=cnt_own, data2=cnt_peer, op=nl.add)
+        pp_ps = nl.ndarray((Tp, E), dtype=F32, buffer=nl.psum, name="moe_pf_pair_prefix_ps")
+        nisa.nc_matmul(dst=pp_ps, stationary=c["tri"][0:Tp, 0:Tp], moving=pair, accumulate=False)
+        pp = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_prefix")
+        nisa.tensor_copy(dst=pp, src=pp_ps)
+        # onehot[i', i, t] = (i' == i): broadcasts row i of a [Tp, E] table to the rows of a tile
+        oh = nl.ndarray((Tp, Tp, P), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_onehot")
+        nisa.tensor_copy(dst=oh, src=c["ident"].ap(pattern=[[P, Tp], [1, Tp], [0, P]], offset=0))
+        for i in range(Tp):
+            ti, sel = own[i]
+            n = tiles[ti][1]
+            terms = [(oh[:, i, 0:n], pp)]
+            if pid == 1:                        # tile 2i + 1 also follows the other core's tile 2i
+                terms.append((oh[:, i, 0:n], cnt_peer))
+            _tile_ranks(g, c, sel, n, ti, st, terms)
+        tot_ps = nl.ndarray((1, E), dtype=F32, buffer=nl.psum, name="moe_pf_total_ps")
+        nisa.nc_matmul(dst=tot_ps, stationary=c["ones"][0:Tp, 0:1], moving=pair, accumulate=False)
+        nisa.tensor_copy(dst=run, src=tot_ps)
+        pre_terms = [(c["ones"][0:Tp, 0:tiles[T - 1][1]], pair)]
+    else:
+        nisa.memset(dst=run, value=0.0)
+    if last != None:
+        ti, sel = last
+        n = tiles[ti][1]
+        if len(pre_terms) > 0:
+            _tile_ranks(g, c, sel, n, ti, st, pre_terms)
+        else:
+            _tile_ranks(g, c, sel, n, ti, st, [(c["ones"][0:1, 0:n], run)])
+        nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
+    # swap the compact results of the pair's tiles: experts, ranks, weights (exact in fp32), gate
+    for i in range(Tp):
+        pk = nl.ndarray((P, 3 * k + 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_route_pack")
+        ti = 2 * i + pid
+        n = tiles[ti][1]
+        if n < P:
+            nisa.memset(dst=pk, value=0.0)
+        for q, key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+            nisa.tensor_copy(dst=pk[0:n, q * k:(q + 1) * k], src=st[key].ap(pattern=[[T * k, n], [1, k]],
+                                                                            offset=ti * k))
+        nisa.tensor_copy(dst=pk[0:n, 3 * k:3 * k + 1], src=st["GATE"][0:n, ti:ti + 1])
+        got = nl.ndarray((P, 3 * k + 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_route_pack_peer")
+        nisa.sendrecv(src=pk, dst=got, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+        tp = 2 * i + 1 - pid
+        n = tiles[tp][1]
+        for q, key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+            nisa.tensor_copy(dst=st[key].ap(pattern=[[T * k, n], [1, k]], offset=tp * k),
+                             src=got[0:n, q * k:(q + 1) * k])
+        nisa.tensor_copy(dst=st["GATE"][0:n, tp:tp + 1], src=got[0:n, 3 * k:3 * k + 1])
+    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,7 +693,8 @@ def _scatter_entries(g, BB, st):
         tabs.append(nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_choice_table" + str(j)))
     for j in range(g["jlo"], g["jhi"]):
         _zero_rows(tabs[j], TR, 1, 0, TR, "moe_pf_zero_rows")
-    for ti in range(T):
+    pays = []
+    for ti in range(T):         # every row first: the scatters below then queue on POOL behind nothing else
         t0, n = g["tiles"][ti]
         e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
         d8 = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_dest_base")
@@ -558,6 +703,10 @@ def _scatter_entries(g, BB, st):
                            data2=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), op=nl.add)
         pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_payload")
         nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
+        pays.append(pay)
+    for ti in range(T):
+        n = g["tiles"][ti][1]
+        pay = pays[ti]
         for j in range(g["jlo"], g["jhi"]):
             nisa.dma_copy(dst=tabs[j].ap(pattern=[[1, n], [1, 1]], offset=0,
                                          vector_offset=st["DEST"].ap(pattern=[[T * k, n], [1, 1]], offset=ti * k + j),
@@ -1019,11 +1168,8 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
           "GATE": nl.ndarray((P, T), dtype=F32, buffer=nl.sbuf, name="moe_pf_gate"),
           "DEST": nl.ndarray((P, T, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_dest"),
           "fin": nl.ndarray((1, 1), dtype=F32, buffer=nl.psum, name="moe_pf_finite_ps")}
-    run = nl.ndarray((1, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_counts")
-    nisa.memset(dst=run, value=0.0)
-    for ti in range(T):
-        t0, n = tiles[ti]
-        _route_tile(g, c, xr, rr, run, t0, n, ti, st)
+    st["nfin"] = 0
+    run = _route(g, c, xr, rr, st)
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
     nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
     st["fin"] = None
