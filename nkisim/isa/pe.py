@@ -6,6 +6,7 @@ import numpy as np
 from .. import hw
 from ..errors import NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
+from ..numerics import fp32_matmul, fp32_matmul_active
 from ..tensor import _extent, elem_mask, mask, raw
 from .common import Instruction, check_enum, geom, mark, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
@@ -183,7 +184,10 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if double:      # contraction over (partition, pair) -> 2K rows
         S = S.reshape(K * 2, M)
         Mv = Mv.reshape(K * 2, N)
-    res = np.matmul(S.T, Mv)          # fp32 x fp32 -> fp32 through BLAS sgemm (a dtype= argument bypasses BLAS)
+    if fp32_matmul_active(stationary.dtype, moving.dtype):     # hardware-like numerics (nkisim/numerics.py)
+        res = fp32_matmul(S, Mv)
+    else:
+        res = np.matmul(S.T, Mv)      # fp32 x fp32 -> fp32 through BLAS sgemm (a dtype= argument bypasses BLAS)
     st = dst.storage
     # acc: where to add onto the old PSUM value. Uniform storage states (storage.full / storage.mm_state, see
     # common.mark) answer the mask questions without building per-element masks.
