@@ -116,6 +116,7 @@ BANK = 512          # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 WIN = 128           # rows of one down-projection window (token-major output rows on partitions)
 RING = 8            # expert weight buffers in flight (6 KB per partition each at the real shapes) ...
 RING_BUDGET = 112 * 1024    # ... within this many SBUF bytes per partition together with the resident x^T
+XR_BUDGET = 64 * 1024       # SBUF bytes per partition the resident x^T may take (4,096 bf16 tokens at LNC=2)
 XCH = 512           # tokens per x^T transpose DMA
 PSUM_POOL = 7       # PSUM banks handed out round-robin to the slot and combine phases
 UP_AHEAD = 2        # slots whose gate|up is issued before the down projection of the current slot
@@ -1141,6 +1142,11 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     jb0, jc, p0, npart = core_split(J, L, pid)
     if adt == nl.bfloat16 and P % jc:
         raise ValueError(f"moe_prefill: {jc} hidden blocks per core must divide {P} (gather-transpose index tiles)")
+    isz = 2 if adt == nl.bfloat16 else 4
+    if N * jc * isz > XR_BUDGET:
+        raise ValueError(f"moe_prefill: the resident x^T of {N} tokens x {jc} h-blocks ({N * jc * isz // 1024} KB per "
+                         f"partition) exceeds {XR_BUDGET // 1024} KB of SBUF: use LNC=2, bfloat16 or chunks of at most "
+                         f"{XR_BUDGET // (jc * isz)} tokens")
     S, NHW, HB, ROWS = table_rows(N, E, top_k, cap)
     if ROWS * H > INT32_MAX or ROWS >= 2 ** 24 or N * J >= 2 ** 24:
         raise ValueError(f"moe_prefill: {ROWS} assignment rows x H={H} exceed the int32 / exact-fp32 index range")
