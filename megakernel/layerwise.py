@@ -69,7 +69,7 @@ def moe_stage(x, norm_w, router, experts, shared, top_k, layer, eps):
     T, H = x.shape
     out, c = _partials(T, H)
     xT = rmsnorm_body(_load(x), norm_w, eps)
-    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer)
+    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=layer)
     nisa.dma_copy(dst=out[c], src=y)
     return out
 

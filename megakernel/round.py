@@ -117,7 +117,7 @@ def _moe(a, s, xT, regs, layer):
     else:
         router, experts, shared, index = moe_weights(a, layer)
     return moe_tkg_body(xT, router, experts, shared, s.top_k, prefetch=MOE_PREFETCH, regs=regs["moe"],
-                        layer=index)
+                        layer=index, experts_layer=index)
 
 
 def _trunk_layer(a, s, x, i, rg, regs, pos, cos, sin, core):

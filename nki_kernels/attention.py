@@ -125,11 +125,11 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.host import as_torch, to_numpy
+from nki_kernels.common import MOVING_MAX, PSUM_BANK, P, layer_offset, layer_of, program_sharding
+from nki_kernels.host import as_torch, feature_major
+xT_layout = feature_major     # the name nki_kernels/attention_prefill.py imports
 
-P = 128                 # partitions (nkisim.hw.PMAX); a Python int is needed for shapes
-KV_TILE = 512           # keys per KV tile: one PSUM bank of fp32 scores (gemm_moving_fmax)
-PSUM_COLS = 512         # fp32 columns of one PSUM bank (psum_bank_fmax)
+KV_TILE = PSUM_BANK     # keys per KV tile: one PSUM bank of fp32 scores
 KP = 32                 # partition of the first key row in the q|k tile (a legal compute-engine start)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
 M_INIT = 1.0e20         # initial negated running max: below every real scaled score, above every masked one
@@ -142,8 +142,30 @@ POOL_ENG = nisa.engine.gpsimd
 
 
 # ---- geometry ------------------------------------------------------------------------------------
-def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile):
-    """Validate the arguments; return the dimensions (plain ints) as a dict."""
+class AttentionGeometry(nl.NKIObject):
+    """The compile-time dimensions of one body call (plain ints and bools; module docstring for the names):
+    T tokens, KT = H/P input tiles, Hq / Hc query heads of the rank / core, D head dim on dp partitions in DT
+    d-tiles, R rotary dims, L cache rows, B keys per KV tile (NC = B/P rows per partition), nq / nr / QA query,
+    q|k and attention-query rows, act the activation dtype, sc = 1/sqrt(D); core / n_cores and what this core
+    does (do_k: writes the K rows, do_v: the V rows, new: attends the new block); the element offsets of the
+    layer in stacked weights (wqg_off, wk_off, wv_off, norm_off) and caches (cache_off), 0 when unstacked."""
+
+    def __init__(self, T, KT, Hq, D, R, L, B, act, core, n_cores, wqg_off, wk_off, wv_off, norm_off, cache_off):
+        self.T, self.KT, self.H, self.Hq, self.Hc = T, KT, KT * P, Hq, Hq // n_cores
+        self.D, self.dp, self.R, self.L, self.B = D, min(D, P), R, L, B
+        self.DT, self.NC = D // self.dp, B // P
+        self.nq, self.nr = T * self.Hc, KP + T
+        self.QA = self.nq if n_cores == 1 else KP + self.nq
+        self.act, self.sc = act, float(D) ** -0.5
+        self.core, self.n_cores = core, n_cores
+        self.do_k, self.do_v = core == 0, core == n_cores - 1     # K rows: core 0; V rows + new block: last core
+        self.new = core == n_cores - 1
+        self.wqg_off, self.wk_off, self.wv_off, self.norm_off = wqg_off, wk_off, wv_off, norm_off
+        self.cache_off = cache_off
+
+
+def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core, offsets):
+    """Validate the arguments (the layer's views of stacked tensors); return the :class:`AttentionGeometry`."""
     Pp, KT, T = xT.shape
     if Pp != P:
         raise ValueError(f"attention: xT has {Pp} partitions, expected {P} (feature-major [P, H/P, T])")
@@ -189,8 +211,8 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
     if tuple(pos.shape) not in ((1, 1), (1,)) or pos.dtype != nl.int32:
         raise ValueError(f"attention: pos must be an int32 [1, 1] tensor, got {pos.dtype}{list(pos.shape)}")
     B = kv_tile
-    if B < P or B > PSUM_COLS or B % P or B & (B - 1):
-        raise ValueError(f"attention: kv_tile {B} must be a power of two in [{P}, {PSUM_COLS}]")
+    if B < P or B > PSUM_BANK or B % P or B & (B - 1):
+        raise ValueError(f"attention: kv_tile {B} must be a power of two in [{P}, {PSUM_BANK}]")
     L = k_cache.shape[1]
     if L < n_cores * B:
         raise ValueError(f"attention: cache length {L} is shorter than one KV tile per core ({n_cores} x {B} rows: "
@@ -198,14 +220,15 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
     nq = T * Hc
     if nq > KP:
         raise ValueError(f"attention: {nq} query rows per core exceed {KP} (T * heads per core)")
-    dp = min(D, P)
-    return dict(T=T, KT=KT, H=H, Hq=Hq, Hc=Hc, D=D, dp=dp, DT=D // dp, R=R, L=L, B=B, NC=B // P,
-                nq=nq, nr=KP + T, QA=nq if n_cores == 1 else KP + nq, act=act, sc=float(D) ** -0.5)
+    if not 0 <= core < n_cores:
+        raise ValueError(f"attention: core {core} outside 0..{n_cores - 1}")
+    return AttentionGeometry(T, KT, Hq, D, R, L, B, act, core, n_cores, offsets[0], offsets[1], offsets[2],
+                             offsets[3], offsets[4])
 
 
 # ---- body ----------------------------------------------------------------------------------------
 def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6,
-                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None):
+                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None, layer=None):
     """Body: this core's gated-attention partial for T tokens (see the module docstring for every layout).
 
     xT: SBUF ``[P, KT, T]`` act dtype (normed hidden, feature-major). wqg, wk, wv, wo, norm_w: HBM, the rank's
@@ -215,15 +238,18 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     compile-time context specialisation for shape-only traces (module docstring), None = general.
     regs: optional tuple of ``ATTENTION_REGISTERS`` VirtualRegisters to reuse (a megakernel composing many
     layers passes the same ones to every call; each call reloads them), else they are allocated here.
+    layer: with stacked tensors (``megakernel.plan``: weights ``[N, ...]``, caches ``[N, L, D]``), the index of
+    this layer's KV-head group in the stack (nki_kernels/common.py "Stacked tensors"); None: one layer's tensors.
     Returns ``y`` SBUF ``[T, H]`` float32: the o_proj partial over this core's query heads.
     """
-    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile)
-    if not 0 <= core < n_cores:
-        raise ValueError(f"attention: core {core} outside 0..{n_cores - 1}")
-    g["core"], g["n_cores"] = core, n_cores
-    g["do_k"], g["do_v"] = core == 0, core == n_cores - 1       # K rows: core 0; V rows + new block: last core
-    g["new"] = core == n_cores - 1
-    act, T, nq, nr, D = g["act"], g["T"], g["nq"], g["nr"], g["D"]
+    offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
+               layer_offset(norm_w, layer), layer_offset(k_cache, layer))
+    if layer != None:
+        wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
+        norm_w = layer_of(norm_w, layer)
+        k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]   # [1, L, D] views
+    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core, offsets)
+    act, T, nq, nr, D = g.act, g.T, g.nq, g.nr, g.D
 
     # ScalarE runs only exp (and table-free copies) in this kernel: load the exp table now, while the weights
     # stream, instead of on the critical path (ACT table switches cost ~1.3 us, trn2-costs)
@@ -246,11 +272,11 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     # cache reads: a dynamic-offset write and dynamic-offset reads of one tensor cannot be proven disjoint, so
     # an earlier write would hold the reads back (the new rows themselves are attended from SBUF).
     rows = [[D, T], [1, D]]
-    if g["do_k"]:
-        nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=0, scalar_offset=rt["p_reg"], indirect_dim=1),
+    if g.do_k:
+        nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=g.cache_off, scalar_offset=rt["p_reg"], indirect_dim=1),
                       src=qk[KP:nr, :])
-    if g["do_v"]:
-        nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=0, scalar_offset=rt["p_reg"], indirect_dim=1),
+    if g.do_v:
+        nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=g.cache_off, scalar_offset=rt["p_reg"], indirect_dim=1),
                       src=vnew[:, 0:D])
 
     # ---- gate, back to d-on-partitions, o_proj
@@ -267,7 +293,7 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     ps = _project(g, xT, w)
     _load_tables(g, w, norm_w, cos, sin)
     rt = _runtime_scalars(g, pos, regs)
-    ident = nl.shared_identity_matrix(P, dtype=g["act"])
+    ident = nl.shared_identity_matrix(P, dtype=g.act)
     at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
     _load_wo(g, w)
     qg, vnew = _project_out(g, ps)
@@ -278,19 +304,19 @@ def _load_tables(g, w, norm_w, cos, sin):
     """The small per-row tables; the projection weights are streamed by :func:`_project`, the o_proj weight
     is loaded by :func:`_load_wo` once the projection chunks are queued. Each core reads only its heads'
     columns: over the LNC pair every weight byte is read once."""
-    act, Hc, D, dp, DT, H = g["act"], g["Hc"], g["D"], g["dp"], g["DT"], g["H"]
-    T, nq, nr, R = g["T"], g["nq"], g["nr"], g["R"]
-    h0 = g["core"] * Hc
+    act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
+    T, nq, nr, R = g.T, g.nq, g.nr, g.R
+    h0 = g.core * Hc
     # norm weights and rope tables per row of the q|k tile (padding rows between nq and KP are zero)
     nw = nl.ndarray((nr, D), F32, buffer=nl.sbuf, name="att_norm_w")
     cs = nl.ndarray((nr, 2, R), F32, buffer=nl.sbuf, name="att_cos_sin")
     nisa.memset(dst=nw, value=0.0, engine=POOL_ENG)
     nisa.memset(dst=cs, value=0.0, engine=POOL_ENG)
-    nisa.dma_copy(dst=nw[0:nq, :], src=norm_w.ap(pattern=[[0, nq], [1, D]], offset=0))
+    nisa.dma_copy(dst=nw[0:nq, :], src=norm_w.ap(pattern=[[0, nq], [1, D]], offset=g.norm_off))
     for s, tab in ((0, cos), (1, sin)):                # row t*Hc + h <- table row t
         nisa.dma_copy(dst=cs[0:nq, s, :], src=tab.ap(pattern=[[R, T], [0, Hc], [1, R]], offset=0))
-    if g["do_k"]:
-        nisa.dma_copy(dst=nw[KP:nr, :], src=norm_w.ap(pattern=[[0, T], [1, D]], offset=D))
+    if g.do_k:
+        nisa.dma_copy(dst=nw[KP:nr, :], src=norm_w.ap(pattern=[[0, T], [1, D]], offset=g.norm_off + D))
         for s, tab in ((0, cos), (1, sin)):
             nisa.dma_copy(dst=cs[KP:nr, s, :], src=tab)
     nisa.tensor_scalar(dst=cs[:, 1, 0:R // 2], data=cs[:, 1, 0:R // 2], op0=nl.multiply, operand0=-1.0)
@@ -300,9 +326,9 @@ def _load_tables(g, w, norm_w, cos, sin):
 def _load_wo(g, w):
     """o_proj weight rows of this core's heads -> SBUF [dp, Hc*DT, H]: one DMA per (head, d-tile) block, issued
     after the projection chunks so that it neither delays them nor blocks a DMA queue for long."""
-    act, Hc, D, dp, DT, H = g["act"], g["Hc"], g["D"], g["dp"], g["DT"], g["H"]
+    act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
     wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
-    r0 = g["core"] * Hc * D
+    r0 = g.core * Hc * D
     for bk in range(Hc * DT):
         nisa.dma_copy(dst=wo_sb[:, bk, :], src=w["wo_hbm"][r0 + bk * dp:r0 + (bk + 1) * dp, :])
     w["wo"] = wo_sb
@@ -328,7 +354,7 @@ def _runtime_scalars(g, pos, regs=None):
     pro = (n >= 1); pairs run from r to pair_end = r + 2S * (max(n - 1, 0) // 2); even = (n even, >= 2; the
     last tile is then at pair_end + S); odd = n & 1. Every register value is the same on both cores.
     ``ATTENTION_REGISTERS`` registers in all (``regs`` reuses the caller's)."""
-    B, c, nc = g["B"], g["core"], g["n_cores"]
+    B, c, nc = g.B, g.core, g.n_cores
     S = nc * B                                          # rows of one rank tile (B per core)
     i32 = nl.int32
     pos_i = nl.ndarray((P, 1), i32, buffer=nl.sbuf, name="att_pos")
@@ -369,20 +395,20 @@ def _project(g, xT, w):
     wqg, and wk / wv where this core projects them): the DMA of chunk c + WR is issued after chunk c's
     matmuls (it reuses that slot), so the chunks arrive in order and the matmuls of chunk c overlap the
     transfer of the later ones instead of waiting for every weight byte."""
-    act, KT, Hc, D, T, nq, nr = g["act"], g["KT"], g["Hc"], g["D"], g["T"], g["nq"], g["nr"]
+    act, KT, Hc, D, T, nq, nr = g.act, g.KT, g.Hc, g.D, g.T, g.nq, g.nr
     JG = 2 if KT % 2 == 0 else 1
     NK = KT // JG
     WR = min(3, NK)
     kv_names = []
-    for nm, on in (("wk", g["do_k"]), ("wv", g["do_v"])):
+    for nm, on in (("wk", g.do_k), ("wv", g.do_v)):
         if on:
             kv_names.append(nm)
-    nx = Hc + (1 if g["do_k"] else 0)
+    nx = Hc + (1 if g.do_k else 0)
     xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
     nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
     for h in range(Hc):
         nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
-    if g["do_k"]:
+    if g.do_k:
         nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
     ring = []
     for i in range(WR):
@@ -393,7 +419,7 @@ def _project(g, xT, w):
     for ck in range(WR):
         _load_chunk(g, w, ring[ck % WR], ck * JG, JG, kv_names)
     ps = nl.ndarray((nr, 2, D), F32, buffer=nl.psum, name="att_qg_psum")
-    vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum") if g["do_v"] else None
+    vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum") if g.do_v else None
     first = True
     for ck in range(NK):
         slot = ring[ck % WR]
@@ -403,10 +429,10 @@ def _project(g, xT, w):
                 nisa.nc_matmul(dst=ps, stationary=xrep[:, h, j, :], moving=slot["wqg"][:, jj, :, h, :],
                                accumulate=not first)
                 first = False
-            if g["do_k"]:
+            if g.do_k:
                 nisa.nc_matmul(dst=ps[:, 0, :], stationary=xrep[:, Hc, j, :], moving=slot["wk"][:, jj, :],
                                accumulate=True)
-            if g["do_v"]:
+            if g.do_v:
                 nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=slot["wv"][:, jj, :], accumulate=j > 0)
         if ck + WR < NK:
             _load_chunk(g, w, ring[(ck + WR) % WR], (ck + WR) * JG, JG, kv_names)
@@ -416,24 +442,25 @@ def _project(g, xT, w):
 def _load_chunk(g, w, slot, j0, JG, kv_names):
     """DMA input-feature tiles j0..j0+JG-1 of this core's heads of wqg (and of wk / wv in ``kv_names``) into
     one ring slot of :func:`_project`."""
-    Hc, Hq, D = g["Hc"], g["Hq"], g["D"]
+    Hc, Hq, D = g.Hc, g.Hq, g.D
     row = 2 * Hq * D                                   # elements of one wqg row (input feature)
-    h0 = g["core"] * Hc
+    h0 = g.core * Hc
     nisa.dma_copy(dst=slot["wqg"], src=w["wqg"].ap(pattern=[[row, P], [P * row, JG], [Hq * D, 2], [1, Hc * D]],
-                                                   offset=j0 * P * row + h0 * D))
+                                                   offset=g.wqg_off + j0 * P * row + h0 * D))
     for nm in kv_names:
-        nisa.dma_copy(dst=slot[nm], src=w[nm].ap(pattern=[[D, P], [P * D, JG], [1, D]], offset=j0 * P * D))
+        off = g.wk_off if nm == "wk" else g.wv_off
+        nisa.dma_copy(dst=slot[nm], src=w[nm].ap(pattern=[[D, P], [P * D, JG], [1, D]], offset=off + j0 * P * D))
 
 
 def _project_out(g, psums):
     """Evict the projections rounded to the activation dtype: qg [nr, 2, D], vnew [T, D+1] (last column 1,
     so that PV of the new block also sums its P) on the V core, else None."""
-    act, D, T, nr = g["act"], g["D"], g["T"], g["nr"]
+    act, D, T, nr = g.act, g.D, g.T, g.nr
     ps, vps = psums
     qg = nl.ndarray((nr, 2, D), act, buffer=nl.sbuf, name="att_qg")
     nisa.tensor_copy(dst=qg, src=ps, engine=ACT_ENG)
     vnew = None
-    if g["do_v"]:
+    if g.do_v:
         vnew = nl.ndarray((T, D + 1), act, buffer=nl.sbuf, name="att_vnew")   # last column 1: PV also sums P
         nisa.memset(dst=vnew[:, D:D + 1], value=1.0, engine=POOL_ENG)
         nisa.tensor_copy(dst=vnew[:, 0:D], src=vps, engine=DVE_ENG)
@@ -444,7 +471,7 @@ def _norm_rope(g, qg, w, eps):
     """Zero-centred RMSNorm (fp32, weight 1 + w) then rotate-half RoPE on dims [0, R) of every row of the q|k
     tile (zero padding rows stay zero; on the cores without k the key rows are zero); each step rounds to the
     activation dtype like model.functional."""
-    act, D, R, nn = g["act"], g["D"], g["R"], g["nr"]
+    act, D, R, nn = g.act, g.D, g.R, g.nr
     x = qg[0:nn, 0, :]
     sq = nl.ndarray((nn, D), F32, buffer=nl.sbuf, name="att_sq")
     nisa.tensor_tensor(dst=sq, data1=x, data2=x, op=nl.multiply)
@@ -478,12 +505,12 @@ def _queries(g, qk, ident):
     attends with ALL the rank's heads over its share of the KV tiles: columns 0..nq-1 = this core's heads,
     KP..KP+nq-1 = the other core's (zero between); knT (the new keys, d-major) goes to the last core, which
     attends the new block."""
-    act, dp, DT, nq, nr, T = g["act"], g["dp"], g["DT"], g["nq"], g["nr"], g["T"]
+    act, dp, DT, nq, nr, T = g.act, g.dp, g.DT, g.nq, g.nr, g.T
     ps = nl.ndarray((dp, DT, nr), F32, buffer=nl.psum, name="att_qkT_psum")
     for dh in range(DT):
         nisa.nc_matmul(dst=ps[:, dh, :], stationary=qk[:, dh * dp:(dh + 1) * dp], moving=ident[0:nr, 0:nr],
                        accumulate=False)
-    if g["n_cores"] == 1:
+    if g.n_cores == 1:
         qa = nl.ndarray((dp, DT, nq), act, buffer=nl.sbuf, name="att_qT")
         nisa.tensor_copy(dst=qa, src=ps[:, :, 0:nq], engine=DVE_ENG)
         knT = nl.ndarray((dp, DT, T), act, buffer=nl.sbuf, name="att_knewT")
@@ -493,13 +520,13 @@ def _queries(g, qk, ident):
     nisa.tensor_copy(dst=send[:, :, 0:nq], src=ps[:, :, 0:nq], engine=DVE_ENG)
     nisa.tensor_copy(dst=send[:, :, nq:nq + T], src=ps[:, :, KP:nr], engine=ACT_ENG)
     recv = nl.ndarray((dp, DT, nq + T), act, buffer=nl.sbuf, name="att_xchg_q_recv")
-    c = g["core"]
+    c = g.core
     nisa.sendrecv(src=send, dst=recv, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
     qa = nl.ndarray((dp, DT, KP + nq), act, buffer=nl.sbuf, name="att_qT")
     nisa.memset(dst=qa[:, :, nq:KP], value=0.0, engine=POOL_ENG)
     nisa.tensor_copy(dst=qa[:, :, 0:nq], src=send[:, :, 0:nq], engine=POOL_ENG)
     nisa.tensor_copy(dst=qa[:, :, KP:KP + nq], src=recv[:, :, 0:nq], engine=POOL_ENG)
-    knT = recv[:, :, nq:nq + T] if g["new"] else None
+    knT = recv[:, :, nq:nq + T] if g.new else None
     return qa, knT
 
 
@@ -509,7 +536,7 @@ def _tile_buffers(g, name):
     stay independent); v's last column is 1 so that PV also produces the row sums l. The SBUF part is
     allocated early (:func:`_attend_setup`); the PSUM part (kT per d-tile: 1 bank each, scores: 1 bank, P^T
     and PV sharing one bank -- 4 banks per set) by :func:`_tile_psum` once the projections' PSUM is free."""
-    act, dp, DT, NC, QA, D = g["act"], g["dp"], g["DT"], g["NC"], g["QA"], g["D"]
+    act, dp, DT, NC, QA, D = g.act, g.dp, g.DT, g.NC, g.QA, g.D
     b = {}
     b["k"] = nl.ndarray((P, NC, D), act, buffer=nl.sbuf, name=f"att_k_{name}")
     b["v"] = nl.ndarray((P, NC, D + 1), act, buffer=nl.sbuf, name=f"att_v_{name}")
@@ -526,12 +553,12 @@ def _tile_buffers(g, name):
 
 def _tile_psum(g, b):
     """The PSUM tiles of a buffer set (see :func:`_tile_buffers`)."""
-    dp, DT, NC, QA, D, name = g["dp"], g["DT"], g["NC"], g["QA"], g["D"], b["name"]
+    dp, DT, NC, QA, D, name = g.dp, g.DT, g.NC, g.QA, g.D, b["name"]
     b["kT_ps"] = []
     for dh in range(DT):
         b["kT_ps"].append(nl.ndarray((dp, NC, P), F32, buffer=nl.psum, name=f"att_kT_psum{dh}_{name}"))
     b["s_ps"] = nl.ndarray((QA, NC * P), F32, buffer=nl.psum, name=f"att_scores_{name}")
-    aux = nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"att_pT_pv_{name}")
+    aux = nl.ndarray((P, PSUM_BANK), F32, buffer=nl.psum, name=f"att_pT_pv_{name}")
     b["pT_ps"] = aux[:, 0:NC * QA].reshape((P, NC, QA))
     b["pv"] = aux[0:QA, NC * QA:NC * QA + D + 1]
 
@@ -539,7 +566,7 @@ def _tile_psum(g, b):
 def _attend_setup(g, rt):
     """Everything of the attention that does not depend on the projections (emitted early so that it runs
     while the weights stream): the softmax state, the head-tile masks and the two KV tile buffer sets."""
-    D, NC, QA = g["D"], g["NC"], g["QA"]
+    D, NC, QA = g.D, g.NC, g.QA
     st = {}
     st["ol"] = nl.ndarray((QA, D + 1), F32, buffer=nl.sbuf, name="att_acc")     # [O | l]
     nisa.memset(dst=st["ol"], value=0.0)
@@ -566,14 +593,14 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
     """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
     (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
     Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference)."""
-    act, nq, D, B, T, Hc, NC = g["act"], g["nq"], g["D"], g["B"], g["T"], g["Hc"], g["NC"]
-    QA, c, nc = g["QA"], g["core"], g["n_cores"]
+    act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
+    QA, c, nc = g.QA, g.core, g.n_cores
     st = at["st"]
     _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
 
-    if g["new"]:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
+    if g.new:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
         s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
-        for dh in range(g["DT"]):
+        for dh in range(g.DT):
             nisa.nc_matmul(dst=s_ps, stationary=qa[:, dh, :], moving=knT[:, dh, :], accumulate=dh > 0)
         zero = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_zero")
         nisa.memset(dst=zero, value=0.0, engine=POOL_ENG)
@@ -678,7 +705,7 @@ def _last(kx, prev):
 def _head_tile(kx, bufs):
     """This core's part of the head: rows [c*B, (c+1)*B), keys >= r - c*B masked (module docstring)."""
     A_, B_ = _with_psum(kx["g"], bufs)
-    _first(kx, B_, kx["g"]["core"] * kx["g"]["B"], None, True)
+    _first(kx, B_, kx["g"].core * kx["g"].B, None, True)
     _last(kx, B_)
 
 
@@ -687,7 +714,7 @@ def _unrolled_tile(kx, bufs, j):
     lives in this function's scope."""
     g = kx["g"]
     sets = _with_psum(g, bufs)
-    row0 = g["core"] * g["B"] + j * g["n_cores"] * g["B"]
+    row0 = g.core * g.B + j * g.n_cores * g.B
     if j == 0:
         _first(kx, sets[0], row0, kx["rt"]["start_reg"])
     else:
@@ -706,8 +733,8 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     and every loop bound is a function of p alone, so both cores of a rank run the same runtime loops; the
     cores differ only in the static row offset c*B of their DMAs (module docstring, LNC split). With
     max_context the same sequence is emitted unrolled (shape-only costing)."""
-    B, c = g["B"], g["core"]
-    S = g["n_cores"] * B
+    B, c = g.B, g.core
+    S = g.n_cores * B
     c0 = c * B                                      # this core's static row offset inside every rank tile
     kx = {"g": g, "st": st, "qa": qa, "k_cache": k_cache, "v_cache": v_cache, "ident": ident, "masks": masks,
           "rt": rt}
@@ -752,14 +779,14 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
 def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
     """DMA B cache rows starting at row0 (+ the run-time register ``reg`` when given) into buffers b and
     transpose the K chunks on the PE: [P keys, dp] -> [dp, P keys] per (d-tile, chunk)."""
-    D, dp, DT, NC = g["D"], g["dp"], g["DT"], g["NC"]
+    D, dp, DT, NC = g.D, g.dp, g.DT, g.NC
     kt, vt = b["k"], b["v"]
     pattern = [[NC * D, P], [D, NC], [1, D]]           # partition p <- rows NC*p .. NC*p + NC-1
     for dst, cache in ((kt, k_cache), (vt[:, :, 0:D], v_cache)):
         if reg == None:
-            src = cache.ap(pattern=pattern, offset=row0 * D)
+            src = cache.ap(pattern=pattern, offset=g.cache_off + row0 * D)
         else:
-            src = cache.ap(pattern=pattern, offset=row0 * D, scalar_offset=reg, indirect_dim=1)
+            src = cache.ap(pattern=pattern, offset=g.cache_off + row0 * D, scalar_offset=reg, indirect_dim=1)
         nisa.dma_copy(dst=dst, src=src)
     if masked:   # rows >= r: possibly beyond the valid prefix -> zero their data (NaN-safe select; v's
         # ones column stays: the buffer set is reused by unmasked tiles)
@@ -774,14 +801,14 @@ def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
 
 def _tile_evict(g, b):
     """K^T PSUM -> SBUF (activation dtype), d-tiles alternating between ScalarE and VectorE."""
-    for dh in range(g["DT"]):
+    for dh in range(g.DT):
         nisa.tensor_copy(dst=b["kT"][:, dh], src=b["kT_ps"][dh], engine=ACT_ENG if dh % 2 == 0 else DVE_ENG)
 
 
 def _tile_scores(g, qa, masks, b, masked):
     """S = sum over d-tiles of q_dh^T k_dh (split-K accumulated in one PSUM bank); the raw scores [QA, B]
     are left in b["s"] (PSUM; SBUF with the head mask added)."""
-    DT = g["DT"]
+    DT = g.DT
     for dh in range(DT):
         nisa.nc_matmul(dst=b["s_ps"], stationary=qa[:, dh, :], moving=b["kT"][:, dh], accumulate=dh > 0)
     b["s"] = b["s_ps"]
@@ -792,7 +819,7 @@ def _tile_scores(g, qa, masks, b, masked):
 
 def _tile_pT(g, ident, b):
     """P^T chunks (keys on partitions) of one tile, after its softmax step."""
-    QA, NC = g["QA"], g["NC"]
+    QA, NC = g.QA, g.NC
     for ci in range(NC):
         nisa.nc_matmul(dst=b["pT_ps"][:, ci, :], stationary=b["p"][:, ci * P:(ci + 1) * P],
                        moving=ident[0:QA, 0:QA], accumulate=False)
@@ -801,7 +828,7 @@ def _tile_pT(g, ident, b):
 
 def _tile_pv(g, st, b):
     """PV of one tile (its last column, V's ones, is the row sum of P) into the running [O | l]."""
-    for ci in range(g["NC"]):
+    for ci in range(g.NC):
         nisa.nc_matmul(dst=b["pv"], stationary=b["pT"][:, ci, :], moving=b["v"][:, ci, :], accumulate=ci > 0)
     nisa.scalar_tensor_tensor(dst=st["ol"], data=st["ol"], op0=nl.multiply, operand0=b["alpha"], op1=nl.add,
                               operand1=b["pv"])
@@ -812,7 +839,7 @@ def _softmax_stats(g, st, b, s=None):
     1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s))."""
     s = b["s"] if s == None else s
     nisa.tensor_reduce(dst=b["nmx"], op=nl.maximum, data=s, axis=1, negate=True)
-    nisa.scalar_tensor_tensor(dst=b["b"], data=b["nmx"], op0=nl.multiply, operand0=g["sc"], op1=nl.minimum,
+    nisa.scalar_tensor_tensor(dst=b["b"], data=b["nmx"], op0=nl.multiply, operand0=g.sc, op1=nl.minimum,
                               operand1=st["nm"])
 
 
@@ -823,13 +850,13 @@ def _softmax_exp(g, st, b, s=None, p_t=None):
     s = b["s"] if s == None else s
     p_t = b["p"] if p_t == None else p_t
     nisa.activation(dst=b["alpha"], op=nl.exp, data=st["nm"], scale=-1.0, bias=b["b"])
-    nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g["sc"], bias=b["b"])
+    nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g.sc, bias=b["b"])
     nisa.tensor_copy(dst=st["nm"], src=b["b"], engine=POOL_ENG)
 
 
 def _o_proj(g, og, wo, ident):
     """og [nq = (t, h), D] act -> og^T per (head, d-tile) -> y [T, H] fp32 = sum over blocks og^T . Wo."""
-    act, T, H, Hc, dp, DT, nq = g["act"], g["T"], g["H"], g["Hc"], g["dp"], g["DT"], g["nq"]
+    act, T, H, Hc, dp, DT, nq = g.act, g.T, g.H, g.Hc, g.dp, g.DT, g.nq
     ps = nl.ndarray((dp, DT, nq), F32, buffer=nl.psum, name="att_ogT_psum")
     for dh in range(DT):
         nisa.nc_matmul(dst=ps[:, dh, :], stationary=og[:, dh * dp:(dh + 1) * dp], moving=ident[0:nq, 0:nq],
@@ -838,14 +865,14 @@ def _o_proj(g, og, wo, ident):
     nisa.tensor_copy(dst=ogT.permute((0, 1, 3, 2)), src=ps.reshape((dp, DT, T, Hc)), engine=DVE_ENG)
     y_ps = nl.ndarray((T, H), F32, buffer=nl.psum, name="att_y_psum")
     nblk = Hc * DT
-    for n0 in range(0, H, PSUM_COLS):
-        n1 = min(H, n0 + PSUM_COLS)
+    for n0 in range(0, H, MOVING_MAX):
+        n1 = min(H, n0 + MOVING_MAX)
         for b in range(nblk):
             h, dh = divmod(b, DT)
             nisa.nc_matmul(dst=y_ps[:, n0:n1], stationary=ogT[:, dh, h, :], moving=wo[:, b, n0:n1],
                            accumulate=b > 0)
     y = nl.ndarray((T, H), F32, buffer=nl.sbuf, name="att_y")
-    half = (H // 2 // PSUM_COLS) * PSUM_COLS or H
+    half = (H // 2 // MOVING_MAX) * MOVING_MAX or H
     nisa.tensor_copy(dst=y[:, 0:half], src=y_ps[:, 0:half], engine=ACT_ENG)
     if half < H:
         nisa.tensor_copy(dst=y[:, half:H], src=y_ps[:, half:H], engine=DVE_ENG)
@@ -863,8 +890,7 @@ def attention_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, po
     (LNC=2). Returns ``(partials [n_cores, T, H] float32, k_cache, v_cache)``: core c's o_proj partial in
     row c (the rank's output is their sum) and the caches, mutated in place at rows p..p+T-1.
     """
-    n_cores = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n_cores, core = program_sharding()
     Pp, KT, T = xT.shape
     out = nl.ndarray((n_cores, T, KT * P), F32, buffer=nl.shared_hbm, name="attention_partials")
     xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf, name="att_xT_in")
@@ -896,15 +922,6 @@ def attention_layout(shard) -> dict:
     return {"wqg": wqg, "wk": wk, "wv": wv, "wo": wo, "norm_w": norm.contiguous()}
 
 
-def xT_layout(x) -> np.ndarray:
-    """Normed hidden ``[T, H]`` -> feature-major ``[P, H/P, T]`` (host side, for tests / layerwise)."""
-    a = to_numpy(x)
-    T, H = a.shape
-    if H % P:
-        raise ValueError(f"attention: hidden size {H} is not a multiple of {P}")
-    return np.ascontiguousarray(a.T.reshape(H // P, P, T).transpose(1, 0, 2))
-
-
 def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int]:
     """Trip counts of the body's five runtime loops at position p, in program order (head tiles, prologue,
     pairs, even tail, odd tail; module docstring "KV tiling"), the same on every core: the host-side statement
@@ -931,7 +948,7 @@ def kernel_args(layout: dict, x, k_cache, v_cache, start: int, cfg, kv_tile: int
     start..start+T-1 (caches are passed through: numpy arrays are updated in place by the launch)."""
     T = x.shape[0]
     cos, sin = rope_tables(start, T, cfg.rotary_dim, cfg.rope_theta)
-    return (xT_layout(x), layout["wqg"], layout["wk"], layout["wv"], layout["wo"], layout["norm_w"], cos, sin,
+    return (feature_major(x), layout["wqg"], layout["wk"], layout["wv"], layout["wo"], layout["norm_w"], cos, sin,
             k_cache, v_cache, np.array([[start]], np.int32), float(cfg.rms_norm_eps), kv_tile, max_context)
 
 

@@ -51,19 +51,13 @@ import nki.collectives as ncc
 import nki.isa as nisa
 import nki.language as nl
 
+from nki_kernels.common import program_sharding
 from nki_kernels.lm_head import select_max_lowest_index
 
 
 def tp_group(tp: int):
     """The replica group of all TP ranks (``ReplicaGroup([[0, .., tp-1]])``), or None at TP = 1."""
     return ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
-
-
-def _lnc():
-    """(lnc, program id) of the running kernel."""
-    if nl.program_ndim() == 0:
-        return 1, 0
-    return nl.num_programs(0), nl.program_id(0)
 
 
 def _check_group(rg, tp, where):
@@ -111,7 +105,7 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
     if y.dtype != nl.float32:
         raise TypeError(f"allreduce_partials: partials must be float32 (PSUM-accumulated), got {y.dtype}")
     T, H = y.shape
-    lnc, pid = _lnc()
+    lnc, pid = program_sharding()
     if rg != None:
         lane = nl.ndarray((T, H), nl.float32, buffer=nl.sbuf, name="ar_lane_sum")
         ncc.all_reduce(srcs=[y], dsts=[lane], replica_group=rg, op=nl.add)
@@ -142,7 +136,7 @@ def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = Tru
     _check_group(rg, tp, "allgather_cores")
     x = _dense(x, "allgather_cores")
     T, F = x.shape
-    lnc, pid = _lnc()
+    lnc, pid = program_sharding()
     if rg != None:
         lane = nl.ndarray((T, tp * F), x.dtype, buffer=nl.sbuf, name="ag_lane")
         if via_all_reduce:
@@ -185,7 +179,7 @@ def argmax_combine(best, vc: int, rg, tp: int, pipe_id: int = 0):
     _check_group(rg, tp, "argmax_combine")
     best = _dense(best, "argmax_combine")
     T = best.shape[0]
-    lnc, pid = _lnc()
+    lnc, pid = program_sharding()
     n = tp * lnc
     if n * vc >= 2 ** 24:
         raise ValueError(f"argmax_combine: global indices up to {n * vc} are not exact in fp32")

@@ -38,8 +38,7 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
-
-P = 128
+from nki_kernels.common import P, program_sharding
 
 
 def load_token_ids(ids):
@@ -95,8 +94,7 @@ def embedding_kernel(table, ids):
     cores); every core gathers its own copy of the residual and writes row ``program_id`` of the output.
     Prefer :func:`embed_tokens`, which refuses out-of-range ids before launching.
     """
-    n_cores = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n_cores, core = program_sharding()
     V, H = table.shape
     T = ids.shape[0]
     out = nl.ndarray((n_cores, T, H), table.dtype, buffer=nl.shared_hbm, name="embed_out")

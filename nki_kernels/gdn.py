@@ -87,11 +87,10 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, program_sharding
 
-P = 128
 MAX_T = 4
 L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
-PSUM_COLS = 512         # fp32 columns of one PSUM bank = moving free size limit on trn2
 WEIGHT_PREFETCH_BYTES = 96 * 1024   # per partition: issue every in_proj weight DMA up front below this
 WEIGHT_GROUP_BYTES = 16 * 1024      # per partition and DMA: in_proj weights stream in groups of hidden tiles
 
@@ -212,14 +211,22 @@ def _bcast_col(t, col, rows, width):
     return t.ap(pattern=[[t.shape[1], rows], [0, width]], offset=col)
 
 
-def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps):
+def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps, layer=None):
     """Body of one core: normed ``xT [128, H/128, T]`` (SBUF, activation dtype) + HBM weights (host layout)
     and decode state -> this core's partial ``y [T, H]`` float32 (SBUF).
 
     Writes checkpoint slots 0..T-1 of ``window`` and ``state`` (this core's heads / owned columns) in
     place; reads the starting slot given by the run-time ``read_slot [1, 1]`` int32 tensor. eps: the
-    gated-norm epsilon (compile-time float).
+    gated-norm epsilon (compile-time float). layer: with weights and state stacked over the GDN layers
+    (``[G, ...]``, ``megakernel.plan``), the index of this layer (nki_kernels/common.py "Stacked tensors");
+    None: one layer's tensors.
     """
+    w_off, s_off = layer_offset(window, layer), layer_offset(state, layer)
+    slot_dim = 0 if layer == None else 1          # the dimension a run-time slot offset steps along
+    w_in, conv_w, A_log, dt_bias = layer_of(w_in, layer), layer_of(conv_w, layer), layer_of(A_log, layer), \
+        layer_of(dt_bias, layer)
+    norm_w, w_out, window, state = layer_of(norm_w, layer), layer_of(w_out, layer), layer_of(window, layer), \
+        layer_of(state, layer)
     pdim, J, T = xT.shape
     adt = xT.dtype
     n_cores, _, Jw, N = w_in.shape
@@ -229,8 +236,7 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     slots, hv_r2, Dk, Dv = state.shape
     C_rank = window.shape[2]
     H = J * P
-    n_launch = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n_launch, core = program_sharding()
     # ---- compile-time checks ------------------------------------------------------------------
     if pdim != P or not (1 <= T and T <= MAX_T):
         raise ValueError(f"gdn: xT has shape {xT.shape}, expected [{P}, H/{P}, T] with T in 1..{MAX_T}")
@@ -267,15 +273,16 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     full_tok = nl.ndarray((Km1 + T, Cc), adt, buffer=nl.sbuf, name="conv_rows")    # token-major rows
     reads = [
         nisa.dma_copy(dst=full_tok[0:Km1, 0:2 * hk_c * D],
-                      src=window.ap(pattern=[[C_rank, Km1], [kd_r, 2], [1, hk_c * D]], offset=kh0 * D,
-                                    scalar_offset=rs, indirect_dim=0)),
+                      src=window.ap(pattern=[[C_rank, Km1], [kd_r, 2], [1, hk_c * D]], offset=w_off + kh0 * D,
+                                    scalar_offset=rs, indirect_dim=slot_dim)),
         nisa.dma_copy(dst=full_tok[0:Km1, 2 * hk_c * D:Cc],
-                      src=window.ap(pattern=[[C_rank, Km1], [1, hv_c * D]], offset=2 * kd_r + vh0 * D,
-                                    scalar_offset=rs, indirect_dim=0)),
+                      src=window.ap(pattern=[[C_rank, Km1], [1, hv_c * D]], offset=w_off + 2 * kd_r + vh0 * D,
+                                    scalar_offset=rs, indirect_dim=slot_dim)),
     ]
     S_prev = nl.ndarray((D, hv_c, D), f32, buffer=nl.sbuf, name="state_in")
-    reads.append(nisa.dma_copy(dst=S_prev, src=state.ap(pattern=[[D, D], [D * D, hv_c], [1, D]], offset=vh0 * D * D,
-                                                        scalar_offset=rs, indirect_dim=0)))
+    reads.append(nisa.dma_copy(dst=S_prev, src=state.ap(pattern=[[D, D], [D * D, hv_c], [1, D]],
+                                                        offset=s_off + vh0 * D * D, scalar_offset=rs,
+                                                        indirect_dim=slot_dim)))
     if s["shared"]:
         # both cores read a shared key head's window columns; only its owner writes them
         nisa.core_barrier(data=window, cores=(0, 1))
@@ -312,10 +319,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.dma_copy(dst=wo, src=w_out[core])
 
     # ---- 2. projections ------------------------------------------------------------------------
-    n_chunks = (N + PSUM_COLS - 1) // PSUM_COLS
+    n_chunks = (N + MOVING_MAX - 1) // MOVING_MAX
     accs = []
     for k in range(n_chunks):
-        accs.append(nl.ndarray((T, min(N, (k + 1) * PSUM_COLS) - k * PSUM_COLS), f32, buffer=nl.psum,
+        accs.append(nl.ndarray((T, min(N, (k + 1) * MOVING_MAX) - k * MOVING_MAX), f32, buffer=nl.psum,
                                name=f"proj_ps{k}"))
     for gi in range(n_groups):
         j0 = gi * jg
@@ -327,15 +334,15 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
             nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j1, :])
         for j in range(j0, j1):
             for k in range(n_chunks):
-                c0 = k * PSUM_COLS
-                c1 = min(N, c0 + PSUM_COLS)
+                c0 = k * MOVING_MAX
+                c1 = min(N, c0 + MOVING_MAX)
                 nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=wt[:, j - j0, c0:c1], accumulate=j > 0)
     w_tiles = wt = None
     proj = nl.ndarray((T, N), adt, buffer=nl.sbuf, name="proj")
     for kr in range(n_chunks):                  # the gate columns (last chunk) first; alternate DVE / ACT
         k = n_chunks - 1 - kr
-        c0 = k * PSUM_COLS
-        c1 = min(N, c0 + PSUM_COLS)
+        c0 = k * MOVING_MAX
+        c1 = min(N, c0 + MOVING_MAX)
         if k % 2 == 1:
             nisa.activation(dst=proj[:, c0:c1], op=nl.copy, data=accs[k])
         else:
@@ -410,11 +417,11 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         if o1 > o0:
             wr = nisa.dma_copy(
                 dst=window.ap(pattern=[[C_rank, Km1], [kd_r, 2], [1, (o1 - o0) * D]],
-                              offset=j * Km1 * C_rank + (kh0 + o0) * D),
+                              offset=w_off + j * Km1 * C_rank + (kh0 + o0) * D),
                 src=full_tok.ap(pattern=[[Cc, Km1], [hk_c * D, 2], [1, (o1 - o0) * D]], offset=(j + 1) * Cc + o0 * D))
             wr.depends_on(reads[0], reads[1], reads[2])
         wr = nisa.dma_copy(dst=window.ap(pattern=[[C_rank, Km1], [1, hv_c * D]],
-                                         offset=j * Km1 * C_rank + 2 * kd_r + vh0 * D),
+                                         offset=w_off + j * Km1 * C_rank + 2 * kd_r + vh0 * D),
                            src=full_tok[j + 1:j + K, 2 * hk_c * D:Cc])
         wr.depends_on(reads[0], reads[1], reads[2])
 
@@ -468,7 +475,8 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                 i1 = run[2]
                 nisa.scalar_tensor_tensor(dst=S_new[:, i0:i1, :], data=db[:, i0:i1, :], op0=nl.multiply,
                                           operand0=QK[:, kk, 2 * t:2 * t + 1], op1=nl.add, operand1=S_new[:, i0:i1, :])
-            wr = nisa.dma_copy(dst=state.ap(pattern=[[D, D], [D * D, hv_c], [1, D]], offset=(t * hv_r + vh0) * D * D),
+            wr = nisa.dma_copy(dst=state.ap(pattern=[[D, D], [D * D, hv_c], [1, D]],
+                                            offset=s_off + (t * hv_r + vh0) * D * D),
                                src=S_new)
             wr.depends_on(reads[0], reads[1], reads[2])
             S_prev = S_new
@@ -484,23 +492,23 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.tensor_tensor(dst=yn, data1=o_all, data2=rstd, op=nl.multiply)
     yg = nl.ndarray((D, hv_c, T), adt, buffer=nl.sbuf, name="o_gated")
     nisa.scalar_tensor_tensor(dst=yg, data=yn, op0=nl.multiply, operand0=wn, op1=nl.multiply, operand1=sz)
-    n_ochunks = (H + PSUM_COLS - 1) // PSUM_COLS
+    n_ochunks = (H + MOVING_MAX - 1) // MOVING_MAX
     y_ps = []
     for k in range(n_ochunks):
-        y_ps.append(nl.ndarray((T, min(H, (k + 1) * PSUM_COLS) - k * PSUM_COLS), f32, buffer=nl.psum,
+        y_ps.append(nl.ndarray((T, min(H, (k + 1) * MOVING_MAX) - k * MOVING_MAX), f32, buffer=nl.psum,
                                name=f"y_ps{k}"))
     for i in range(hv_c):
         for k in range(n_ochunks):
-            n0 = k * PSUM_COLS
-            nisa.nc_matmul(dst=y_ps[k], stationary=yg[:, i, :], moving=wo[:, i, n0:min(H, n0 + PSUM_COLS)],
+            n0 = k * MOVING_MAX
+            nisa.nc_matmul(dst=y_ps[k], stationary=yg[:, i, :], moving=wo[:, i, n0:min(H, n0 + MOVING_MAX)],
                            accumulate=i > 0)
     y = nl.ndarray((T, H), f32, buffer=nl.sbuf, name="y")
     for k in range(n_ochunks):
-        n0 = k * PSUM_COLS
+        n0 = k * MOVING_MAX
         if k % 2 == 1:
-            nisa.activation(dst=y[:, n0:min(H, n0 + PSUM_COLS)], op=nl.copy, data=y_ps[k])
+            nisa.activation(dst=y[:, n0:min(H, n0 + MOVING_MAX)], op=nl.copy, data=y_ps[k])
         else:
-            nisa.tensor_copy(dst=y[:, n0:min(H, n0 + PSUM_COLS)], src=y_ps[k])
+            nisa.tensor_copy(dst=y[:, n0:min(H, n0 + MOVING_MAX)], src=y_ps[k])
     return y
 
 
@@ -531,7 +539,7 @@ def gdn_kernel(x, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, re
     T, H = x.shape
     n = w_in.shape[0]
     y_out = nl.ndarray((n, T, H), nl.float32, buffer=nl.shared_hbm, name="y_partials")
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    _, core = program_sharding()
     xT = load_feature_major(x)
     y = gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps)
     nisa.dma_copy(dst=y_out[core], src=y)

@@ -30,3 +30,21 @@ def to_numpy(x) -> np.ndarray:
             return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
     return np.asarray(x)
+
+
+def feature_major(x) -> np.ndarray:
+    """Token-major ``[T, H]`` (torch or numpy) -> the kernels' feature-major layout ``[P, H/P, T]`` (numpy, same
+    dtype): element (p, j, t) = x[t, j*P + p] (nki_kernels/README.md "Shared SBUF layouts")."""
+    from nki_kernels.common import P
+    a = to_numpy(x)
+    T, H = a.shape
+    if H % P:
+        raise ValueError(f"feature_major: hidden size {H} is not a multiple of {P}")
+    return np.ascontiguousarray(a.T.reshape(H // P, P, T).transpose(1, 0, 2))
+
+
+def from_feature_major(xT) -> np.ndarray:
+    """The inverse of :func:`feature_major`: ``[..., P, H/P, T]`` -> ``[..., T, H]`` (numpy, same dtype)."""
+    a = to_numpy(xT)
+    p, j, t = a.shape[-3:]
+    return np.ascontiguousarray(np.swapaxes(a, -1, -3).reshape(*a.shape[:-3], t, j * p))

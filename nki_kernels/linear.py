@@ -19,10 +19,8 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import MOVING_MAX, P, program_sharding
 from nki_kernels.host import as_torch
-
-P = 128
-PSUM_COLS = 512  # fp32 columns of one PSUM bank (the moving free-size limit on trn2)
 
 
 def columns_body(xT, w):
@@ -39,8 +37,8 @@ def columns_body(xT, w):
     w_sb = nl.ndarray((P, J, nc), w.dtype, buffer=nl.sbuf, name="lin_w")
     nisa.dma_copy(dst=w_sb, src=w)
     y = nl.ndarray((T, nc), nl.float32, buffer=nl.sbuf, name="lin_y")
-    for n0 in range(0, nc, PSUM_COLS):
-        n1 = min(nc, n0 + PSUM_COLS)
+    for n0 in range(0, nc, MOVING_MAX):
+        n1 = min(nc, n0 + MOVING_MAX)
         ps = nl.ndarray((T, n1 - n0), nl.float32, buffer=nl.psum, name="lin_ps")
         for j in range(J):
             nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=w_sb[:, j, n0:n1], accumulate=j > 0)
@@ -58,8 +56,8 @@ def token_major(xT):
     H = J * P
     ident = nl.shared_identity_matrix(n=P, dtype=xT.dtype)
     x = nl.ndarray((T, H), xT.dtype, buffer=nl.sbuf, name="tok_x")
-    for n0 in range(0, H, PSUM_COLS):
-        n1 = min(H, n0 + PSUM_COLS)
+    for n0 in range(0, H, MOVING_MAX):
+        n1 = min(H, n0 + MOVING_MAX)
         ps = nl.ndarray((T, n1 - n0), nl.float32, buffer=nl.psum, name="tok_ps")
         for j in range(n0 // P, n1 // P):
             nisa.nc_matmul(dst=ps[:, j * P - n0:(j + 1) * P - n0], stationary=xT[:, j, :], moving=ident,
@@ -72,8 +70,7 @@ def token_major(xT):
 def columns_kernel(xT, w):
     """Wrapper: xT HBM ``[P, J, T]``, w HBM ``[n_cores, P, J, Nc]`` (core c's columns ``[c*Nc, (c+1)*Nc)``)
     -> ``[n_cores, T, Nc]`` float32; concatenated over cores it is the full ``x W^T``."""
-    n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    c = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n, c = program_sharding()
     _, J, T = xT.shape
     out = nl.ndarray((n, T, w.shape[3]), nl.float32, buffer=nl.shared_hbm, name="lin_cols")
     xs = nl.ndarray((P, J, T), xT.dtype, buffer=nl.sbuf, name="lin_xT")

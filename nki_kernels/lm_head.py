@@ -63,10 +63,10 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.host import as_torch, to_numpy
+from nki_kernels.common import MOVING_MAX, P, program_sharding
+from nki_kernels.host import as_torch, feature_major
 
-P = 128                  # partitions (nkisim.hw.PMAX / nl.tile_size.pmax; a Python int is needed for shapes)
-NB = 512                 # vocab columns per matmul: gemm_moving_fmax = one PSUM bank of fp32
+NB = MOVING_MAX          # vocab columns per matmul: the moving free size = one PSUM bank of fp32
 W_BUFS = 2               # weight-block ring depth (16 KiB per partition each at H = 2048, bf16); see module doc
 TOP8_MIN = 8             # max8 / nc_find_index8 need >= 8 elements per partition (SDK-ISA)
 FP32_MIN = -3.4028234663852886e38
@@ -217,8 +217,7 @@ def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False):
     Launch ``lm_head_argmax_kernel(...)`` for one core (n_cores = 1) or ``[2]`` for a rank's two cores;
     ``vocab_base`` = the first vocab row of this launch (rank * 2 * Vc for a rank).
     """
-    n_cores = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n_cores, core = program_sharding()
     if w.shape[0] != n_cores:
         raise ValueError(f"lm_head: weight holds {w.shape[0]} core shards, launched on {n_cores} cores")
     Pp, KT, T = xT.shape
@@ -256,13 +255,6 @@ def rank_lm_head_layout(shards) -> torch.Tensor:
     return torch.stack([lm_head_layout(s) for s in shards])
 
 
-def xT_layout(h) -> np.ndarray:
-    """Post-norm hidden ``[T, H]`` -> feature-major ``[P, KT, T]`` (host side, for tests/layerwise)."""
-    a = to_numpy(h)
-    T, H = a.shape
-    return np.ascontiguousarray(a.T.reshape(H // P, P, T).transpose(1, 0, 2))
-
-
 def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only: bool = False):
     """(kernel, args) for one rank at the config's shapes: ``lm_head_argmax_kernel[2]`` with the rank's
     two shards ``[2, P, KT*Vc]`` (Vc = V / (2*tp)) and xT ``[P, KT, T]``."""
@@ -282,4 +274,4 @@ def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only:
     h = rng.standard_normal((T, H)).astype(np.float32)
     base = (rng.standard_normal((1021, H)) / np.sqrt(H)).astype(np.float32)
     w = np.take(base, np.arange(2 * vc) * 7 % base.shape[0], axis=0).astype(st)
-    return lm_head_argmax_kernel[2], (xT_layout(h.astype(st)), rank_lm_head_layout((w[:vc], w[vc:])))
+    return lm_head_argmax_kernel[2], (feature_major(h.astype(st)), rank_lm_head_layout((w[:vc], w[vc:])))

@@ -93,11 +93,9 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-P = 128            # partitions (nl.tile_size.pmax; shapes need a Python int, NKL cumsum.py)
-BANK = 512         # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
+from nki_kernels.common import INT32_MAX, PSUM_BANK, P, layer_of, layer_offset, program_sharding
 MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
-INT32_MAX = 2 ** 31 - 1    # every element offset into an HBM table must fit int32 (SDK-LG "NKI Values")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,8 +130,8 @@ def _geometry(width, hidden, what):
     chunks = []
     c0 = 0
     while c0 < HR:
-        chunks.append((c0, min(BANK, HR - c0)))
-        c0 += BANK
+        chunks.append((c0, min(PSUM_BANK, HR - c0)))
+        c0 += PSUM_BANK
     return {"ic": ic, "R": R, "HR": HR, "off_d": (hidden // P) * 2 * ic, "F": width, "chunks": chunks}
 
 
@@ -440,37 +438,37 @@ def _expert_dma(stream, buf, rid):
                   dge_mode=nisa.dge_mode.hwdge)
 
 
-def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None):
+def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None, experts_layer=None):
     """Sparse MoE of T tokens on one core: SBUF xT in, SBUF partial y out.
 
     xT:      SBUF [P, H/P, T] activation dtype (bfloat16 or float32), element (p, j, t) = x[t, j*P + p]
     router:  HBM [n_cores, P, H/P, E/n_cores + 1] (``router_block``): each core's router rows and the
              shared-expert gate
     experts: HBM [E, n_cores, P, F] (``expert_blocks``), n_cores = the launch's LNC degree -- a whole
-             tensor, or with ``layer`` the stacked tensor [L, E, n_cores, P, F] of all layers (the
+             tensor, or with ``experts_layer`` a stacked table [G, E, n_cores, P, F] of G layers (the
              run-time-addressed DMA uses ``.ap()``, which addresses the base tensor, not a view)
     shared:  HBM [n_cores, P, Fs] (``expert_blocks`` of the shared expert)
     top_k:   experts per token (<= 8); prefetch: expert buffers in the ring (DMAs in flight + 1)
     regs:    optional tuple of 2 * ring-depth registers to reuse (a megakernel composing many layers
              passes one pool); allocated here when None.
-    layer:   with stacked weights, the layer index (router [L, ...] and shared [L, ...] too).
+    layer:   with stacked router [M, ...] and shared [M, ...] (``megakernel.plan``), this layer's index in them.
+    experts_layer: with a stacked experts table, this layer's index in it (nki_kernels/common.py "Stacked
+             tensors"). None / None: one layer's tensors.
     Returns y: SBUF [T, H] float32, this core's partial (sum over cores and ranks = MoE output).
     """
     _, J, T = xT.shape
     H = J * P
     adt = xT.dtype
     f32 = nl.float32
-    base = 0                # element offset of this layer's expert table inside `experts`
     stacked = experts
-    if layer != None:
-        if len(experts.shape) != 5 or not 0 <= layer < experts.shape[0]:
-            raise ValueError(f"moe_tkg: layer {layer} of stacked experts {list(experts.shape)}: expected "
-                             f"[L, E, n_cores, {P}, F] with 0 <= layer < L")
-        base = layer * experts.shape[1] * experts.shape[2] * experts.shape[3] * experts.shape[4]
-        experts, router, shared = experts[layer], router[layer], shared[layer]
+    if experts_layer != None:
+        if len(experts.shape) != 5 or not 0 <= experts_layer < experts.shape[0]:
+            raise ValueError(f"moe_tkg: layer {experts_layer} of stacked experts {list(experts.shape)}: expected "
+                             f"[G, E, n_cores, {P}, F] with 0 <= layer < G")
     elif len(experts.shape) != 4:
         raise ValueError(f"moe_tkg: experts {list(experts.shape)}: expected [E, n_cores, {P}, F], or stacked "
-                         f"[L, E, n_cores, {P}, F] with layer=")
+                         f"[G, E, n_cores, {P}, F] with experts_layer=")
+    router, shared = layer_of(router, layer), layer_of(shared, layer)
     n_elems = 1
     for d in stacked.shape:
         n_elems = n_elems * d
@@ -478,6 +476,8 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         raise ValueError(f"moe_tkg: the experts table {list(stacked.shape)} holds {n_elems} elements; its element "
                          f"offsets must fit int32 (SDK-LG 'NKI Values'): stack at most "
                          f"{layers_per_table(n_elems // stacked.shape[0])} layers per table (layers_per_table)")
+    base = layer_offset(stacked, experts_layer)     # element offset of this layer's expert table in `stacked`
+    experts = layer_of(stacked, experts_layer)
     if xT.shape[0] != P:
         raise ValueError(f"moe_tkg: xT has {xT.shape[0]} partitions, expected {P} (layout [P, H/P, T])")
     if adt not in (nl.bfloat16, nl.float32):
@@ -489,11 +489,11 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
         if t.dtype != adt:
             raise ValueError(f"moe_tkg: {nm} is {t.dtype} but the activations are {adt}; weights must match")
-    if not 1 <= top_k <= MAX8 or E < MAX8 or E + 1 > BANK:
-        raise ValueError(f"moe_tkg: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {BANK}")
+    if not 1 <= top_k <= MAX8 or E < MAX8 or E + 1 > PSUM_BANK:
+        raise ValueError(f"moe_tkg: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {PSUM_BANK}")
     if not 1 <= T <= 16:
         raise ValueError(f"moe_tkg: {T} tokens; the decode kernel handles 1..16")
-    lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    lnc, pid = program_sharding()
     if n_cores != lnc or tuple(shared.shape[0:2]) != (lnc, P):
         raise ValueError(f"moe_tkg: weights laid out for {n_cores} cores (shared {list(shared.shape)}) but the "
                          f"launch has LNC={lnc}")
@@ -526,7 +526,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         regs = tuple(pool)
     if len(regs) < 2 * D:
         raise ValueError(f"moe_tkg: {len(regs)} registers given, the ring of {D} needs {2 * D}")
-    stream = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if layer == None else 1, "F": F,
+    stream = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
               "ring": ring, "id_regs": regs[0:D], "flag_regs": regs[D:2 * D], "ids": ids, "flags": flags,
               "top_k": top_k, "S": S}
     for s in range(D):
@@ -596,7 +596,7 @@ def moe_tkg(x, router, experts, shared, top_k, prefetch=8):
     T, H = x.shape
     if H % P:
         raise ValueError(f"moe_tkg: hidden size {H} is not a multiple of {P}")
-    lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    lnc, pid = program_sharding()
     out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))

@@ -38,8 +38,8 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import P, kernel_assert, program_sharding
 
-P = 128
 MAX_T = 4
 
 
@@ -113,8 +113,7 @@ def rmsnorm_kernel(x, w1, eps):
     Core c writes row c (under LNC=2 both cores compute the same values; the test checks both copies).
     """
     T, H = x.shape
-    n = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    c = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n, c = program_sharding()
     out = nl.ndarray((n, P, H // P, T), x.dtype, buffer=nl.shared_hbm, name="xT_out")
     x_sb = nl.ndarray((T, H), x.dtype, buffer=nl.sbuf, name="x")
     nisa.dma_copy(dst=x_sb, src=x)

@@ -20,6 +20,7 @@ from model.tp import embed_head as eh
 from nki_kernels import collectives as cc
 from nki_kernels import embedding as emb
 from nki_kernels import lm_head as lm
+from nki_kernels.host import feature_major
 
 F32 = np.float32
 WORLDS = [(4, 2), (4, 1), (2, 2), (1, 2), (1, 1)]
@@ -193,7 +194,7 @@ def test_lm_head_greedy_across_8_cores(dtype, T):
     p = random_params(cfg, seed=11, dtype=dtype, include_mtp=False)
     vc = eh.vocab_per_core(cfg, 8)
     h = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(dtype)
-    xT = lm.xT_layout(h)
+    xT = feature_major(h)
     per_rank = [(xT, lm.rank_lm_head_layout([eh.shard_lm_head(p, cfg, 2 * r + c) for c in range(2)]))
                 for r in range(4)]
     outs = _launch(lm_head_greedy_kernel, per_rank, 4, 2)
@@ -221,7 +222,7 @@ def test_lm_head_greedy_crafted_cross_core_ties():
         w[rows, 1 + t] = 9.0 - w[rows, 0]
     for dtype in (torch.float32, torch.bfloat16):
         wd = w.to(dtype)
-        per_rank = [(lm.xT_layout(h.to(dtype)), lm.rank_lm_head_layout([wd[(2 * r + c) * vc:(2 * r + c + 1) * vc]
+        per_rank = [(feature_major(h.to(dtype)), lm.rank_lm_head_layout([wd[(2 * r + c) * vc:(2 * r + c + 1) * vc]
                                                                         for c in range(2)])) for r in range(4)]
         outs = _launch(lm_head_greedy_kernel, per_rank, 4, 2)
         want = [min(rows) for rows in cases]
@@ -236,7 +237,7 @@ def test_greedy_token_feeds_the_embedding_in_kernel():
     p = random_params(cfg, seed=13, dtype=torch.bfloat16, include_mtp=False)
     h = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     table = p["model.embed_tokens.weight"]
-    per_rank = [(lm.xT_layout(h), lm.rank_lm_head_layout([eh.shard_lm_head(p, cfg, 2 * r + c) for c in range(2)]),
+    per_rank = [(feature_major(h), lm.rank_lm_head_layout([eh.shard_lm_head(p, cfg, 2 * r + c) for c in range(2)]),
                  table) for r in range(4)]
     outs = _launch(greedy_then_embed_kernel, per_rank, 4, 2)
     tv, ti = eh.lm_head_argmax(p, cfg, h)

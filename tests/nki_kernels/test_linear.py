@@ -15,14 +15,9 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import P
+from nki_kernels.host import feature_major
 from nki_kernels.linear import column_layout, columns_kernel, token_major
-
-P = 128
-
-
-def feature_major(x: np.ndarray) -> np.ndarray:
-    t, h = x.shape
-    return np.ascontiguousarray(x.T.reshape(h // P, P, t).transpose(1, 0, 2))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -22,6 +22,7 @@ from model.config import preset
 from model.params import random_params
 from model.tp import embed_head as eh
 from nki_kernels import lm_head as lm
+from nki_kernels.host import feature_major
 
 N_CORES = 8
 
@@ -70,7 +71,7 @@ def test_tiny_rank_launches_match_twin(tiny, T):
     vals, idxs = [], []
     for rank in range(N_CORES // 2):
         shards = [eh.shard_lm_head(p, cfg, 2 * rank + c, N_CORES) for c in range(2)]
-        best, logits = lm.lm_head_argmax_kernel[2](lm.xT_layout(h), lm.rank_lm_head_layout(shards),
+        best, logits = lm.lm_head_argmax_kernel[2](feature_major(h), lm.rank_lm_head_layout(shards),
                                                    vocab_base=2 * rank * vc, with_logits=True)
         assert best.shape == (2, T, 2) and logits.shape == (2, T, vc)
         for c in range(2):
@@ -96,7 +97,7 @@ def test_geometries_lnc1(dtype, vc, T):
     g = torch.Generator().manual_seed(vc)
     w = (torch.randn(vc, H, generator=g) / H ** 0.5).to(dtype)
     h = torch.randn(T, H, generator=g).to(dtype)
-    best, logits = lm.lm_head_argmax_kernel(lm.xT_layout(h), lm.lm_head_layout(w)[None], vocab_base=5 * vc,
+    best, logits = lm.lm_head_argmax_kernel(feature_major(h), lm.lm_head_layout(w)[None], vocab_base=5 * vc,
                                             with_logits=True)
     check_core(best[0], logits[0], h, w, 5 * vc)
 
@@ -126,7 +127,7 @@ def test_crafted_ties_within_a_core_lowest_index_wins(dtype):
     for lnc in (1, 2):
         wl = lm.rank_lm_head_layout([w.to(dtype)] * lnc)
         kernel = lm.lm_head_argmax_kernel if lnc == 1 else lm.lm_head_argmax_kernel[2]
-        best = _np32(kernel(lm.xT_layout(h.to(dtype)), wl, vocab_base=vc))
+        best = _np32(kernel(feature_major(h.to(dtype)), wl, vocab_base=vc))
         for c in range(lnc):
             assert best[c][:, 0].tolist() == [9.0] * len(cases)
             assert best[c][:, 1].tolist() == [min(r) + vc * (1 + c) for r in cases]
@@ -143,7 +144,7 @@ def test_real_shape_one_core(T):
     g = torch.Generator().manual_seed(100 + T)
     w = (torch.randn(vc, H, generator=g) / H ** 0.5).to(torch.bfloat16)
     h = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    best, logits = lm.lm_head_argmax_kernel(lm.xT_layout(h), lm.lm_head_layout(w)[None], vocab_base=7 * vc,
+    best, logits = lm.lm_head_argmax_kernel(feature_major(h), lm.lm_head_layout(w)[None], vocab_base=7 * vc,
                                             with_logits=True)
     check_core(best[0], logits[0], h, w, 7 * vc)
 
@@ -157,7 +158,7 @@ def test_real_shape_rank_fp32(T):
     g = torch.Generator().manual_seed(200 + T)
     w = torch.randn(2 * vc, H, generator=g) / H ** 0.5
     h = torch.randn(T, H, generator=g)
-    best, logits = lm.lm_head_argmax_kernel[2](lm.xT_layout(h), lm.rank_lm_head_layout((w[:vc], w[vc:])),
+    best, logits = lm.lm_head_argmax_kernel[2](feature_major(h), lm.rank_lm_head_layout((w[:vc], w[vc:])),
                                                vocab_base=2 * vc, with_logits=True)
     for c in range(2):
         check_core(best[c], logits[c], h, w[c * vc:(c + 1) * vc], (2 + c) * vc)

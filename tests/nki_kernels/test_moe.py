@@ -149,7 +149,7 @@ def stacked_moe(x, router, experts, shared, top_k, layer):
     out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
-    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer)
+    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=layer)
     nisa.dma_copy(dst=out[pid], src=y)
     return out
 
