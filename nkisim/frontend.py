@@ -63,10 +63,13 @@ from . import public_api
 from .errors import NkiFidelityWarning, NkiValidationError
 
 HELPER_LINT = True        # lint the helpers a kernel runs
-HELPER_ERRORS = False     # True: 'is' / non-string dict keys are errors in helpers too (see the docstring)
+HELPER_ERRORS = False     # True: 'is' is an error in helpers too (see the docstring)
 CLASS_RULE = "error"      # user classes reaching traced code (SDK-LG "Class Support")
 API_RULE = "error"        # undocumented API names / attributes
 PURITY = "warn"           # traced code reading mutable module globals / closure state (SDK-LG "Kernel Caching")
+DICT_KEYS = "error"       # dicts with non-string keys in traced frames (SDK-LG "NKI Values"); "off"
+DICT_KEYS_DOC = ("NKI dict keys must be strings (SDK nki-language-guide.rst 'NKI Values': 'Dictionaries with "
+                 "string-value keys', 'the keys must be string values'; NKI 0.3.0 update guide)")
 
 
 class NkiFrontendWarning(NkiFidelityWarning):
@@ -152,6 +155,8 @@ def _check_argument(x, what, seen):
             _check_argument(v, f"{what}[{i}]", seen)
     elif t is dict:
         for k, v in x.items():
+            if not isinstance(k, str):
+                _dict_key_fail(f"{what} is a dict with the non-string key {k!r}")
             _check_argument(v, f"{what}[{k!r}]", seen)
     elif isinstance(x, types.FunctionType):
         if _is_kernel_file(x.__code__.co_filename):
@@ -232,6 +237,9 @@ def _check_value(obj, label, where, code, line, closure=False):
         return
     if isinstance(obj, _MUTABLE):
         _purity(code, line, label, f"a {t.__name__}", where, closure)
+        bad = _bad_key(obj)
+        if bad is not None:
+            _global_dict_key(code, line, label, where, bad)
         items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, set)) else ()
         for i, v in enumerate(items):
             if i >= 64:
@@ -311,6 +319,8 @@ def _check_api_chain(api, mod, attrs, name, where):
         if sub is not None and len(attrs) > 1:
             _check_api_chain(_api_module_name(sub) or f"nki.{a}", sub, attrs[1:], f"{name}.{a}", where)
         return
+    if f"{api}.{a}" in public_api.UNDOCUMENTED:
+        return                   # provided with a fidelity warning when read (public_api.nki_package_getattr)
     if a not in public_api.MODULES.get(api, ()):
         _api_fail(f"{where} reads {name}.{a}: '{a}' is not part of {api} in the NKI 0.6 public interface "
                   f"(../shared/docs/nki-api-0.6.json)")
@@ -443,6 +453,179 @@ def _own_nodes(fnode):
             todo.extend(ast.iter_child_nodes(n))
 
 
+# ---- dict keys (SDK-LG "NKI Values") ------------------------------------------------------------------------------
+_SCAN_DEPTH = 2          # containers nested this deep are looked into
+_SCAN_ITEMS = 32         # elements looked at per container
+_NKIOBJECT = []          # [nl.NKIObject], imported lazily
+_OBJ_TYPES = {}          # type -> whether its objects are user NKIObjects
+
+
+def _bad_key(x, depth=0):
+    """(path, key) of the first non-string dict key in ``x`` -- a dict, or dicts inside tuples / lists / NKIObjects,
+    at most _SCAN_DEPTH deep and _SCAN_ITEMS elements per container -- or None."""
+    t = type(x)
+    if t is dict:
+        for k in x:
+            if type(k) is not str:
+                return "", k
+        items = [(f"[{k!r}]", v) for k, v in list(x.items())[:_SCAN_ITEMS]]
+    elif t is tuple or t is list:
+        items = [(f"[{i}]", v) for i, v in enumerate(x[:_SCAN_ITEMS])]
+    elif _user_object(t):
+        items = [(f".{k}", v) for k, v in list(vars(x).items())[:_SCAN_ITEMS]]
+    else:
+        return None
+    if depth >= _SCAN_DEPTH:
+        return None
+    for p, v in items:
+        tv = type(v)
+        if tv is dict or tv is tuple or tv is list or _user_object(tv):
+            bad = _bad_key(v, depth + 1)
+            if bad is not None:
+                return p + bad[0], bad[1]
+    return None
+
+
+def _user_object(t):
+    """Whether objects of type ``t`` are user NKIObjects (their attributes are kernel values); cached per type."""
+    r = _OBJ_TYPES.get(t)
+    if r is None:
+        if not _NKIOBJECT:
+            from .language import NKIObject
+            _NKIOBJECT.append(NKIObject)
+        r = _OBJ_TYPES[t] = issubclass(t, _NKIOBJECT[0]) and not t.__module__.startswith("nkisim") and \
+            not hasattr(t, "__slots__")
+    return r
+
+
+def _dict_key_fail(msg):
+    raise NkiValidationError(f"nki.jit: NKI Python subset: {msg}; {DICT_KEYS_DOC} (switch: nkisim.frontend.DICT_KEYS)")
+
+
+def _check_frame_dicts(frame):
+    """The local variables of a traced function (at an ISA call: dicts it was passed, built or got back from a
+    helper) hold no dict with a non-string key. A dict built at run time (``d[k] = v``) is seen here, while the
+    function is on the stack at an ISA call; the source lint sees only literal keys."""
+    local = frame.f_locals
+    try:
+        bad = None
+        for var, v in local.items():
+            tv = type(v)
+            if tv is dict or tv is tuple or tv is list or _user_object(tv):
+                bad = _bad_key(v)
+                if bad is not None:
+                    bad = (var,) + bad
+                    break
+    finally:
+        if frame.f_code.co_flags & inspect.CO_OPTIMIZED:   # see _check_frame_attributes: keep no tile alive
+            local.clear()
+        del local
+    if bad is not None:
+        c = frame.f_code
+        _dict_key_fail(f"{c.co_name} ({_short(c.co_filename, frame.f_lineno)}): '{bad[0]}{bad[1]}' is a dict with the "
+                       f"non-string key {bad[2]!r}")
+
+
+def _global_dict_key(code, line, label, where, bad):
+    """A module global / closure dict with a non-string key read by traced code: warned. The rule is documented, but
+    AWS's nki-library (hardware-tested) reads such globals in the helpers its kernels run -- core/utils/
+    kernel_helpers.py ``_act_fn_map`` (keys: ActFnType members), core/topk/rotational_topk.py
+    ``SUPPORTED_TOPK_METHOD_MAPPING`` -- so the compiler evidently evaluates these lookups in Python."""
+    key = (code.co_filename, line, "dictkey:" + label)
+    if DICT_KEYS == "off" or key in _reported:
+        return
+    _reported.add(key)
+    warnings.warn(f"nki.jit: NKI Python subset: {where}: '{label}{bad[0]}' is a dict with the non-string key "
+                  f"{bad[1]!r}; {DICT_KEYS_DOC}. Warned, not refused, for module globals: AWS's hardware-tested "
+                  f"nki-library reads such dicts in traced helpers (core/utils/kernel_helpers.py _act_fn_map, keyed "
+                  f"by ActFnType members)", NkiFrontendWarning, stacklevel=5)
+
+
+# ---- Python truth tests of registers (registers.py) ----------------------------------------------------------------
+_TRUTH = {}      # (code, f_lasti) -> (while site or None, construct)
+
+
+def truth_test(frame):
+    """Where ``frame`` is truth-testing a value: ``((line, col), None)`` of the ``while`` statement when it is the
+    condition of ``while <value>:`` and that condition is the value itself (a name, attribute or subscript), else
+    ``(None, construct)`` naming what does the test ("an if statement", "not", ...). Found from the bytecode position
+    of the instruction (``co_positions``: the jump of a while condition carries the statement's or the condition's
+    span) matched against the function's source; cached per instruction."""
+    code = frame.f_code
+    key = (code, frame.f_lasti)
+    r = _TRUTH.get(key)
+    if r is None:
+        r = _TRUTH[key] = _truth_test(code, frame.f_lasti)
+    return r
+
+
+def _span(n):
+    return (n.lineno, n.end_lineno, n.col_offset, n.end_col_offset)
+
+
+def _truth_test(code, lasti):
+    positions = list(code.co_positions())
+    i = lasti // 2
+    pos = positions[i] if 0 <= i < len(positions) else None
+    node = _node_of(code)
+    if pos is None or None in pos or node is None:
+        return None, "Python truth-testing"
+    best = None
+    for n in _own_nodes(node):
+        if isinstance(n, ast.While) and pos in (_span(n), _span(n.test)):
+            if isinstance(n.test, (ast.Name, ast.Attribute, ast.Subscript)):
+                return (n.lineno, n.col_offset), None
+            return None, f"the while condition '{ast.unparse(n.test)}' is not a single register value"
+        if not hasattr(n, "end_lineno") or n.end_lineno is None:
+            continue
+        if (n.lineno, n.col_offset) <= (pos[0], pos[2]) and (n.end_lineno, n.end_col_offset) >= (pos[1], pos[3]):
+            if best is None or (n.lineno, n.col_offset) >= (best.lineno, best.col_offset) and \
+                    (n.end_lineno, n.end_col_offset) <= (best.end_lineno, best.end_col_offset):
+                best = n
+    return None, _construct(best)
+
+
+def _construct(n):
+    if isinstance(n, ast.If):
+        return f"an if statement at line {n.lineno}"
+    if isinstance(n, ast.IfExp):
+        return f"a conditional expression at line {n.lineno}"
+    if isinstance(n, ast.BoolOp):
+        return f"'and' / 'or' at line {n.lineno}"
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+        return f"'not' at line {n.lineno}"
+    if isinstance(n, ast.Assert):
+        return f"an assert at line {n.lineno}"
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "bool":
+        return f"bool() at line {n.lineno}"
+    return "Python truth-testing" + ("" if n is None else f" at line {n.lineno}")
+
+
+def while_body_exit(code, site):
+    """A ``break`` / ``return`` that would leave the ``while`` statement at ``site`` (line, col) of ``code`` other
+    than through its condition (described), or None. A ``break`` of a loop nested in the body is that loop's."""
+    node = _node_of(code)
+    if node is None:
+        return None
+    for w in _own_nodes(node):
+        if isinstance(w, ast.While) and (w.lineno, w.col_offset) == site:
+            todo = [(b, False) for b in w.body]
+            while todo:
+                n, nested = todo.pop()
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                    continue
+                if isinstance(n, ast.Return):
+                    return f"a return statement at line {n.lineno}"
+                if isinstance(n, ast.Break) and not nested:
+                    return f"a break statement at line {n.lineno}"
+                if isinstance(n, (ast.For, ast.AsyncFor, ast.While)):     # its body's breaks are its own
+                    todo.extend((c, True) for c in n.body)
+                    todo.extend((c, nested) for c in n.orelse)
+                else:
+                    todo.extend((c, nested) for c in ast.iter_child_nodes(n))
+    return None
+
+
 # ---- classes (SDK-LG "Class Support") ------------------------------------------------------------------------------
 def _user_class(cls):
     """A class defined in kernel code (not nkisim, the standard library or an installed package)."""
@@ -545,6 +728,8 @@ def check_stack(frame, seen):
                     raise
         if s:
             return
+        if DICT_KEYS == "error":
+            _check_frame_dicts(f)
         b = f.f_back
         bc = None if b is None else b.f_code
         rec = seen.get(id(f))
@@ -652,13 +837,9 @@ def lint_node(tree, fname, filename, line_offset, helper):
         elif isinstance(node, ast.Dict):
             for k in node.keys:
                 if isinstance(k, ast.Constant) and not isinstance(k.value, str):
-                    if helper and not HELPER_ERRORS:
-                        _warn_once(filename, line, f"dict key {k.value!r}", kind, fname, where,
-                                   "NKI dict keys must be strings (NKI 0.3.0)")
-                        continue
                     raise NkiValidationError(
-                        f"nki.jit: NKI Python subset: {kind} {fname} builds a dict with key {k.value!r} at {where}:{line}; NKI dict keys "
-                        f"must be strings (SDK-LG 'NKI Values': 'Dictionaries with string-value keys'; NKI 0.3.0)")
+                        f"nki.jit: NKI Python subset: {kind} {fname} builds a dict with key {k.value!r} at {where}:{line}; "
+                        f"{DICT_KEYS_DOC}")
         if node is tree:
             if helper and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args

@@ -196,6 +196,10 @@ def _output(x, launch, want_torch, names_seen):
     if isinstance(x, list):
         return [_output(v, launch, want_torch, names_seen) for v in x]
     if isinstance(x, dict):
+        bad = [k for k in x if not isinstance(k, str)]
+        if bad:
+            raise NkiValidationError(f"kernel {launch.kernel_name} returns a dict with non-string key(s) {bad!r}; "
+                                     f"{frontend.DICT_KEYS_DOC}")
         return {k: _output(v, launch, want_torch, names_seen) for k, v in x.items()}
     return x
 

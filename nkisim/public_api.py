@@ -76,3 +76,33 @@ ENUMS = {
     "nki.isa.dma_engine": frozenset(('dma', 'gpsimd_dma')),
     "nki.language.MemoryRegion": frozenset(('sbuf', 'psum', 'private_hbm', 'shared_hbm')),
 }
+
+# Names outside the stubs that AWS's hardware-tested nki-library relies on: provided, with a NkiFidelityWarning when
+# read (the name exists in the real package, but its meaning is not documented). name -> (value's source, evidence).
+UNDOCUMENTED = {
+    "nki.dtype": (
+        "nki.language.DType (the stubs' dtype type: 'DType = str')",
+        "AWS's nki-library annotates dtype parameters and results with it in 13 files since its first public "
+        "release (2.27; the 2.29 release = NKI 0.3.0, compiled and run on hardware), e.g. core/subkernels/"
+        "find_nonzero_indices.py 'index_dtype: nki.dtype = nl.int32'; the Neuron SDK's nki-library API pages show "
+        "it as a parameter type ('compute_dtype: nki.dtype = nl.bfloat16'). Annotations are evaluated when a module "
+        "is imported, so the real 'nki' package must have it"),
+}
+_warned = set()
+
+
+def nki_package_getattr(name):
+    """``__getattr__`` of nkisim's ``nki`` package (PEP 562): the UNDOCUMENTED names, each warned once."""
+    key = f"nki.{name}"
+    if key not in UNDOCUMENTED:
+        raise AttributeError(f"module 'nki' has no attribute '{name}' (not in the NKI 0.6 public interface, "
+                             f"../shared/docs/nki-api-0.6.json)")
+    if key not in _warned:
+        import warnings
+        from .errors import NkiFidelityWarning
+        _warned.add(key)
+        source, evidence = UNDOCUMENTED[key]
+        warnings.warn(f"{key} is not in the NKI 0.6 public interface (../shared/docs/nki-api-0.6.json); nkisim "
+                      f"provides it as {source} because {evidence}", NkiFidelityWarning, stacklevel=2)
+    from . import language
+    return language.DType

@@ -1,10 +1,44 @@
-"""Engine-sequencer registers (``nisa.register_*``) and runtime loops (ref §2.4, §5.11)."""
+"""Engine-sequencer registers (``nisa.register_*``) and runtime loops (ref §2.4, §5.11).
+
+A register holds a value that exists only at run time (SDK nki-language-guide.rst "Dynamic Control Flow": "Unlike
+compile-time integer values, a VirtualRegister holds a value that exists at runtime"), so Python cannot compute with
+it, compare it or branch on it while the kernel is built (SDK-ISA VirtualRegister note: "using a register in Python
+control flow (``if``/``while``) or converting it with ``int()`` / ``range()`` raises ``TypeError``"). nkisim refuses
+all of that with :class:`RegisterUseError`. Two things stay legal:
+
+* ``reg == None`` / ``reg != None`` (False / True): a static test of the Python value, not of the register's contents
+  (the kernels' ``x == None`` form, as ``is None`` is not NKI);
+* ``while reg:`` -- the documented dynamic while loop (nki-language-guide.rst "Dynamic Control Flow": "A dynamic
+  while loop is specified using the standard while-loop with a condition that is a single register value";
+  nki-dynamic-loops.rst "Using while with a VirtualRegister"), deprecated in NKI 0.6.0 in favour of
+  ``nl.while_loop`` (SDK-RN 0.6.0 "Deprecated and Removed APIs": "NKI emits a deprecation warning when it encounters
+  ... ``while reg:`` loops"; migration guide 0.6.0 "Pattern 2"). nkisim runs it as that runtime loop (see
+  :func:`_while_condition`): a deprecation warning, a ``while reg`` runtime loop in the trace and in the LNC=2
+  uniformity log (nkisim/controlflow.py), the same rules as ``nl.while_loop`` (none inside ``nl.no_reorder``; the
+  condition register is read by every body instruction). Its condition must be the register itself (``while reg:``,
+  ``while regs["c"]:``): ``while not reg:``, ``while reg and x:`` and the like are refused, and so are ``break`` /
+  ``return`` in its body (the loop ends only when the register reads 0).
+"""
+import os
+import sys
+import warnings
+import weakref
+
 from .errors import NkiValidationError
+
+RULE = "NKI registers"
+_DOC = ("SDK-ISA VirtualRegister: a register's value is not known while the kernel is built, so 'using a register "
+        "in Python control flow (if/while) or converting it with int() / range() raises TypeError'")
+
+
+class RegisterUseError(NkiValidationError, TypeError):
+    """Python computing with, comparing or branching on a register value (a TypeError, as the SDK documents)."""
 
 
 class VirtualRegister:
-    """A 32-bit runtime register. ``bool(reg)`` supports the deprecated ``while reg:`` loop.
-    In shape-only mode a register loaded from memory holds the placeholder 0 (``placeholder`` True).
+    """A 32-bit runtime register (see the module docstring for what Python may do with it: ``reg == None``
+    and ``while reg:`` only). In shape-only mode a register loaded from memory holds the placeholder 0
+    (``placeholder`` True).
 
     Registers are virtual (SDK-ISA register_alloc: "Users do not need to explicitly free a register ... The NKI
     compiler handles physical register allocation (and deallocation)"): one made by ``register_alloc`` counts
@@ -28,17 +62,123 @@ class VirtualRegister:
             o.live_registers -= 1
 
     def __bool__(self):
-        return self.value != 0
+        return _while_condition(self, sys._getframe(1))
+
+    def __eq__(self, other):
+        if other is None:
+            return False
+        _refuse("compares it with ==", sys._getframe(1))
+
+    def __ne__(self, other):
+        if other is None:
+            return True
+        _refuse("compares it with !=", sys._getframe(1))
+
+    __hash__ = object.__hash__
 
     def __repr__(self):
         return f"VirtualRegister({self.value}{', frozen' if self.frozen else ''})"
 
     def _arith(self, *a):
-        raise TypeError("VirtualRegister values are runtime values: Python arithmetic on them is not possible "
-                        "in NKI; pass the register as .ap(scalar_offset=reg) or use nisa.register_* ops")
+        _refuse("computes with it (Python arithmetic)", sys._getframe(1))
 
-    __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __index__ = __int__ = _arith
-    __floordiv__ = __mod__ = __lt__ = __le__ = __gt__ = __ge__ = _arith
+    def _order(self, *a):
+        _refuse("compares it with < / <= / > / >=", sys._getframe(1))
+
+    def _convert(self, *a):
+        _refuse("converts it to a Python number (int() / float() / range() / an index)", sys._getframe(1))
+
+    __add__ = __radd__ = __mul__ = __rmul__ = __sub__ = __rsub__ = __truediv__ = __rtruediv__ = _arith
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __pos__ = __abs__ = _arith
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __lshift__ = __rlshift__ = _arith
+    __rshift__ = __rrshift__ = __invert__ = _arith
+    __lt__ = __le__ = __gt__ = __ge__ = _order
+    __index__ = __int__ = __float__ = __round__ = _convert
+
+
+def _where(frame):
+    c = frame.f_code
+    return f"{c.co_name} ({os.path.basename(c.co_filename)}:{frame.f_lineno})"
+
+
+def _refuse(what, frame):
+    raise RegisterUseError(
+        f"{RULE}: {_where(frame)} {what} on a VirtualRegister: a register holds a run-time value, so Python can neither "
+        f"compute with it, compare it nor branch on it while the kernel is built ({_DOC}). Compute on the device "
+        f"(register_load of a tile an engine computed, .ap(scalar_offset=reg)), loop with nl.fori_loop / "
+        f"nl.while_loop, or test a compile-time value instead (e.g. nl.program_id(0) rather than a register); "
+        f"'reg == None' is the only comparison (a static test)")
+
+
+# ---- the deprecated ``while reg:`` loop ------------------------------------------------------------------------
+_WHILES = weakref.WeakKeyDictionary()     # program instance -> {(id(frame), while site): _While}
+
+
+class _While:
+    """One running ``while reg:`` loop: its runtime-loop context (language._runtime_loop), log entry, body runs."""
+    __slots__ = ("cm", "inst", "entry", "n", "base")
+
+
+def _while_condition(reg, frame):
+    """``bool(reg)``: legal only as the condition of a ``while reg:`` statement, which it runs as a runtime loop.
+
+    The first evaluation at a site opens the loop (a ``while reg`` runtime loop: language._runtime_loop), each later
+    one ends the previous iteration; the loop closes when the register reads 0 (trip count = body runs, as
+    nl.while_loop). The site is found from the bytecode position of the truth test (frontend.truth_test)."""
+    from . import frontend
+    from .runtime import current_or_none
+    site, construct = frontend.truth_test(frame)
+    if site is None:
+        _refuse(f"uses it as a Python truth value ({construct})", frame)
+    inst = current_or_none()
+    if inst is None:
+        _refuse("tests it in a while statement outside a kernel launch", frame)
+    loops = _WHILES.get(inst)
+    if loops is None:
+        loops = _WHILES[inst] = {}
+    key = (id(frame), site)
+    w = loops.get(key)
+    if w is None:
+        w = loops[key] = _open(inst, frame, site)
+    else:
+        w.n += 1                           # the previous iteration's body ran
+    if reg.value != 0:
+        from .language import _iteration
+        _iteration(inst, w.n)
+        inst.loop_regs = w.base + (reg,)   # the body runs on the current condition register
+        return True
+    del loops[key]
+    w.cm.__exit__(None, None, None)
+    from . import controlflow
+    controlflow.finish(inst, w.entry, w.n)
+    return False
+
+
+def _open(inst, frame, site):
+    from . import frontend
+    from .language import _runtime_loop
+    bad = frontend.while_body_exit(frame.f_code, site)
+    if bad is not None:
+        raise NkiValidationError(
+            f"runtime loops: {_where(frame)}: the 'while reg:' loop at line {site[0]} has {bad}; a dynamic while loop "
+            f"ends only when its condition register holds 0 (nki-language-guide.rst 'Dynamic Control Flow'; "
+            f"nki-dynamic-loops.rst 'Using while with a VirtualRegister'): set the register to 0 with register_load "
+            f"/ register_move instead")
+    key = (frame.f_code.co_filename, site[0])
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"{_where(frame)}: 'while reg:' loops are deprecated since NKI 0.6.0 and will be removed; use "
+                      f"nl.while_loop(reg, body) (SDK-RN 0.6.0 'Deprecated and Removed APIs'; migration guide 0.6.0 "
+                      f"'Pattern 2')", DeprecationWarning, stacklevel=4)
+    w = _While()
+    w.cm = _runtime_loop("while reg", (), None)
+    w.inst, w.entry = w.cm.__enter__()
+    w.n = 0
+    w.base = inst.loop_regs
+    return w
+
+
+_WARNED = set()
 
 
 def _scalar(x, op):
