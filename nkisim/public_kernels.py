@@ -1,7 +1,7 @@
 """Fidelity sweep: run unmodified public NKI kernels under nkisim and compare them with numpy references.
 
     python -m nkisim.public_kernels --nki-library PATH [--sdk PATH] [--extra trnblas=PATH]
-                                    [--only SUBSTR] [--json bench/public_kernels.json]
+                                    [--only SUBSTR] [--json bench/public_kernels.json] [--provenance TEXT]
 
 PATH is a checkout of aws-neuron/nki-library (kernels imported from PATH/src/nkilib_src/nkilib) and,
 optionally, of aws-neuron/aws-neuron-sdk (tutorial kernels under PATH/nki/examples) and of third-party
@@ -605,6 +605,9 @@ def main(argv=None):
     ap.add_argument("--json", metavar="FILE",
                     help="where to write the results (default: bench/public_kernels.json for a full sweep; a "
                          "partial --only run writes only when given --json)")
+    ap.add_argument("--provenance", metavar="TEXT",
+                    help="where the checkouts' files came from, recorded in the JSON (useful when a checkout is an "
+                         "extracted tree without git metadata; each file's sha256 is recorded either way)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
     args = ap.parse_args(argv)
@@ -637,6 +640,7 @@ def main(argv=None):
                    + "".join(f" --extra {k}=PATH" for k in EXTRA_REPOS if roots.get(k)),
         "seed": args.seed,
         "checkouts": {k: {"git_commit": _checkout_commit(v)} for k, v in roots.items() if v},
+        "provenance": args.provenance,
         "rules": {k: v[0] for k, v in RULES.items()},
         "results": rows,
     }
