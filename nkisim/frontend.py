@@ -411,8 +411,11 @@ def _check_frame_attributes(code, frame, node):
     if code in _frame_checked or API_RULE == "off":
         return
     _frame_checked.add(code)
+    # The receiver's type is read from the live frame once, so a variable bound more than once (it may hold another
+    # type at the attribute's line, e.g. a tensor later wrapped in a helper object) is not judged by it.
+    rebound = _rebound_names(node)
     sites = [n for n in _own_nodes(node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
-             and isinstance(n.value, ast.Name)]
+             and isinstance(n.value, ast.Name) and n.value.id not in rebound]
     if not sites:
         return
     # The classes of the variables, read once. frame.f_locals is a snapshot dict cached on the frame: it is emptied
@@ -441,6 +444,21 @@ def _check_frame_attributes(code, frame, node):
             continue
         _api_fail(f"{code.co_name} ({_short(code.co_filename, n.lineno)}) reads {var}.{n.attr}: '{n.attr}' is not a "
                   f"documented attribute of {k[0]} ('{var}' is a {k[1]})")
+
+
+def _rebound_names(fnode):
+    """Names bound more than once in a function's own body (a parameter counts as one binding)."""
+    count = {}
+    a = getattr(fnode, "args", None)
+    if a is not None:
+        for p in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x is not None]:
+            count[p.arg] = 1
+    for n in _own_nodes(fnode):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            count[n.id] = count.get(n.id, 0) + 1
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+            count[n.target.id] = count.get(n.target.id, 0) + 1
+    return {k for k, v in count.items() if v > 1}
 
 
 def _own_nodes(fnode):

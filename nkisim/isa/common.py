@@ -24,11 +24,34 @@ def _mems(ms):
     return "/".join(m.value for m in ms)
 
 
+# Raw integers for enum parameters are documented as rejected since NKI 0.3.0 (SDK migration guide 0.3.0 "Integer enum
+# constants no longer supported"), but AWS's nki-library passes dge_mode=3 (= dge_mode.none) in the production paths
+# of core/qkv/qkv_tkg.py and core/subkernels/norm_tkg_utils.py (rmsnorm/layernorm_tkg loads) and core/mlp/mlp_tkg in
+# every release since 2.28, 2.29 (= NKI 0.3.0, compiled and run on hardware) included: accepted for dge_mode only,
+# converted to the member, with a NkiFidelityWarning. Every other raw enum value stays refused.
+_RAW_ENUM_ACCEPTED = ("dge_mode",)
+_raw_warned = set()
+
+
 def check_enum(op, name, value, enum_cls):
-    if not isinstance(value, enum_cls):
-        raise NkiValidationError(f"{op}: {name} must be a nki.isa.{enum_cls.__name__} member (raw values are "
-                                 f"rejected since NKI 0.3.0), got {value!r}")
-    return value
+    """The enum member ``value`` (returned); see _RAW_ENUM_ACCEPTED for the one raw-integer exception."""
+    if isinstance(value, enum_cls):
+        return value
+    if enum_cls.__name__ in _RAW_ENUM_ACCEPTED and type(value) is int and value in {m.value for m in enum_cls}:
+        member = enum_cls(value)
+        key = (op, enum_cls.__name__, value, call_site())
+        if key not in _raw_warned:
+            _raw_warned.add(key)
+            import warnings
+            from ..errors import NkiFidelityWarning
+            warnings.warn(f"{op} at {key[3]}: {name}={value} is a raw integer; NKI 0.3.0 documents raw enum values as "
+                          f"rejected (migration guide 'Integer enum constants no longer supported'), but AWS's "
+                          f"hardware-tested nki-library passes dge_mode=3 in qkv_tkg / rmsnorm_tkg / mlp_tkg, so nkisim "
+                          f"accepts it as nki.isa.{enum_cls.__name__}.{member.name}: write the member instead",
+                          NkiFidelityWarning, stacklevel=4)
+        return member
+    raise NkiValidationError(f"{op}: {name} must be a nki.isa.{enum_cls.__name__} member (raw values are "
+                             f"rejected since NKI 0.3.0), got {value!r}")
 
 
 def tensor(op, name, t, mems=ON_CHIP, eng=None, allow_indirect=False):

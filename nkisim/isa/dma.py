@@ -88,7 +88,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
                                                         "DMA into SBUF, then write PSUM with an engine"))
         tensor(op, nm, t, (SBUF,) + HBM, "DMA", allow_indirect=True)
     check_enum(op, "oob_mode", oob_mode, OOB)
-    check_enum(op, "dge_mode", dge_mode, DGE)
+    dge_mode = check_enum(op, "dge_mode", dge_mode, DGE)
     check_enum(op, "engine", engine, E)
     if priority is not None:
         raise NkiValidationError(f"{op}: priority= is NeuronCore-v4 only, not available on trn2")
@@ -279,7 +279,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     op = "dma_transpose"
     tensor(op, "dst", dst, (SBUF,), "DMA")
     tensor(op, "src", src, (SBUF,) + HBM, "DMA", allow_indirect=True)
-    check_enum(op, "dge_mode", dge_mode, DGE)
+    dge_mode = check_enum(op, "dge_mode", dge_mode, DGE)
     check_enum(op, "oob_mode", oob_mode, OOB)
     if priority is not None:
         raise NkiValidationError(f"{op}: priority= is NeuronCore-v4 only, not available on trn2")

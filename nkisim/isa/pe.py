@@ -4,9 +4,10 @@ import warnings
 import numpy as np
 
 from .. import hw
-from ..errors import NkiValidationError, UninitializedReadError
+from ..errors import NkiFidelityWarning, NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
 from ..numerics import fp32_matmul, fp32_matmul_active
+from ..runtime import call_site
 from ..tensor import _extent, elem_mask, mask, raw
 from .common import Instruction, check_enum, geom, mark, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
@@ -37,20 +38,34 @@ FP8_DOUBLE_ROW = ("float8_e4m3", "float8_e5m2")    # trn2 double-row FP8 inputs 
 
 
 def _dense_source(op, data):
-    """PE nc_transpose on gen3 needs the data access pattern's partition stride to equal the tensor's free size:
-    the source must be a whole, densely packed [P, F] buffer, not a column slice of a wider tile ("buffers cannot
-    be oversized/shared": ../shared/docs/trn2-costs.md, "Pitfalls met on real hardware" -- measured on trn2 by this
-    project; the SDK-ISA docstring does not state it). nki_kernels/lm_head.py evicts each chunk into its own tile
-    for this reason. The DVE transpose is not affected (the pitfall is about the PSUM-writing PE form)."""
+    """PE nc_transpose on gen3 needs the data access pattern's partition stride to equal the tensor's free size
+    (../shared/docs/trn2-costs.md, "Pitfalls met on real hardware": "data-AP partition stride equal to the tensor free
+    size (buffers cannot be oversized/shared)"; the SDK-ISA docstring does not state it). On-chip views always step one
+    partition row per index (common.geom refuses any other partition step), so that form always holds here. A view
+    that reads only part of each row (a column slice or strided columns of a wider tile) keeps that stride; this
+    project long read the pitfall as refusing it too (so
+    nki_kernels/lm_head.py evicts each chunk into its own tile), but hardware-run code PE-transposes such views: the
+    seed megakernel's measured DeltaNet layer (KevGomes1403/nki-moe-megakernel @2983e6eb: components/conv.py
+    ``qkv_to_channel_partition`` transposes 128-column slices of the [T, 3,088] projection, ``conv_load_compute``
+    strided tap columns) and AWS's nki-library (core/subkernels/norm_tkg_utils.py ``contiguous_load_transpose``,
+    releases 2.29 onwards). Such a view is accepted with a NkiFidelityWarning. The DVE transpose is not affected."""
     P = data.shape[0]
     F = data.size // P if P else 0
     R = data.storage.row_bytes
     if P and F * data.itemsize != R:
-        raise NkiValidationError(
-            f"{op}: engine=tensor needs a source whose partition stride equals its free size (a whole, densely packed "
-            f"tile): {data.describe()} reads {F} elements per partition of a {R // data.itemsize}-element partition row "
-            f"(trn2 pitfall: 'data-AP partition stride equal to the tensor free size (buffers cannot be "
-            f"oversized/shared)'); copy the slice into its own [{P}, {F}] tile first")
+        key = (op, call_site())
+        if key not in _PART_ROW_WARNED:
+            _PART_ROW_WARNED.add(key)
+            warnings.warn(
+                f"{op} at {key[1]}: engine=tensor transposes {data.describe()}, {F} elements of each "
+                f"{R // data.itemsize}-element partition row (a slice of a wider tile). trn2-costs.md's pitfall ('data-AP "
+                f"partition stride equal to the tensor free size') is met (the stride is the row), but this project "
+                f"once read it as needing a whole tile; the seed's hardware-run DeltaNet layer and AWS's nki-library "
+                f"(norm_tkg_utils.contiguous_load_transpose) transpose such slices, hence a warning. Copying the slice "
+                f"into its own [{P}, {F}] tile is the safe form", NkiFidelityWarning, stacklevel=4)
+
+
+_PART_ROW_WARNED = set()
 
 
 def _psum_word_check(op, dst):
