@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from harness.speculative import DecodeResult, generate  # noqa: E402
-from harness.variants import VARIANT_NAMES, make_variant  # noqa: E402
+from harness.engines import ENGINE_NAMES as VARIANT_NAMES  # noqa: E402
+from harness.speculative import DecodeResult, generate, make_decoder  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "embedded" / "tiny"
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="decode.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Variants: xla = the plain PyTorch model; layerwise = one NKI launch per layer stage with "
+        epilog="Variants: xla = the plain PyTorch model (the tensor-parallel twins, one thread per rank); layerwise = one NKI launch per layer stage with "
                "host-side reductions; megakernel = one NKI launch per round (draft + verify + replay). "
                "Without Trainium the NKI variants run under nkisim, the CPU interpreter: correct but slow "
                "(seconds per round even for the tiny model).")
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variant", default="all", choices=[*VARIANT_NAMES, "all"],
                     help="which implementation runs the rounds; 'all' runs each and compares (default)")
     ap.add_argument("--tp", type=int, default=4, choices=[1, 2, 4],
-                    help="simulated tensor-parallel degree of the kernel variants (LNC=2 cores per rank; "
+                    help="simulated tensor-parallel degree of every variant (LNC=2 cores per rank; "
                          "default 4 = one trn2 chip)")
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight/activation dtype")
@@ -112,21 +112,22 @@ def build_variants(names, cfg, params, args) -> dict:
     out = {}
     for name in names:
         try:
-            out[name] = make_variant(name, cfg, params, tp=args.tp)
+            out[name] = make_decoder(name, cfg, params, tp=args.tp)
         except ValueError as e:
-            raise UsageError(f"--variant {name}: {e}") from None
+            raise UsageError(f"--variant {name}: {e} (every variant is sharded over --tp {args.tp} ranks x 2 "
+                             f"cores; try a smaller --tp)") from None
     return out
 
 
 def run_variant(name, variant, ids, args, cfg) -> tuple[DecodeResult, float, int | None]:
-    """Decode with one variant: (result, seconds, kernel launches or None for xla)."""
+    """Decode with one variant: (result, seconds, launches: NKI kernel launches, or XLA graphs for xla)."""
     bar = tqdm(total=args.max_new_tokens, desc=f"{name:>10}", unit="tok", leave=False,
                disable=args.json or not sys.stderr.isatty())
     t0 = time.perf_counter()
     res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec,
                    on_tokens=lambda toks: bar.update(len(toks)))
     bar.close()
-    return res, time.perf_counter() - t0, getattr(variant, "launches", None)
+    return res, time.perf_counter() - t0, variant.launches
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,9 @@ nkisim trace of the launch.
 
 Cases:
 
-* :func:`round_case` -- the round megakernel AS SHIPPED (``max_context=None``: runtime KV-tile loops whose trip
-  counts come from the position), one launch per rank on TP x LNC cores.
+* :func:`round_case` / :func:`step_case` -- the round / step megakernel AS SHIPPED (``megakernel.round``, its
+  plan with ``max_context=None``: runtime KV-tile loops whose trip counts come from the position), one launch per
+  rank on TP x LNC cores.
 * :func:`stage_case` -- one launch of a layerwise stage kernel (``megakernel.layerwise``) on one rank: the
   kernels the layerwise variant runs, one per layer stage.
 * :func:`embedding_case` -- the embedding kernel of the layerwise variant (one core).
@@ -44,6 +45,7 @@ class KernelCase:
     routing: Routing | None = None
     tokens: int = 2
     notes: dict = field(default_factory=dict)
+    plan: object = None            # the launch plan of a round / step megakernel case (megakernel.plan)
 
     def trace(self):
         import contextlib
@@ -74,58 +76,74 @@ def _shape_dtype(t):
 
 @functools.lru_cache(maxsize=8)
 def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str = "bfloat16") -> tuple:
-    """Per rank: {name: ShapeDtype} of every weight (``megakernel.sharded.rank_weights`` run on ``meta`` tensors,
-    so the real layout helpers give the shapes) and of the decode state of a sequence of ``context`` tokens plus the
-    round's two (``rank_state``)."""
+    """Per rank: {name: ShapeDtype} of every stacked weight (``megakernel.sharded.rank_weights`` run on ``meta``
+    tensors, so the real layout helpers give the shapes) and of the decode state of a sequence of ``context``
+    tokens plus the round's two (``megakernel.plan.state_specs``)."""
     import torch
 
-    from megakernel.sharded import rank_state, rank_weights
+    import nkisim
+    from megakernel.plan import state_specs
+    from megakernel.sharded import rank_weights
     from model.params import expected_shapes, is_fp32_param
-    from model.state import DecodeState
     act = _dtype(dtype)
     params = {k: torch.empty(s, dtype=torch.float32 if is_fp32_param(k) else act, device="meta")
               for k, s in expected_shapes(cfg).items()}
-    state = DecodeState.empty(cfg, max_len=context + 2, slots=2, dtype=act)
-    out = []
-    for r in range(tp):
-        tensors = {**rank_weights(cfg, params, r, tp, lnc), **rank_state(cfg, state, r, tp)}
-        out.append({k: _shape_dtype(v) for k, v in tensors.items()})
-    return tuple(out)
+    state = {s.name: nkisim.ShapeDtype(s.shape, dtype if s.dtype == "activation" else s.dtype)
+             for s in state_specs(cfg, tp, context + 2)}
+    return tuple({**{k: _shape_dtype(v) for k, v in rank_weights(cfg, params, r, tp, lnc).items()}, **state}
+                 for r in range(tp))
 
 
-def _runtime(cfg, context: int, dtype: str) -> dict:
-    """The round's run-time inputs as a real launch passes them (``harness.nxdi.assembly.round_inputs``): the int32
-    arrays keep their values in a shape-only launch; cos/sin and the hidden row are float, so shape-only."""
+def _runtime(cfg, context: int, dtype: str, mode: str = "round") -> dict:
+    """The run-time inputs as a real launch passes them (``megakernel.plan.round_inputs`` / ``step_inputs``): the
+    int32 arrays keep their values in a shape-only launch; cos/sin and the hidden row are float, so shape-only."""
     import torch
 
-    from harness.nxdi.assembly import round_inputs
+    from megakernel.plan import round_inputs, step_inputs
+    if mode == "step":
+        return step_inputs(cfg, _token(cfg), context, 0)
     return round_inputs(cfg, _dtype(dtype), _token(cfg), torch.zeros(1, cfg.hidden_size), context, 0)
 
 
 # ---- the round megakernel -------------------------------------------------------------------------
 def round_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
                dtype: str = "bfloat16", max_context: int | None = None) -> KernelCase:
-    """The round megakernel as shipped (runtime loops, ``max_context=None``) at position p = ``context``.
-    ``max_context`` builds the attention's unrolled shape-only specialisation instead (the pre-issue-13
+    """The round megakernel as shipped (``megakernel.round.round_kernel``, runtime loops) at position p =
+    ``context``. ``max_context`` plans the attention's unrolled shape-only specialisation instead (the pre-issue-13
     costing, kept for comparison: ``harness.costmodel.compose.corrections``)."""
-    from megakernel.round import RoundSpec, build_kernel, stage_of
-    from megakernel.sharded import kv_groups
-    from model.tp.embed_head import vocab_per_core
-    routing = routing or Routing("expected", 2, cfg.num_experts_per_tok, cfg.num_experts)
-    spec = RoundSpec(tuple(cfg.layer_types), len(kv_groups(cfg, 0, tp)), tp, lnc, float(cfg.rms_norm_eps),
-                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), "round", max_context)
-    run = _runtime(cfg, context, dtype)
-    per_rank = [{**t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype)]
-    kernel = build_kernel(spec, sorted(per_rank[0]))
-    return KernelCase("round megakernel", kernel, per_rank, tp, lnc, RoundRegisters(context, routing, lnc),
-                      stage_of, context, routing, 2,
-                      notes={"kernel_parameters": len(per_rank[0]),
-                             "shipped": "max_context=None (runtime loops)" if max_context is None else
-                             f"NOT the shipped kernel: max_context={max_context} (attention loops unrolled)"})
+    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context)
+
+
+def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
+              dtype: str = "bfloat16") -> KernelCase:
+    """The plain-decode step kernel as shipped (``megakernel.round.step_kernel``) at position p = ``context``."""
+    return launch_case(cfg, "step", context, routing, tp, lnc, dtype, None)
+
+
+def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, lnc: int, dtype: str,
+                max_context) -> KernelCase:
+    from harness.costmodel.layers import stage_tagger
+    from megakernel import plan as rp
+    from megakernel.round import KERNELS
+    routing = routing or Routing("expected", 2 if mode == "round" else 1, cfg.num_experts_per_tok, cfg.num_experts)
+    plan = rp.plan_for(cfg, mode, tp, lnc, max_context)
+    run = _runtime(cfg, context, dtype, mode)
+    per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype)]
+    case = KernelCase(f"{mode} megakernel", KERNELS[mode], per_rank, tp, lnc,
+                      RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
+                      notes={"shipped": "max_context=None (runtime loops)" if max_context is None else
+                             f"NOT the shipped kernel: max_context={max_context} (attention loops unrolled)"},
+                      plan=plan)
+    case.notes["kernel_parameters"] = kernel_parameters(case)["count"]
+    return case
 
 
 def kernel_parameters(case: KernelCase) -> dict:
-    """HBM tensor parameters of a case's kernel on rank 0 at full size: count and total bytes."""
+    """HBM tensor parameters of a case's kernel on rank 0 (at full size for the registry's cases): the tensors the
+    launch passes (an unused experts table stays at its default None and is no parameter of that launch) -- count,
+    total bytes, and the signature's tensor parameters (``declared``: every parameter but the compile-time ones)."""
+    import inspect
+
     import nkisim
     from nkisim import dtypes
     a = case.per_rank[0]
@@ -135,7 +153,9 @@ def kernel_parameters(case: KernelCase) -> dict:
             name = v.dtype if isinstance(v, nkisim.ShapeDtype) else dtypes.normalize(v.dtype)
             n += 1
             nbytes += int(np.prod(v.shape)) * dtypes.itemsize(name)
-    return {"count": n, "bytes": nbytes}
+    fn = getattr(case.kernel, "fn", case.kernel)
+    declared = len([p for p in inspect.signature(fn).parameters if p != "plan"])
+    return {"count": n, "bytes": nbytes, "declared": declared}
 
 
 # ---- the layerwise variant's launches ---------------------------------------------------------------
@@ -146,54 +166,57 @@ def stage_case(cfg, stage: str, tokens: int, context: int = 2048, routing: Routi
                distinct: int | None = None, mtp: bool = False, tp: int = 4, lnc: int = 2,
                dtype: str = "bfloat16") -> KernelCase:
     """One launch of a ``megakernel.layerwise`` stage kernel on rank 0 with the arguments the layerwise variant
-    passes it (``harness.kernel_variants.LayerwiseVariant``). stage: gdn | attention | moe | head | mtp_fc.
-    attention attends at ``context`` (the MTP draft's D1 launch passes context - 1); moe routes with ``routing``
-    (``distinct`` fixes the distinct-expert count of a multi-token call); ``mtp`` picks the MTP layer's weights."""
+    passes it (``harness.engines.LayerwiseEngine``) for the first layer of its kind in the round plan (or the MTP
+    layer with ``mtp``). stage: gdn | attention | moe | head | mtp_fc. attention attends at ``context`` (the MTP
+    draft's D1 launch passes context - 1); moe routes with ``routing`` (``distinct`` fixes the distinct-expert
+    count of a multi-token call)."""
     import nkisim
 
-    from harness.nxdi.assembly import rope_rows
     from megakernel import layerwise as lw
-    from megakernel.sharded import moe_weights
+    from megakernel import plan as rp
     if stage not in STAGES:
         raise ValueError(f"stage_case: stage must be one of {STAGES}, got {stage!r}")
     w = rank_tensors(cfg, tp, lnc, context, dtype)[0]
+    plan = rp.round_plan(cfg, tp, lnc) if cfg.mtp_num_hidden_layers else rp.step_plan(cfg, tp, lnc)
+    trunk = [s for s in plan.stages if s.kind == rp.VERIFY][0].layers
     SD = nkisim.ShapeDtype
     eps = float(cfg.rms_norm_eps)
     H = cfg.hidden_size
     x = SD((tokens, H), dtype)
     routing = routing or Routing("expected", 2, cfg.num_experts_per_tok, cfg.num_experts)
     provider, notes = None, {}
+
+    def first(kind):
+        if mtp:
+            return rp.mtp_layer(cfg, tp, lnc)
+        return [layer for layer in trunk if layer.kind == kind][0]
     if stage == "gdn":
-        i = cfg.linear_layers[0]
-        g = f"l{i}_gdn_"
-        args = (x, w[f"l{i}_in_norm"], w[g + "w_in"], w[g + "conv_w"], w[g + "A_log"], w[g + "dt_bias"],
-                w[g + "norm_w"], w[g + "w_out"], w[f"l{i}_window"], w[f"l{i}_state"], np.array([[0]], np.int32), eps)
+        L = first(rp.GDN)
+        args = (x, w["norms"], L.in_norm, w["gdn_w_in"], w["gdn_conv_w"], w["gdn_A_log"], w["gdn_dt_bias"],
+                w["gdn_norm_w"], w["gdn_w_out"], w["gdn_window"], w["gdn_state"], np.array([[0]], np.int32), L.mixer,
+                eps)
         kernel = lw.gdn_stage
     elif stage == "attention":
-        pre = "mtp" if mtp else f"l{cfg.full_layers[0]}"
-        norm = "mtp_in_norm" if mtp else f"{pre}_in_norm"
-        p = f"{pre}_g0_"
-        cos, sin = rope_rows(cfg, context, tokens)
-        args = (x, w[norm], w[p + "wqg"], w[p + "wk"], w[p + "wv"], w[p + "wo"], w[p + "norm_w"], cos, sin,
-                w[p + "k"], w[p + "v"], np.array([[context]], np.int32), eps)
+        L = first(rp.ATTENTION)
+        cos, sin = rp.rope_rows(cfg, context, tokens)
+        args = (x, w["norms"], L.in_norm, w["attn_wqg"], w["attn_wk"], w["attn_wv"], w["attn_wo"], w["attn_norm_w"],
+                cos, sin, w["attn_k"], w["attn_v"], np.array([[context]], np.int32), L.mixer * L.groups, eps)
         kernel = lw.attention_stage
         provider = AttentionRegisters(context, tokens, lnc)
     elif stage == "moe":
-        if mtp:
-            r, e, s, li = w["mtp_moe_router"], w["mtp_moe_experts"], w["mtp_moe_shared"], None
-            norm = "mtp_post_norm"
-        else:
-            r, e, s, li = moe_weights(w, 0)
-            norm = f"l0_post_norm"
-        args = (x, w[norm], r, e, s, cfg.num_experts_per_tok, li, eps)
+        L = rp.mtp_layer(cfg, tp, lnc) if mtp else trunk[0]
+        table, index = L.experts
+        args = (x, w["norms"], L.post_norm, w["moe_router"], w[f"moe_experts_{table}"], w["moe_shared"],
+                cfg.num_experts_per_tok, L.moe, index, eps)
         kernel = lw.moe_stage
         provider = MoERouting(routing, distinct=distinct)
         notes["distinct"] = distinct if tokens > 1 else cfg.num_experts_per_tok
     elif stage == "head":
-        args = (x, w["mtp_norm" if mtp else "final_norm"], w["lm_head"], eps)
+        args = (x, w["norms"], plan.norms.mtp_final if mtp else plan.norms.final, w["lm_head"], eps)
         kernel = lw.head_stage
     else:
-        args = (SD((1, H), dtype), SD((1, H), dtype), w["mtp_norm_emb"], w["mtp_norm_hidden"], w["mtp_fc"], eps)
+        args = (SD((1, H), dtype), SD((1, H), dtype), w["norms"], plan.norms.mtp_emb, plan.norms.mtp_hidden,
+                w["mtp_fc"], eps)
         kernel = lw.mtp_fc_stage
     name = f"{stage}{' (MTP)' if mtp else ''} T={tokens}"
     return KernelCase(name, kernel, [args], 1, lnc, provider, "function", context, routing, tokens, notes)

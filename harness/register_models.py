@@ -10,9 +10,9 @@ would see, so that a shape-only trace costs what the shipped kernel does:
 * :class:`AttentionRegisters` -- the attention body's position-derived registers (``att_*``: the cache write
   offset and the KV-tile loop bounds), recorded from an EXECUTING launch of the attention kernel at the same
   position on the tiny config (the values depend only on the position, the KV tile and the core split).
-* :class:`RoundRegisters` -- the round megakernel: MoE routing plus the attention registers of each stage's
-  position (D1 at p - 1, V and D2 at p), told apart by the kernel frames of the load (``megakernel.round``
-  ``STAGE_FUNCTIONS``).
+* :class:`RoundRegisters` -- the round / step megakernel: MoE routing plus the attention registers of each
+  stage's position (D1 at p - 1, V and D2 at p), the stage told apart by the kernel frames of the load (the stage
+  functions of the launch plan, ``megakernel.plan.stage_functions``).
 
 Registers loaded straight from a real integer input (the GDN read slot) need no provider: shape-only launches
 keep integer inputs' values. Each provider refuses loads it does not understand inside the body it models (a
@@ -130,20 +130,20 @@ def tiny_attention_args(position: int, tokens: int, lnc: int = 2) -> tuple:
     full-attention layer, random weights, an empty cache of ``position + tokens`` rows) at ``position``."""
     import torch
 
-    from harness.nxdi.assembly import rope_rows
+    from megakernel import plan as rp
     from megakernel.sharded import rank_state, rank_weights
     from model.config import preset
     from model.params import random_params
     from model.state import DecodeState
     cfg = preset("tiny")
-    layer = cfg.full_layers[0]
+    layer = [L for L in rp.step_plan(cfg, 4, lnc).stages[0].layers if L.kind == rp.ATTENTION][0]
     w = rank_weights(cfg, random_params(cfg, seed=0, dtype=torch.float32), 0, 4, lnc)
     st = rank_state(cfg, DecodeState.empty(cfg, max_len=position + tokens, slots=2, dtype=torch.float32), 0, 4)
-    cos, sin = rope_rows(cfg, position, tokens)
-    p = f"l{layer}_g0_"
+    cos, sin = rp.rope_rows(cfg, position, tokens)
     x = (0.1 * torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0))).float()
-    return (x, w[f"l{layer}_in_norm"], w[p + "wqg"], w[p + "wk"], w[p + "wv"], w[p + "wo"], w[p + "norm_w"], cos,
-            sin, st[p + "k"], st[p + "v"], np.array([[position]], np.int32), float(cfg.rms_norm_eps))
+    return (x, w["norms"], layer.in_norm, w["attn_wqg"], w["attn_wk"], w["attn_wv"], w["attn_wo"], w["attn_norm_w"],
+            cos, sin, st["attn_k"], st["attn_v"], np.array([[position]], np.int32), layer.mixer * layer.groups,
+            float(cfg.rms_norm_eps))
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,15 +192,15 @@ def lookup(values, q, what):
 
 
 class RoundRegisters:
-    """The round megakernel's registers: MoE routing, and the attention registers of the stage's position: D1
-    attends at ``pos_d1`` = p - 1 with one token, V at p with two, D2 at p with one (megakernel/round.py)."""
+    """A launch's registers: MoE routing, and the attention registers of each stage's position (``plan``: D1
+    attends at ``pos_d1`` = p - 1 with one token, V at p with its tokens, D2 at p with one)."""
 
-    def __init__(self, position: int, routing: Routing, lnc: int = 2, seed: int = 0):
-        from megakernel.round import STAGE_FUNCTIONS
-        self.stages = STAGE_FUNCTIONS
+    def __init__(self, position: int, routing: Routing, plan, seed: int = 0):
+        from megakernel import plan as rp
+        self.stages = rp.stage_functions(plan)
         self.moe = MoERouting(routing, seed=seed)
-        where = {"D1": (position - 1, 1), "V": (position, 2), "D2": (position, 1)}
-        self.attention = {s: AttentionRegisters(p, T, lnc) for s, (p, T) in where.items()}
+        self.attention = {s.name: AttentionRegisters(position - 1 if s.inputs == "d1" else position, s.tokens,
+                                                     plan.lnc) for s in plan.stages}
 
     def stage(self, q):
         for f in reversed(q.stack):

@@ -1,49 +1,48 @@
-"""Host side of the kernel variants: weights and decode state in the kernels' per-rank HBM layouts.
+"""Host side of the kernel variants: weights and decode state in the kernels' stacked per-rank HBM layouts.
 
-Conversion happens once per checkpoint (weights) and once per prefill (state): the kernels never
-transpose or slice weights at run time. Both kernel variants (``megakernel.layerwise`` and
-``megakernel.round``) read the same per-rank tensors, named flatly because NKI binds only top-level
-tensor arguments:
+Conversion happens once per checkpoint (weights) and once per prefill (state): the kernels never transpose or
+slice weights at run time. The names, stacking order and shapes are those of ``megakernel.plan`` (module
+docstring "Stacked tensors"); each entry of a stack is in the layout of its family's kernel:
 
-weights (rank r of ``tp``, ``lnc`` cores; layouts documented in each nki_kernels module)
-  ``embed`` [V, H]; ``lm_head`` [lnc, P, KT*Vc] (vocab shard of core g = r*lnc + c); ``final_norm``;
-  per trunk layer i: ``l{i}_in_norm``, ``l{i}_post_norm`` [P, J] float32; GDN layers ``l{i}_gdn_*``
-  (``nki_kernels.gdn.gdn_weight_layout``); attention layers, per KV-head group g of the rank,
-  ``l{i}_g{g}_{wqg,wk,wv,wo,norm_w}`` (``nki_kernels.attention.attention_layout``);
-  MoE of the trunk layers stacked in groups of G layers, ``moe_router_{g}`` / ``moe_experts_{g}`` /
-  ``moe_shared_{g}`` [G, ...] holding layers g*G .. g*G + G - 1 (``nki_kernels.moe.moe_hbm_layout``; G keeps
-  every element offset of a group's experts table within int32, :func:`moe_group_size`, and
-  :func:`moe_weights` finds a layer's group); MTP ``mtp_norm_emb``, ``mtp_norm_hidden``, ``mtp_fc``
-  [lnc, P, 2J, H/(tp*lnc)] (``nki_kernels.linear.column_layout``), ``mtp_in_norm``, ``mtp_post_norm``,
-  ``mtp_g{g}_*`` attention, ``mtp_moe_{router,experts,shared}``, ``mtp_norm``.
-state
-  ``l{i}_window`` [slots, K-1, C_rank], ``l{i}_state`` [slots, Hv_rank, D, D] float32 (GDN);
-  ``l{i}_g{g}_k``, ``l{i}_g{g}_v`` [1, L, D] (attention, L >= one KV tile per core, :func:`cache_length`);
-  ``mtp_g{g}_k``/``_v``.
+weights (rank r of ``tp``, ``lnc`` cores)
+  ``embed`` [V, H]; ``lm_head`` [lnc, P, KT*Vc] (vocab shard of core g = r*lnc + c, ``nki_kernels.lm_head``);
+  ``norms`` [N, P, H/P] float32 (``nki_kernels.rmsnorm.rmsnorm_weight_layout``; rows ``plan.NormRows``);
+  ``mtp_fc`` [lnc, P, 2J, H/(tp*lnc)] (``nki_kernels.linear.column_layout``); ``gdn_{w_in, conv_w, A_log, dt_bias,
+  norm_w, w_out}`` [G, ...] (``nki_kernels.gdn.gdn_weight_layout``); ``attn_{wqg, wk, wv, wo, norm_w}`` [A, ...]
+  (``nki_kernels.attention.attention_layout`` of each KV-head group of the rank, trunk layers then MTP);
+  ``moe_router``, ``moe_shared`` [M, ...] and ``moe_experts_<t>`` [per_table, E, lnc, P, F]
+  (``nki_kernels.moe.moe_hbm_layout``, trunk layers then MTP).
+state (:func:`megakernel.plan.state_specs`)
+  ``gdn_window`` [G, slots, K-1, C_rank], ``gdn_state`` [G, slots, Hv_rank, D, D] float32,
+  ``attn_k`` / ``attn_v`` [A, L, D].
 
-A rank with several KV heads (TP=1 or 2 with two KV heads) runs its attention once per KV-head
-group; the groups' o_proj partials add up.
+A rank with several KV heads (TP=1 or 2 with two KV heads) runs its attention once per KV-head group; the
+groups' o_proj partials add up.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megakernel import plan as rp
 from model.config import FULL, ModelConfig
 from model.state import DecodeState
 from model.tp.attention import kv_heads_of_rank, shard_attention
 from model.tp.embed_head import shard_lm_head
 from model.tp.gdn import GdnDims, gather_windows, shard_gdn, split_window
 from model.tp.moe import shard_moe
-from nki_kernels.attention import KV_TILE, attention_layout
+from nki_kernels.attention import attention_layout
 from nki_kernels.gdn import gdn_weight_layout
 from nki_kernels.linear import column_layout
 from nki_kernels.lm_head import rank_lm_head_layout
-from nki_kernels.moe import layers_per_table, moe_hbm_layout
+from nki_kernels.moe import moe_hbm_layout
 from nki_kernels.rmsnorm import rmsnorm_weight_layout
 
+GDN_FIELDS = ("w_in", "conv_w", "A_log", "dt_bias", "norm_w", "w_out")
+ATTN_FIELDS = ("wqg", "wk", "wv", "wo", "norm_w")
 
-def kv_groups(cfg: ModelConfig, rank: int, tp: int) -> list[int]:
+
+def kv_heads(cfg: ModelConfig, rank: int, tp: int) -> list[int]:
     """Global KV heads the rank attends with (one attention body call each)."""
     first, n = kv_heads_of_rank(cfg, rank, tp)
     return list(range(first, first + n))
@@ -61,134 +60,116 @@ def _group_shard(shard: dict, cfg: ModelConfig, g: int) -> dict:
             "num_heads": hq, "kv_head": shard["kv_head"] + g, "num_kv_heads": 1}
 
 
-def _attention(params, prefix, cfg, rank, tp, name) -> dict:
-    shard = shard_attention(params, prefix, cfg, rank, tp)
-    out = {}
-    for g in range(shard["num_kv_heads"]):
-        for k, v in attention_layout(_group_shard(shard, cfg, g)).items():
-            out[f"{name}_g{g}_{k}"] = v
+def _stack(layouts: list[dict], fields, prefix: str) -> dict:
+    return {prefix + k: torch.stack([lay[k] for lay in layouts]) for k in fields}
+
+
+def attention_prefixes(cfg: ModelConfig) -> list[str]:
+    """Checkpoint prefixes of the attention stack's layers, in stack order: full-attention trunk layers, MTP."""
+    out = [f"model.layers.{i}" for i in cfg.full_layers]
+    return out + (["mtp.layers.0"] if cfg.mtp_num_hidden_layers else [])
+
+
+def moe_prefixes(cfg: ModelConfig) -> list[str]:
+    """Checkpoint prefixes of the MoE stack's layers, in stack order: every trunk layer, then the MTP layer."""
+    out = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
+    return out + (["mtp.layers.0"] if cfg.mtp_num_hidden_layers else [])
+
+
+def norm_names(cfg: ModelConfig) -> list[str]:
+    """Checkpoint names of the ``norms`` rows, in row order (``plan.NormRows``)."""
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        out += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+    out.append("model.norm.weight")
+    if cfg.mtp_num_hidden_layers:
+        out += ["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+                "mtp.norm.weight"]
     return out
 
 
-def _moe(params, prefixes, cfg, rank, tp, lnc) -> list[dict]:
-    """The MoE layouts of ``prefixes`` stacked in groups of :func:`moe_group_size` layers: one dict of
-    ``router`` / ``experts`` / ``shared`` [G, ...] per group."""
-    layouts = [moe_hbm_layout(shard_moe(params, p, cfg, rank, tp), n_cores=lnc) for p in prefixes]
-    size = moe_group_size(layouts[0]["experts"])
-    groups = []
-    for g0 in range(0, len(layouts), size):
-        part = layouts[g0:g0 + size]
-        groups.append({k: torch.stack([lay[k] for lay in part]) for k in ("router", "experts", "shared")})
-    return groups
-
-
-def moe_group_size(experts: torch.Tensor) -> int:
-    """Layers per stacked MoE group: as many as keep every element offset of the stacked experts table
-    within int32 (``nki_kernels.moe.layers_per_table``; 10 at the real per-rank shapes, 201M elements each)."""
-    return layers_per_table(experts.numel())
-
-
-def moe_weights(w: dict, layer: int):
-    """(router, experts, shared, index in the group) of trunk layer ``layer`` in a rank's weights ``w``:
-    the stacked group ``moe_{router,experts,shared}_{layer // G}`` and ``layer % G``, G = the group size."""
-    size = w["moe_experts_0"].shape[0]
-    g, i = divmod(layer, size)
-    return w[f"moe_router_{g}"], w[f"moe_experts_{g}"], w[f"moe_shared_{g}"], i
-
-
 def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int, lnc: int
-                 ) -> dict[str, object]:
-    """Every weight tensor of rank ``rank`` in the kernels' HBM layouts (module docstring)."""
+                 ) -> dict[str, torch.Tensor]:
+    """Every stacked weight tensor of rank ``rank`` (module docstring), in ``plan.WEIGHTS`` order then the
+    experts tables in use. Torch ops only, so it also runs on ``meta`` tensors (full-size shapes without data)."""
     H = cfg.hidden_size
     n_cores = tp * lnc
     if H % n_cores:
         raise ValueError(f"megakernel: hidden size {H} does not split over {n_cores} cores (MTP fc columns)")
-    w: dict[str, object] = {
+    w: dict[str, torch.Tensor] = {
         "embed": params["model.embed_tokens.weight"],
         "lm_head": rank_lm_head_layout(tuple(shard_lm_head(params, cfg, rank * lnc + c, n_cores)
                                              for c in range(lnc))),
-        "final_norm": rmsnorm_weight_layout(params["model.norm.weight"]),
+        "norms": torch.stack([rmsnorm_weight_layout(params[n]) for n in norm_names(cfg)]),
     }
-    for i, kind in enumerate(cfg.layer_types):
-        pre = f"model.layers.{i}"
-        w[f"l{i}_in_norm"] = rmsnorm_weight_layout(params[f"{pre}.input_layernorm.weight"])
-        w[f"l{i}_post_norm"] = rmsnorm_weight_layout(params[f"{pre}.post_attention_layernorm.weight"])
-        if kind == FULL:
-            w.update(_attention(params, pre, cfg, rank, tp, f"l{i}"))
-        else:
-            for k, v in gdn_weight_layout(shard_gdn(params, pre, cfg, rank, tp), lnc=lnc).items():
-                w[f"l{i}_gdn_{k}"] = v
-    moe = _moe(params, [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)], cfg, rank, tp, lnc)
-    for g, group in enumerate(moe):
-        w.update({f"moe_{k}_{g}": v for k, v in group.items()})
     if cfg.mtp_num_hidden_layers:
         nc = H // n_cores
-        fc = params["mtp.fc.weight"]
-        w["mtp_norm_emb"] = rmsnorm_weight_layout(params["mtp.pre_fc_norm_embedding.weight"])
-        w["mtp_norm_hidden"] = rmsnorm_weight_layout(params["mtp.pre_fc_norm_hidden.weight"])
-        w["mtp_fc"] = torch.stack([column_layout(fc, (rank * lnc + c) * nc, nc) for c in range(lnc)])
-        w["mtp_in_norm"] = rmsnorm_weight_layout(params["mtp.layers.0.input_layernorm.weight"])
-        w["mtp_post_norm"] = rmsnorm_weight_layout(params["mtp.layers.0.post_attention_layernorm.weight"])
-        w.update(_attention(params, "mtp.layers.0", cfg, rank, tp, "mtp"))
-        moe = _moe(params, ["mtp.layers.0"], cfg, rank, tp, lnc)[0]
-        w.update({f"mtp_moe_{k}": v[0] for k, v in moe.items()})
-        w["mtp_norm"] = rmsnorm_weight_layout(params["mtp.norm.weight"])
+        w["mtp_fc"] = torch.stack([column_layout(params["mtp.fc.weight"], (rank * lnc + c) * nc, nc)
+                                   for c in range(lnc)])
+    gdn = [gdn_weight_layout(shard_gdn(params, f"model.layers.{i}", cfg, rank, tp), lnc=lnc)
+           for i in cfg.linear_layers]
+    if gdn:
+        w.update(_stack(gdn, GDN_FIELDS, "gdn_"))
+    attn = []
+    for prefix in attention_prefixes(cfg):
+        shard = shard_attention(params, prefix, cfg, rank, tp)
+        attn += [attention_layout(_group_shard(shard, cfg, g)) for g in range(shard["num_kv_heads"])]
+    if attn:
+        w.update(_stack(attn, ATTN_FIELDS, "attn_"))
+    moe = [moe_hbm_layout(shard_moe(params, p, cfg, rank, tp), n_cores=lnc) for p in moe_prefixes(cfg)]
+    w.update(_stack(moe, ("router", "shared"), "moe_"))
+    per = rp.experts_per_table(cfg, tp, lnc)
+    for t in range(rp.experts_tables(cfg, tp, lnc)):
+        w[f"moe_experts_{t}"] = torch.stack([lay["experts"] for lay in moe[t * per:(t + 1) * per]])
     return w
 
 
-def cache_length(max_len: int) -> int:
-    """KV cache rows the attention kernel needs: at least one KV tile per core of an LNC=2 rank (the head
-    tiles of a rank read rows 0 .. 2*KV_TILE - 1, ``nki_kernels.attention``)."""
-    return max(max_len, 2 * KV_TILE)
-
-
-def _rank_cache(cache: torch.Tensor, head: int, length: int) -> torch.Tensor:
-    out = torch.zeros((1, length, cache.shape[-1]), dtype=cache.dtype)
-    out[0, :cache.shape[1]] = cache[head]
-    return out
-
-
 def rank_state(cfg: ModelConfig, state: DecodeState, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """The rank's slice of a reference DecodeState in the kernels' layouts (fresh tensors)."""
+    """The rank's slice of a reference DecodeState in the kernels' stacked layouts (fresh tensors, shapes of
+    ``plan.state_specs``)."""
     dims = GdnDims.of(cfg, tp)
-    length = cache_length(state.max_len)
+    specs = {s.name: s.shape for s in rp.state_specs(cfg, tp, state.max_len, state.slots)}
     out = {}
-    for i in cfg.linear_layers:
-        out[f"l{i}_window"] = split_window(state.conv[i], dims, rank).contiguous()
-        out[f"l{i}_state"] = state.recurrent[i][:, rank * dims.hv:(rank + 1) * dims.hv].contiguous()
-    heads = kv_groups(cfg, rank, tp)
-    caches = [(f"l{i}", state.kv[i]) for i in cfg.full_layers]
-    if state.mtp_kv is not None:
-        caches.append(("mtp", state.mtp_kv))
-    for name, (k, v) in caches:
-        for g, head in enumerate(heads):
-            out[f"{name}_g{g}_k"] = _rank_cache(k, head, length)
-            out[f"{name}_g{g}_v"] = _rank_cache(v, head, length)
+    if cfg.linear_layers:
+        out["gdn_window"] = torch.stack([split_window(state.conv[i], dims, rank) for i in cfg.linear_layers])
+        out["gdn_state"] = torch.stack([state.recurrent[i][:, rank * dims.hv:(rank + 1) * dims.hv]
+                                        for i in cfg.linear_layers]).contiguous()
+    caches = [state.kv[i] for i in cfg.full_layers] + ([state.mtp_kv] if state.mtp_kv is not None else [])
+    heads = kv_heads(cfg, rank, tp)
+    for name, which in (("attn_k", 0), ("attn_v", 1)):
+        t = torch.zeros(specs[name], dtype=state.dtype)
+        for a, kv in enumerate(caches):
+            for g, head in enumerate(heads):
+                t[a * len(heads) + g, :state.max_len] = kv[which][head]
+        out[name] = t
+    for name, t in out.items():
+        if tuple(t.shape) != tuple(specs[name]):
+            raise AssertionError(f"rank_state: {name} {list(t.shape)} differs from plan.state_specs {specs[name]}")
     return out
 
 
 def gather_state(cfg: ModelConfig, ranks: list[dict[str, torch.Tensor]], like: DecodeState, read_slot: int
                  ) -> DecodeState:
-    """Per-rank kernel state -> a reference DecodeState (same max_len/slots/dtype as ``like``).
+    """Per-rank stacked kernel state -> a reference DecodeState (same max_len/slots/dtype as ``like``).
 
-    GDN windows and states are concatenated over ranks; each KV head is taken from the first rank
-    holding it (ranks sharing a KV head write identical rows)."""
+    GDN windows and states are concatenated over ranks; each KV head is taken from the first rank holding it
+    (ranks sharing a KV head write identical rows)."""
     tp = len(ranks)
     dims = GdnDims.of(cfg, tp)
     st = DecodeState.empty(cfg, like.max_len, like.slots, like.dtype)
     st.read_slot = read_slot
-    for i in cfg.linear_layers:
-        st.conv[i] = gather_windows([r[f"l{i}_window"] for r in ranks], dims)
-        st.recurrent[i] = torch.cat([r[f"l{i}_state"] for r in ranks], dim=1)
-    caches = [(f"l{i}", st.kv[i]) for i in cfg.full_layers]
-    if st.mtp_kv is not None:
-        caches.append(("mtp", st.mtp_kv))
-    for name, (k, v) in caches:
+    for j, i in enumerate(cfg.linear_layers):
+        st.conv[i] = gather_windows([torch.as_tensor(r["gdn_window"])[j] for r in ranks], dims)
+        st.recurrent[i] = torch.cat([torch.as_tensor(r["gdn_state"])[j] for r in ranks], dim=1)
+    caches = [st.kv[i] for i in cfg.full_layers] + ([st.mtp_kv] if st.mtp_kv is not None else [])
+    for a, (k, v) in enumerate(caches):
         done = set()
         for rank in range(tp):
-            for g, head in enumerate(kv_groups(cfg, rank, tp)):
+            heads = kv_heads(cfg, rank, tp)
+            for g, head in enumerate(heads):
                 if head not in done:
                     done.add(head)
-                    k[head] = ranks[rank][f"{name}_g{g}_k"][0, :like.max_len]
-                    v[head] = ranks[rank][f"{name}_g{g}_v"][0, :like.max_len]
+                    k[head] = torch.as_tensor(ranks[rank]["attn_k"])[a * len(heads) + g, :like.max_len]
+                    v[head] = torch.as_tensor(ranks[rank]["attn_v"])[a * len(heads) + g, :like.max_len]
     return st

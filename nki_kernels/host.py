@@ -2,7 +2,7 @@
 
 Layout helpers build the kernels' HBM layouts with torch ops, so they also run on ``meta`` tensors:
 that is how the full-size model's per-rank argument shapes are derived without allocating weights
-(``megakernel.round.demo_args``).
+(``harness.kernel_cases.rank_tensors``).
 """
 
 from __future__ import annotations

@@ -360,15 +360,14 @@ def measure_acceptance(ckpt_dir: Path, n_prompts: int, prompt_len: int, new_toke
                        out_json: Path | None) -> dict:
     """Greedy speculative decoding (1 MTP draft per round) of held-out prompts on the
     shipped bf16 checkpoint; also checks the committed tokens equal plain greedy decoding."""
-    from harness.speculative import generate
-    from harness.variants import XlaVariant
+    from harness.speculative import generate, make_decoder
     from model.weights import load_checkpoint
 
     # batch-1 decode ops are tiny: one thread is as fast on an idle machine and much
     # faster when other processes share the cores
     torch.set_num_threads(1)
     cfg, params = load_checkpoint(ckpt_dir, dtype=torch.bfloat16)
-    variant = XlaVariant(cfg, params)
+    variant = make_decoder("xla", cfg, params, tp=1)
     root, files = stdlib_files()
     prompts = eval_prompts(root, [f for f in files if is_held_out(f)], n_prompts, prompt_len)
     rounds = accepted = tokens = mismatches = 0
@@ -390,7 +389,7 @@ def measure_acceptance(ckpt_dir: Path, n_prompts: int, prompt_len: int, new_toke
     result = {
         "checkpoint": _display_path(ckpt_dir),
         "weights_dtype": "bfloat16 (A_log, dt_bias float32)",
-        "variant": "xla (model.reference via harness.variants.XlaVariant)",
+        "variant": "xla (the model.tp twins at TP=1 via harness.speculative.make_decoder; prefill on model.reference)",
         "decode": "greedy, 1 MTP draft per round",
         "prompts": len(prompts),
         "prompt_bytes": prompt_len,

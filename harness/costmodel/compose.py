@@ -4,9 +4,10 @@ and an HBM roofline beside each, from that variant's own bytes. Every figure is 
 
 A round (DESIGN.md §1) = D1 draft (MTP, T=1) + V verify (40-layer trunk, T=2) + D2 replay (MTP, T=1).
 
-**Layerwise.** ``harness.kernel_variants.LayerwiseVariant`` launches, per round: D1 = embedding, MTP fc stage,
-attention stage (at p - 1), MoE stage, head stage; V = embedding, per layer a mixer stage (GDN or attention)
-and a MoE stage, head stage; D2 = embedding, MTP fc, attention (at p), MoE. On a device these are NKI custom
+**Layerwise.** ``harness.engines.LayerwiseEngine`` walks the round plan (``megakernel.plan``) and launches, per
+round: D1 = embedding, MTP fc stage, attention stage (at p - 1), MoE stage, head stage; V = embedding, per layer a
+mixer stage (GDN or attention, per KV-head group) and a MoE stage, head stage; D2 = embedding, MTP fc, attention
+(at p), MoE (:func:`layerwise_plan` lists them from the same plan). On a device these are NKI custom
 calls inside ONE XLA graph: the graph compiler assembles the kernels into one executable (SDK
 nki/deep-dives/nki-compiler.rst "How the NKI Compiler Works with the Graph Compiler"), so the round pays one
 NEFF start (``LAUNCH_OVERHEAD_NS``), not one per kernel. Each kernel runs on its own (its trace starts and ends
@@ -84,7 +85,7 @@ def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, 
     if progress:
         progress(f"predicting {len(tr.instructions):,} instructions x 3 ends")
     band = predict_band(tr, stages=case.stages, name="megakernel")
-    labels = label_layers(tr.instructions, cfg.layer_types)
+    labels = label_layers(tr.instructions, case.plan)
     rows = {e: breakdown(band.at(e), labels) for e in C.ENDS}
     kinds = {e: per_kind(rows[e]) for e in C.ENDS}
     stage_ns, part_ns = {}, {}
@@ -121,32 +122,35 @@ class Launch:
     after: str          # what the graph does after it: "all_reduce" | "all_gather_best" | "all_gather_fc" | ""
 
 
-def layerwise_plan(cfg, context, routing):
-    """The layerwise round's launches in order (identical launches folded into counts)."""
+def layerwise_plan(cfg, context, routing, tp=C.TP_RANKS, lnc=C.LNC):
+    """The layerwise round's launches in order, from the round plan (identical launches folded into counts)."""
+    from megakernel import plan as rp
     p = context
-    L = cfg.num_hidden_layers
     out = []
-    if cfg.mtp_num_hidden_layers:
-        out += [Launch("D1", ("embedding", 1, p, False, None), 1, ""),
-                Launch("D1", ("mtp_fc", 1, p, True, None), 1, "all_gather_fc"),
-                Launch("D1", ("attention", 1, p - 1, True, None), 1, "all_reduce"),
-                Launch("D1", ("moe", 1, p, True, None), 1, "all_reduce"),
-                Launch("D1", ("head", 1, p, True, None), 1, "all_gather_best")]
-    out.append(Launch("V", ("embedding", 2, p, False, None), 1, ""))
-    out.append(Launch("V", ("gdn", 2, p, False, None), len(cfg.linear_layers), "all_reduce"))
-    out.append(Launch("V", ("attention", 2, p, False, None), len(cfg.full_layers), "all_reduce"))
-    counts = defaultdict(int)
-    for i in range(L):
-        counts[routing.distinct(i)] += 1
-    for d, n in sorted(counts.items()):
-        out.append(Launch("V", ("moe", 2, p, False, d), n, "all_reduce"))
-    out.append(Launch("V", ("head", 2, p, False, None), 1, "all_gather_best"))
-    if cfg.mtp_num_hidden_layers:
-        out += [Launch("D2", ("embedding", 1, p, False, None), 1, ""),
-                Launch("D2", ("mtp_fc", 1, p, True, None), 1, "all_gather_fc"),
-                Launch("D2", ("attention", 1, p, True, None), 1, "all_reduce"),
-                Launch("D2", ("moe", 1, p, True, None), 1, "all_reduce")]
-    return out
+    moe_counts = defaultdict(int)
+    for stage in rp.round_plan(cfg, tp, lnc).stages:
+        T, mtp = stage.tokens, stage.kind != rp.VERIFY
+        out.append(Launch(stage.name, ("embedding", T, p, False, None), 1, ""))
+        if mtp:
+            out.append(Launch(stage.name, ("mtp_fc", 1, p, True, None), 1, "all_gather_fc"))
+            at = p - 1 if stage.inputs == "d1" else p
+            for layer in stage.layers:
+                out.append(Launch(stage.name, ("attention", T, at, True, None), layer.groups, "all_reduce"))
+                out.append(Launch(stage.name, ("moe", T, p, True, None), 1, "all_reduce"))
+            if stage.kind == rp.DRAFT:
+                out.append(Launch(stage.name, ("head", T, p, True, None), 1, "all_gather_best"))
+            continue
+        kinds = defaultdict(int)
+        for layer in stage.layers:
+            kinds[layer.kind] += layer.groups if layer.kind == rp.ATTENTION else 1
+        for i, layer in enumerate(stage.layers):
+            moe_counts[routing.distinct(i)] += 1
+        out.append(Launch(stage.name, ("gdn", T, p, False, None), kinds[rp.GDN], "all_reduce"))
+        out.append(Launch(stage.name, ("attention", T, p, False, None), kinds[rp.ATTENTION], "all_reduce"))
+        for d, n in sorted(moe_counts.items()):
+            out.append(Launch(stage.name, ("moe", T, p, False, d), n, "all_reduce"))
+        out.append(Launch(stage.name, ("head", T, p, False, None), 1, "all_gather_best"))
+    return [launch for launch in out if launch.count]
 
 
 def _case(cfg, key, routing, tp, lnc, dtype):
@@ -173,7 +177,7 @@ def between_ns(cfg, after, T, tp, params):
 def layerwise_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None):
     from harness.register_models import Routing
     routing = routing or Routing("expected", 2, cfg.num_experts_per_tok, cfg.num_experts)
-    plan = layerwise_plan(cfg, context, routing)
+    plan = layerwise_plan(cfg, context, routing, tp, lnc)
     preds = {}
     for c in plan:
         if c.key not in preds:

@@ -1,11 +1,13 @@
-"""Per-layer critical-path breakdown of a round megakernel prediction: which layer, which part of it (mixer,
-MoE, all-reduce, norms, ...) and which engine / DMA / collective / hand-off each microsecond of the critical
-path belongs to.
+"""Stage and layer tags of a traced launch of the megakernel, from its launch plan (``megakernel.plan``), and the
+per-layer critical-path breakdown of a prediction: which stage, which layer, which part of it (mixer, MoE,
+all-reduce, norms, ...) and which engine / DMA / collective / hand-off each microsecond of the critical path
+belongs to.
 
-Layers are found from nkisim's recorded call stacks: every instruction issued under ``_trunk_layer`` /
-``_mtp_layer`` (``megakernel/round.py``) belongs to a call of that function, and a new call starts where the
-function's frame line goes back (each call runs its body top to bottom) or the frame reappears after
-instructions outside it. Parts come from the innermost kernel-body function on the stack (:data:`PARTS`).
+``megakernel.round`` runs a stage of kind k in the function named k (``plan.stage_functions``) and every decoder
+layer in ``decoder_layer``; nkisim records each instruction's kernel call stack. A stage is the outermost stage
+function on the stack; a new call of ``decoder_layer`` starts where its frame line goes back (each call runs its
+body top to bottom) or the frame reappears after instructions outside it, and the k-th call within a stage is
+layer k of that stage in the plan. Parts come from the innermost kernel-body function on the stack (:data:`PARTS`).
 """
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ from collections import defaultdict
 
 from .predict import CATEGORIES, category
 
-LAYER_FUNCTIONS = ("_trunk_layer", "_mtp_layer")
-STAGE_FUNCTIONS = {"_draft": "D1", "_verify": "V", "_replay": "D2"}
+LAYER_FUNCTION = "decoder_layer"
 # innermost kernel-body function on the stack -> the part of a layer it is
 PARTS = {"gdn_body": "mixer", "attention_body": "mixer", "moe_tkg_body": "MoE", "allreduce_partials": "all-reduce",
          "rmsnorm_body": "norms", "columns_body": "MTP fc", "allgather_cores": "MTP fc", "embedding_body": "embedding",
          "lm_head_argmax_body": "LM head", "argmax_combine": "argmax", "token_ids_from_best": "argmax",
          "_add_into": "residual add"}
+# the verify stage's parts as stage tags ("V GDN", ...): where the round's time goes by layer type
+V_PARTS = {"gdn_body": "GDN", "attention_body": "attention", "moe_tkg_body": "MoE", "lm_head_argmax_body": "LM head",
+           "allreduce_partials": "all-reduce", "rmsnorm_body": "norms"}
+KINDS = {"gdn": "linear_attention", "attention": "full_attention"}     # plan layer kinds -> config layer types
 
 
 def _frames(rec):
@@ -30,42 +35,68 @@ def _frames(rec):
     return out          # innermost first
 
 
-def label_layers(recs, layer_types=None):
-    """Per instruction: (layer label, layer kind, part). Labels: "L<i>" for trunk call i (kind = the config's
-    layer type when ``layer_types`` is given, else "trunk"), "D1 MTP" / "D2 MTP" for the MTP layer calls, and for
+class StageTagger:
+    """rec -> stage of a traced instruction of a launch of ``plan``: its stage name (D1, D2, ...), the verify stage
+    split by layer part ("V GDN", "V attention", "V MoE", "V all-reduce", "V norms", "V LM head", plain "V"
+    otherwise), "other" outside every stage. The ``stages`` argument of ``harness.costmodel.predict``."""
+
+    def __init__(self, plan):
+        from megakernel.plan import VERIFY, stage_functions
+        self.functions = stage_functions(plan)
+        self.verify = [s.name for s in plan.stages if s.kind == VERIFY][0]
+
+    def __call__(self, rec) -> str:
+        stage = "other"
+        for frame in reversed(rec.get("stack") or []):
+            fn = frame.rsplit(":", 1)[-1]
+            if fn in self.functions:
+                stage = self.functions[fn]
+            elif stage == self.verify and fn in V_PARTS:
+                return f"{stage} {V_PARTS[fn]}"
+        return stage
+
+
+def stage_tagger(plan) -> StageTagger:
+    return StageTagger(plan)
+
+
+def label_layers(recs, plan):
+    """Per instruction: (layer label, layer kind, part). Labels: the plan's layer names in the verify stage
+    ("L<i>", kind the config's layer type), "<stage> MTP" for a layer of another stage (kind "mtp"), and for
     instructions outside any layer "<stage> <part>" (e.g. "V LM head")."""
-    state = {}          # core -> {function: [calls, last line, active]}
+    from megakernel.plan import VERIFY, stage_functions
+    functions = stage_functions(plan)
+    layers = {s.name: s.layers for s in plan.stages}
+    verify = [s.name for s in plan.stages if s.kind == VERIFY][0]
+    state = {}          # (rank, core, stage) -> [calls, last line, active]
     out = []
     for rec in recs:
-        ck = (rec.get("rank", 0), rec.get("inst", 0))
-        st = state.setdefault(ck, {f: [-1, None, False] for f in LAYER_FUNCTIONS})
         fr = _frames(rec)
         stage = "other"
         for fn, _ in reversed(fr):
-            if fn in STAGE_FUNCTIONS:
-                stage = STAGE_FUNCTIONS[fn]
+            if fn in functions:
+                stage = functions[fn]
         part = "other"
         for fn, _ in fr:
             if fn in PARTS:
                 part = PARTS[fn]
                 break
-        layer = None
+        key = (rec.get("rank", 0), rec.get("inst", 0), stage)
+        st = state.setdefault(key, [-1, None, False])
+        call = None
         for fn, line in fr:
-            if fn in LAYER_FUNCTIONS:
-                s = st[fn]
-                if not s[2] or s[1] is None or line < s[1]:
-                    s[0] += 1
-                s[1], s[2] = line, True
-                layer = (fn, s[0])
+            if fn == LAYER_FUNCTION:
+                if not st[2] or st[1] is None or line < st[1]:
+                    st[0] += 1
+                st[1], st[2] = line, True
+                call = st[0]
                 break
-        for fn in LAYER_FUNCTIONS:
-            if layer is None or layer[0] != fn:
-                st[fn][2] = False
-        if layer is None:
+        if call is None:
+            st[2] = False
             out.append((f"{stage} {part}" if part != "other" else stage, "outside", part))
-        elif layer[0] == "_trunk_layer":
-            kind = layer_types[layer[1]] if layer_types is not None and layer[1] < len(layer_types) else "trunk"
-            out.append((f"L{layer[1]}", kind, part))
+        elif stage == verify and call < len(layers[stage]):
+            layer = layers[stage][call]
+            out.append((layer.name, KINDS.get(layer.kind, layer.kind), part))
         else:
             out.append((f"{stage} MTP", "mtp", part))
     return out

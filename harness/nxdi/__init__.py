@@ -3,12 +3,12 @@ trn2.3xlarge (TP=4, LNC=2), token generation either plain PyTorch traced by XLA 
 one megakernel launch per rank per round (``backend="megakernel"``). See harness/nxdi/README.md.
 
 Plain modules (importable and tested everywhere):
-    assembly   kernel arguments, run-time inputs, per-rank weights/state/checkpoints, graphs, aliasing, routes
-    xla_math   one rank's round as traceable PyTorch (the xla backend's forward)
-    host       slot bookkeeping, teacher-forced prefill schedule, NxdiVariant (the host loop's view)
+    assembly   kernel arguments, per-rank weights/state/checkpoints, graphs, aliasing, graph inputs, routes
     config     ModelConfig <-> NxDI InferenceConfig/NeuronConfig, compiler arguments
-    cpu        CPU executors of the per-rank work (thread-per-rank xla, nkisim megakernel)
     convert    HF checkpoint -> converted directory (one pre-sharded checkpoint per rank) and its checks
+The launch plan, the run-time inputs and the teacher-forced prefill schedule are ``megakernel.plan``'s; the xla
+backend's forward is ``harness.xla.forward``; the host loop is ``harness.speculative.Decoder`` over an engine
+(``harness.engines``: the same per-rank work on CPU; ``NeuronEngine`` below on trn2).
 
 trn2-only (needs neuronx-distributed-inference; NEVER EXECUTED in this repository):
     modeling   Qwen36InferenceConfig, Qwen36NeuronModel, Qwen36ForCausalLM, NeuronEngine

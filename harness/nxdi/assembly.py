@@ -1,49 +1,43 @@
-"""Everything the NxDI adapter needs that is plain logic: names, shapes, dtypes and order of the round
-kernel's per-rank arguments, the run-time inputs of a launch, the per-rank weights of each backend, each
-rank's pre-sharded checkpoint, which state buffers each graph takes and aliases, the reset graph, and NxD's
-shape-only routing. Tested on CPU (tests/harness/test_nxdi.py); the trn2-only module
-``harness.nxdi.modeling`` only wires these into NxDI. Line numbers cite aws-neuron/neuronx-distributed-inference
-0.9.0 and aws-neuron/neuronx-distributed 0.18.0 (harness/nxdi/README.md "Sources").
+"""Everything the NxDI adapter needs that is plain logic: which tensors each graph takes (the shipped kernels'
+parameters, the per-rank weights of each backend, each rank's pre-sharded checkpoint), which state buffers each
+graph takes and aliases, the reset graph, the graphs' positional inputs and NxD's shape-only routing. Names,
+shapes and order come from the launch plan (``megakernel.plan``): nothing here re-types them. Tested on CPU
+(tests/harness/test_nxdi.py); the trn2-only module ``harness.nxdi.modeling`` only wires these into NxDI. Line
+numbers cite aws-neuron/neuronx-distributed-inference 0.9.0 and aws-neuron/neuronx-distributed 0.18.0
+(harness/nxdi/README.md "Sources").
 
 Vocabulary used below
 ---------------------
 backend
-    ``"megakernel"`` -- token generation is ONE launch of ``megakernel.round`` per rank per round;
-    weights in the kernels' HBM layouts (``megakernel.sharded.rank_weights``).
-    ``"xla"`` -- the same round as plain traceable PyTorch (``harness.nxdi.xla_math``); weights in
-    PyTorch layout, sharded like the model/tp twins.
+    ``"megakernel"`` -- token generation is ONE launch of ``megakernel.round`` (``round_kernel`` /
+    ``step_kernel``) per rank per round; weights in the kernels' stacked HBM layouts
+    (``megakernel.sharded.rank_weights``).
+    ``"xla"`` -- the same plan as plain traceable PyTorch (``harness.xla.forward``); weights in PyTorch layout,
+    stacked the same way (``harness.xla.rank_weights``).
 mode / graph
-    ``"round"`` (D1 draft + 2-token verify + D2 replay), ``"step"`` (plain decode of one token) --
-    the two modes of ``megakernel.round.RoundSpec`` -- and ``"reset"`` (zero every decode-state buffer
-    before a new sequence; a tiny graph of its own, :func:`reset_outputs`).
+    ``"round"`` (D1 draft + 2-token verify + D2 replay), ``"step"`` (plain decode of one token) -- the two launch
+    plans of ``megakernel.plan`` -- and ``"reset"`` (zero every decode-state buffer before a new sequence; a tiny
+    graph of its own, :func:`reset_outputs`).
 per-rank tensor
-    Rank r's tensor of a flat name (``l3_g0_wqg``, ``l5_window``, ...). The NxDI module registers one
-    parameter per name WITH THE PER-RANK SHAPE, and rank r's checkpoint file holds rank r's tensor
-    (:func:`rank_checkpoint`), written once by ``harness.nxdi.convert``; NxD's own sharding is not used.
+    Rank r's tensor of a name (``attn_wqg``, ``gdn_window``, ...). The NxDI module registers one parameter per
+    name WITH THE PER-RANK SHAPE, and rank r's checkpoint file holds rank r's tensor (:func:`rank_checkpoint`),
+    written once by ``harness.nxdi.convert``; NxD's own sharding is not used.
 
-Decode state uses the kernels' per-rank layout (``megakernel.sharded`` docstring) for BOTH backends:
-``l{i}_window`` [slots, K-1, C_rank] (activation dtype), ``l{i}_state`` [slots, Hv_rank, Dk, Dv] float32,
-``l{i}_g{g}_k`` / ``_v`` and ``mtp_g{g}_k`` / ``_v`` [1, L, D] with L = ``cache_length(max_len)``.
+Decode state uses the kernels' stacked per-rank layout (``megakernel.plan.state_specs``) for BOTH backends.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
 
-import numpy as np
 import torch
 
-from megakernel.round import RUNTIME_INPUTS, RoundSpec, mutated_names
-from megakernel.sharded import cache_length, kv_groups
-from model.config import LINEAR, ModelConfig
-from model.tp.embed_head import vocab_per_core
-from model.tp.gdn import GdnDims
-from nki_kernels.attention import rope_tables
+from megakernel import plan as rp
+from model.config import ModelConfig
 from nki_kernels.host import as_torch
 
 BACKENDS = ("xla", "megakernel")
 MODES = ("round", "step")
-SLOTS = 2  # GDN checkpoint slots: one per verified token of a round
 
 # The graphs of the application, in the order they are registered with NxD. The FIRST registered graph
 # is special in NxD's (legacy) ModelBuilder, which NxDI 0.9 uses: its outputs define the output packer
@@ -52,17 +46,14 @@ SLOTS = 2  # GDN checkpoint slots: one per verified token of a round
 # lines 1002-1022, 1034-1051, 1086 at 0.18.0). The round graph aliases every state buffer, so it goes first.
 GRAPHS = ("round", "step", "reset")
 
-# The positional inputs of each graph's traced forward. NxD's NxDModel routes a call to a graph by the
-# SHAPES of the inputs alone (trace/spmd.py lines 215-219; the shape map is built in model_builder.py
-# lines 1076-1084), so every graph's input shapes must differ (check_routes); names play no part.
-GRAPH_INPUTS = {
-    "round": ("pending", "read_slot", "pos", "cos_v", "sin_v", "hidden", "force", "pos_d1", "cos_d1", "sin_d1"),
-    "step": ("pending", "read_slot", "pos", "cos_v", "sin_v"),
-    "reset": ("keep",),
-}
+# The positional inputs of each graph's traced forward: the plan's run-time inputs (``plan.input_specs``; the
+# step's are a prefix of the round's). NxD's NxDModel routes a call to a graph by the SHAPES of the inputs alone
+# (trace/spmd.py lines 215-219; the shape map is built in model_builder.py lines 1076-1084), so every graph's input
+# shapes must differ (check_routes); names play no part.
+GRAPH_INPUTS = {"round": rp.input_names("round"), "step": rp.input_names("step"), "reset": ("keep",)}
 # What every graph returns first, before the state buffers it aliases: the first graph's packer is
 # applied to all graphs' non-aliased outputs (above), so all graphs return these three, in this order.
-LEADING_OUTPUTS = ("draft", "targets", "hidden")
+LEADING_OUTPUTS = rp.LEADING_OUTPUTS
 
 WEIGHTS_PREFIX = "weights."   # nn.ParameterDict holding the per-rank weights
 STATES_PREFIX = "states."     # nn.ParameterDict holding the per-rank decode state
@@ -76,11 +67,6 @@ class AssemblyError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # Small host-side conversions
 # --------------------------------------------------------------------------------------------------
-def i32(*values: int) -> np.ndarray:
-    """A [1, len(values)] int32 run-time input (token ids, positions, slot, force flag)."""
-    return np.array([values], dtype=np.int32)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -93,24 +79,36 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------------
-# Specs of the round kernel
+# Plans and kernels
 # --------------------------------------------------------------------------------------------------
-def round_spec(cfg: ModelConfig, tp: int, lnc: int, mode: str) -> RoundSpec:
-    """The compile-time constants of the round kernel (also used by the xla backend for layer types,
-    KV-head groups per rank and the mode)."""
+def launch_plan(cfg: ModelConfig, tp: int, lnc: int, mode: str) -> rp.Plan:
+    """The plan a round / step graph runs (``megakernel.plan``; the kernels' compile-time first argument)."""
     if mode not in MODES:
         raise AssemblyError(f"mode must be one of {MODES}, found {mode!r}")
-    return RoundSpec(tuple(cfg.layer_types), len(kv_groups(cfg, 0, tp)), tp, lnc, float(cfg.rms_norm_eps),
-                     cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc), mode)
+    return rp.plan_for(cfg, mode, tp, lnc)
+
+
+def kernel_of(mode: str):
+    """The shipped kernel of a mode: ``megakernel.round.round_kernel`` / ``step_kernel``."""
+    from megakernel.round import KERNELS
+    if mode not in KERNELS:
+        raise AssemblyError(f"mode must be one of {MODES}, found {mode!r}")
+    return KERNELS[mode]
+
+
+def kernel_parameters(mode: str) -> list[str]:
+    """The shipped kernel's HBM tensor parameters (its signature without the plan), in order."""
+    return [n for n in inspect.signature(kernel_of(mode)).parameters if n != "plan"]
 
 
 def check_sharding(cfg: ModelConfig, tp: int, lnc: int) -> None:
-    """Raise AssemblyError if cfg does not shard over tp ranks x lnc cores (every constraint the
-    twins and kernels impose, checked up front with one message)."""
+    """Raise AssemblyError if cfg does not shard over tp ranks x lnc cores (every constraint the plan, the twins
+    and the kernels impose, checked up front with one message)."""
+    from model.tp.gdn import GdnDims
     try:
-        kv_groups(cfg, 0, tp)
+        for mode in MODES if cfg.mtp_num_hidden_layers else ("step",):
+            rp.plan_for(cfg, mode, tp, lnc)
         GdnDims.of(cfg, tp)
-        vocab_per_core(cfg, tp * lnc)
         for size, what in ((cfg.moe_intermediate_size, "moe_intermediate_size"),
                            (cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")):
             if size % (tp * lnc):
@@ -126,38 +124,27 @@ def check_sharding(cfg: ModelConfig, tp: int, lnc: int) -> None:
 # --------------------------------------------------------------------------------------------------
 def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str, rank: int, tp: int, lnc: int
                  ) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s weights for ``backend`` as contiguous torch tensors, flat names.
+    """Rank ``rank``'s weights for ``backend`` as contiguous torch tensors.
 
-    megakernel: ``megakernel.sharded.rank_weights`` (the kernels' HBM layouts, converted once here);
-    xla: ``harness.nxdi.xla_math.rank_weights`` (PyTorch layouts of the model/tp twins)."""
+    megakernel: ``megakernel.sharded.rank_weights`` (the kernels' stacked HBM layouts, converted once here);
+    xla: ``harness.xla.rank_weights`` (PyTorch layouts of the model/tp twins, stacked)."""
     if backend == "megakernel":
         from megakernel.sharded import rank_weights as kernel_rank_weights
         w = kernel_rank_weights(cfg, params, rank, tp, lnc)
     elif backend == "xla":
-        from harness.nxdi.xla_math import rank_weights as xla_rank_weights
+        from harness.xla import rank_weights as xla_rank_weights
         w = xla_rank_weights(cfg, params, rank, tp)
     else:
         raise AssemblyError(f"backend must be one of {BACKENDS}, found {backend!r}")
     return {k: as_torch(v).contiguous() for k, v in w.items()}
 
 
-def state_specs(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype, slots: int = SLOTS
+def state_specs(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype, slots: int = rp.SLOTS
                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (per-rank shape, dtype) of every decode-state buffer; the same on every rank and equal to
-    ``megakernel.sharded.rank_state`` of an empty ``DecodeState`` (tested)."""
-    dims = GdnDims.of(cfg, tp)
-    length = cache_length(max_len)
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == LINEAR:
-            out[f"l{i}_window"] = ((slots, cfg.conv_window, dims.conv_dim), dtype)
-            out[f"l{i}_state"] = ((slots, dims.hv, dims.dk, dims.dv), torch.float32)
-    caches = [f"l{i}" for i in cfg.full_layers] + (["mtp"] if cfg.mtp_num_hidden_layers else [])
-    for name in caches:
-        for g in range(len(kv_groups(cfg, 0, tp))):
-            out[f"{name}_g{g}_k"] = ((1, length, cfg.head_dim), dtype)
-            out[f"{name}_g{g}_v"] = ((1, length, cfg.head_dim), dtype)
-    return out
+    """Name -> (per-rank shape, torch dtype) of every decode-state buffer (``megakernel.plan.state_specs``; the
+    same on every rank), activation-dtype buffers in ``dtype``."""
+    return {s.name: (tuple(s.shape), dtype if s.dtype == "activation" else getattr(torch, s.dtype))
+            for s in rp.state_specs(cfg, tp, max_len, slots)}
 
 
 def zero_states(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -198,64 +185,56 @@ def specs_from_json(d: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Kernel arguments
+# Kernel arguments, graph states and aliases
 # --------------------------------------------------------------------------------------------------
-def kernel_arg_names(weight_names, state_names, mode: str) -> list[str]:
-    """The round kernel's parameters for ``mode``, in the order ``megakernel.round.build_kernel`` declares
-    them: every weight, the graph's state buffers (:func:`graph_states`) and the mode's run-time inputs,
-    sorted by name."""
-    runtime = RUNTIME_INPUTS[mode]
-    groups = [("weight", list(weight_names)), ("state", list(state_names)), ("run-time input", list(runtime))]
-    seen: dict[str, str] = {}
-    for what, names in groups:
-        for n in names:
-            if n in seen:
-                raise AssemblyError(f"kernel argument {n!r} is both a {seen[n]} and a {what}")
-            seen[n] = what
-    return sorted(seen)
-
-
-def kernel_kwargs(names: list[str], weights: dict, states: dict, runtime: dict) -> dict:
-    """The keyword arguments of one rank's launch: exactly ``names``, each from the one source that has it.
-    Missing or unexpected names are an error naming them (a kernel built for other tensors)."""
+def kernel_kwargs(mode: str, weights: dict, states: dict, runtime: dict) -> dict:
+    """The keyword arguments of one rank's launch of the shipped kernel (without the plan): each of its tensor
+    parameters from the one source that has it; an experts table the checkpoint does not need stays at its
+    default (None); a weight only the other mode's kernel takes (``mtp_fc`` in a step) is left out. Missing,
+    unexpected or doubly given names are an error naming them."""
+    sig = inspect.signature(kernel_of(mode)).parameters
     sources = {**weights, **states, **runtime}
     if len(sources) != len(weights) + len(states) + len(runtime):
         dup = sorted((set(weights) & set(states)) | (set(weights) | set(states)) & set(runtime))
         raise AssemblyError(f"kernel arguments given twice: {dup[:8]}")
-    missing = [n for n in names if n not in sources]
-    extra = sorted(set(sources) - set(names))
+    names = kernel_parameters(mode)
+    other = set(kernel_parameters("round")) | set(kernel_parameters("step"))
+    missing = [n for n in names if n not in sources and sig[n].default is inspect.Parameter.empty]
+    extra = sorted(set(sources) - set(names) - (set(weights) & other))
     if missing or extra:
-        raise AssemblyError(f"kernel arguments do not match the kernel: missing {missing[:8]}"
+        raise AssemblyError(f"kernel arguments do not match the {mode} kernel: missing {missing[:8]}"
                             f"{' ...' if len(missing) > 8 else ''}, unexpected {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    return {n: sources[n] for n in names}
+    return {n: sources[n] for n in names if n in sources}
 
 
-def output_names(spec: RoundSpec) -> list[str]:
+def output_names(mode: str) -> list[str]:
     """What a round/step graph returns, in order: draft [1, 1] int32, targets [T, 1] int32, hidden [T, H]
-    (activation dtype), then the state buffers the launch writes (``megakernel.round.mutated_names``)."""
-    return [*LEADING_OUTPUTS, *mutated_names(spec)]
+    (activation dtype), then the state buffers the launch writes (``plan.STATE``, every one in both modes)."""
+    if mode not in MODES:
+        raise AssemblyError(f"mode must be one of {MODES}, found {mode!r}")
+    return [*LEADING_OUTPUTS, *rp.STATE]
 
 
-def graph_states(mode: str, spec: RoundSpec | None, state_names) -> list[str]:
+def graph_states(mode: str, state_names) -> list[str]:
     """The decode-state buffers a graph takes, in output order: exactly those it overwrites (and aliases).
 
-    round / step: ``megakernel.round.mutated_names(spec)`` (a step does not take the MTP KV caches);
-    reset: every buffer. A graph must not take a state it does not alias: NxD treats a non-aliased
-    parameter as a WEIGHT, to be loaded from the checkpoint, where no state is."""
+    round / step: ``plan.STATE`` (a step writes the trunk's rows of the stacked caches and GDN slots, the MTP
+    layer's entries pass through unchanged); reset: every buffer. A graph must not take a state it does not
+    alias: NxD treats a non-aliased parameter as a WEIGHT, to be loaded from the checkpoint, where no state is."""
     names = list(state_names)
     if mode == "reset":
         return names
-    want = mutated_names(spec)
+    want = output_names(mode)[len(LEADING_OUTPUTS):]
     missing = sorted(set(want) - set(names))
     if missing:
         raise AssemblyError(f"{mode}: the graph writes state buffers that do not exist: {missing[:8]}")
     return want
 
 
-def state_aliases(spec: RoundSpec) -> dict[str, int]:
+def state_aliases(mode: str) -> dict[str, int]:
     """State buffer name -> index of the round/step graph output that is its new value (NxD input/output
     aliasing: the buffer is updated in place on the device, nothing goes back to the host)."""
-    return {n: i for i, n in enumerate(output_names(spec)) if i >= len(LEADING_OUTPUTS)}
+    return {n: i for i, n in enumerate(output_names(mode)) if i >= len(LEADING_OUTPUTS)}
 
 
 def reset_aliases(state_names) -> dict[str, int]:
@@ -290,16 +269,13 @@ def reset_outputs(keep: torch.Tensor, states: dict[str, torch.Tensor], hidden_si
 
 
 # --------------------------------------------------------------------------------------------------
-# Run-time inputs
+# Run-time inputs (built by megakernel.plan.round_inputs / step_inputs)
 # --------------------------------------------------------------------------------------------------
 def graph_inputs(mode: str) -> tuple[str, ...]:
     """The positional inputs of a graph's traced forward (:data:`GRAPH_INPUTS`)."""
     if mode not in GRAPH_INPUTS:
         raise AssemblyError(f"graph must be one of {GRAPHS}, found {mode!r}")
-    names = GRAPH_INPUTS[mode]
-    if mode != "reset" and set(names) != set(RUNTIME_INPUTS[mode]):
-        raise AssemblyError(f"{mode}: graph inputs {names} differ from the kernel's {RUNTIME_INPUTS[mode]}")
-    return names
+    return GRAPH_INPUTS[mode]
 
 
 def named_inputs(mode: str, inputs) -> dict:
@@ -327,72 +303,20 @@ def check_routes(examples: dict) -> None:
         seen[key] = mode
 
 
-def rope_rows(cfg: ModelConfig, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [T, rotary_dim] float32 of positions start..start+T-1 (``nki_kernels.attention.rope_tables``)."""
-    return rope_tables(start, T, cfg.rotary_dim, cfg.rope_theta)
-
-
-def _check_token(cfg: ModelConfig, token: int, what: str):
-    if not 0 <= int(token) < cfg.vocab_size:
-        raise AssemblyError(f"{what}: token id {token} is outside the vocabulary [0, {cfg.vocab_size})")
-
-
-def round_inputs(cfg: ModelConfig, dtype: torch.dtype, pending: int, hidden: torch.Tensor, pos: int, read_slot: int,
-                 forced_draft: int | None = None) -> dict:
-    """Run-time inputs of one round (``RUNTIME_INPUTS["round"]``), pending token at position ``pos``.
-
-    pending/read_slot/pos/pos_d1 int32 [1, 1]; force int32 [1, 2] = (1, token) to impose the draft, else
-    (0, 0); hidden [1, H] in ``dtype`` (h_{pos-1}, post final norm); cos_d1/sin_d1 [1, R] float32 at pos-1
-    (the D1 draft), cos_v/sin_v [2, R] at pos, pos+1 (verify; D2 uses row 0)."""
-    if pos < 1:
-        raise AssemblyError(f"round: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
-    if read_slot not in range(SLOTS):
-        raise AssemblyError(f"round: read_slot must be in 0..{SLOTS - 1}, found {read_slot}")
-    _check_token(cfg, pending, "round pending")
-    if forced_draft is not None:
-        _check_token(cfg, forced_draft, "round forced draft")
-    h = as_torch(hidden).reshape(1, -1).to(dtype)
-    if h.shape[1] != cfg.hidden_size:
-        raise AssemblyError(f"round: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
-    cos_d1, sin_d1 = rope_rows(cfg, pos - 1, 1)
-    cos_v, sin_v = rope_rows(cfg, pos, 2)
-    out = {"pending": i32(pending), "hidden": h, "read_slot": i32(read_slot),
-           "force": i32(0 if forced_draft is None else 1, 0 if forced_draft is None else forced_draft),
-           "pos_d1": i32(pos - 1), "pos": i32(pos), "cos_d1": cos_d1, "sin_d1": sin_d1, "cos_v": cos_v,
-           "sin_v": sin_v}
-    assert set(out) == set(RUNTIME_INPUTS["round"])
-    return out
-
-
-def step_inputs(cfg: ModelConfig, token: int, pos: int, read_slot: int) -> dict:
-    """Run-time inputs of one plain decode step (``RUNTIME_INPUTS["step"]``): token at position ``pos``."""
-    if pos < 0:
-        raise AssemblyError(f"step: position must be >= 0, found {pos}")
-    if read_slot not in range(SLOTS):
-        raise AssemblyError(f"step: read_slot must be in 0..{SLOTS - 1}, found {read_slot}")
-    _check_token(cfg, token, "step token")
-    cos, sin = rope_rows(cfg, pos, 1)
-    out = {"pending": i32(token), "read_slot": i32(read_slot), "pos": i32(pos), "cos_v": cos, "sin_v": sin}
-    assert set(out) == set(RUNTIME_INPUTS["step"])
-    return out
-
-
 def reset_inputs() -> dict:
     """Run-time inputs of the reset graph: keep = 0 (every state buffer becomes zero)."""
-    return {"keep": i32(0)}
+    import numpy as np
+    return {"keep": np.zeros((1, 1), np.int32)}
 
 
 def runtime_example(cfg: ModelConfig, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Zero tensors with the exact shapes and dtypes of a graph's run-time inputs (the example inputs the
-    graph is traced with, and NxD's routing key)."""
-    T = 2 if mode == "round" else 1
-    r = cfg.rotary_dim
-    shapes = {"pending": ((1, 1), torch.int32), "read_slot": ((1, 1), torch.int32), "pos": ((1, 1), torch.int32),
-              "cos_v": ((T, r), torch.float32), "sin_v": ((T, r), torch.float32),
-              "hidden": ((1, cfg.hidden_size), dtype), "force": ((1, 2), torch.int32),
-              "pos_d1": ((1, 1), torch.int32), "cos_d1": ((1, r), torch.float32), "sin_d1": ((1, r), torch.float32),
-              "keep": ((1, 1), torch.int32)}
-    return {n: torch.zeros(shapes[n][0], dtype=shapes[n][1]) for n in graph_inputs(mode)}
+    """Zero tensors with the exact shapes and dtypes of a graph's run-time inputs (``plan.input_specs``: the
+    example inputs the graph is traced with, and NxD's routing key)."""
+    if mode == "reset":
+        return {"keep": torch.zeros((1, 1), dtype=torch.int32)}
+    graph_inputs(mode)
+    return {s.name: torch.zeros(s.shape, dtype=dtype if s.dtype == "activation" else getattr(torch, s.dtype))
+            for s in rp.input_specs(cfg, mode)}
 
 
 def ordered_inputs(mode: str, runtime: dict) -> tuple[torch.Tensor, ...]:
@@ -401,17 +325,3 @@ def ordered_inputs(mode: str, runtime: dict) -> tuple[torch.Tensor, ...]:
     if set(runtime) != set(names):
         raise AssemblyError(f"{mode}: run-time inputs {sorted(runtime)} do not match {sorted(names)}")
     return tuple(as_torch(runtime[n]) for n in names)
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    """What the host reads back from a round/step launch."""
-
-    draft: int            # the draft (round; forced draft if forced) or the pending token (step)
-    targets: list[int]    # greedy token after each verified token (2 for a round, 1 for a step)
-    hidden: torch.Tensor  # [T, H] post-final-norm trunk hidden of the verified tokens
-
-
-def read_outputs(draft, targets, hidden) -> LaunchResult:
-    return LaunchResult(int(as_torch(draft).reshape(-1)[0]), [int(t) for t in as_torch(targets).reshape(-1)],
-                        as_torch(hidden))

@@ -2,8 +2,8 @@
 
 The NxD Inference application of the speculative round: configuration, the traced module, its graphs
 and the engine the host loop drives. Every piece of logic lives in the plain, CPU-tested modules
-(``assembly``, ``xla_math``, ``host``, ``config``, ``convert``); this file only hands their results to
-NxDI. Importing it without neuronx-distributed-inference raises ImportError saying so. On CPU it is
+(``assembly``, ``config``, ``convert``; ``harness.xla`` for the xla backend, ``megakernel.round`` for the
+shipped kernels); this file only hands their results to NxDI. Importing it without neuronx-distributed-inference raises ImportError saying so. On CPU it is
 exercised end to end against fakes that reproduce NxD/NxDI's behaviour (tests/harness/nxd_fakes.py).
 
 Written against the source of aws-neuron/neuronx-distributed-inference 0.9.0 and
@@ -65,11 +65,11 @@ try:
 except ImportError as e:  # this machine: no Neuron SDK
     raise ImportError(f"{NEEDS_SDK} [{type(e).__name__}: {e}]") from e
 
+from harness import xla
+from harness.engines import LaunchResult, read_outputs
 from harness.nxdi import assembly as asm
 from harness.nxdi import config as nxcfg
 from harness.nxdi import convert as nxconv
-from harness.nxdi import xla_math
-from megakernel.round import build_kernel
 from model.config import ModelConfig
 
 TAGS = {"round": "round_model", "step": "step_model", "reset": "reset_state_model"}
@@ -131,37 +131,35 @@ class Qwen36NeuronModel(NeuronBaseModel):
             set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1, num_partitions=tp)
             self.weights[name] = p
         specs = asm.state_specs(self.cfg, tp, config.nxdi_max_len, self.act_dtype)
-        self.spec = None if self.mode == "reset" else asm.round_spec(self.cfg, tp, self.lnc, self.mode)
+        self.plan = None if self.mode == "reset" else asm.launch_plan(self.cfg, tp, self.lnc, self.mode)
         # output order of the graph's states (a ParameterDict built from a dict iterates its keys SORTED)
-        self.state_order = asm.graph_states(self.mode, self.spec, specs)
+        self.state_order = asm.graph_states(self.mode, specs)
         self.states = nn.ParameterDict({
             n: nn.Parameter(torch.zeros(specs[n][0], dtype=specs[n][1]), requires_grad=False)
             for n in self.state_order})
-        self.kernel_names = None
-        if self.backend == "megakernel" and self.spec is not None:
-            self.kernel_names = asm.kernel_arg_names(self.weights.keys(), self.states.keys(), self.mode)
-            self.kernel = build_kernel(self.spec, self.kernel_names)
+        # the shipped kernel itself (megakernel.round.round_kernel / step_kernel), its plan the first argument
+        self.kernel = asm.kernel_of(self.mode) if self.backend == "megakernel" and self.plan is not None else None
 
     def aliases(self) -> dict:
         """{state parameter: output index}, as NxDI's DecoderModelInstance.get returns (model_wrapper.py
         lines 1578-1627); every state the graph takes is aliased (checked)."""
         names = self.state_order
-        idx = asm.reset_aliases(names) if self.spec is None else asm.state_aliases(self.spec)
-        taken = [n for n in self.kernel_names if n in self.states] if self.kernel_names else list(self.states)
-        asm.check_graph_states(self.mode, taken, idx, asm.graph_states(self.mode, self.spec, names))
+        idx = asm.reset_aliases(names) if self.plan is None else asm.state_aliases(self.mode)
+        taken = [n for n in asm.kernel_parameters(self.mode) if n in self.states] if self.kernel else list(self.states)
+        asm.check_graph_states(self.mode, taken, idx, asm.graph_states(self.mode, names))
         return {self.states[n]: i for n, i in idx.items()}
 
     def forward(self, *inputs):
         rt = asm.named_inputs(self.mode, inputs)
         st = {n: self.states[n].data for n in self.state_order}
-        if self.spec is None:
+        if self.plan is None:
             return asm.reset_outputs(rt["keep"], st, self.hidden_size, self.act_dtype)
         w = {k: p.data for k, p in self.weights.items()}
-        if self.backend == "megakernel":  # the token-generation hook: ONE kernel launch per rank
-            return list(self.kernel[self.lnc](**asm.kernel_kwargs(self.kernel_names, w, st, rt)))
-        coll = xla_math.Collectives(all_reduce=reduce_from_tensor_model_parallel_region,
-                                    gather_last=gather_from_tensor_model_parallel_region)
-        draft, targets, hid, new = xla_math.forward(self.cfg, self.spec, w, st, rt, coll)
+        if self.kernel is not None:  # the token-generation hook: ONE kernel launch per rank
+            return list(self.kernel[self.lnc](self.plan, **asm.kernel_kwargs(self.mode, w, st, rt)))
+        coll = xla.Collectives(all_reduce=reduce_from_tensor_model_parallel_region,
+                               gather_last=gather_from_tensor_model_parallel_region)
+        draft, targets, hid, new = xla.forward(self.cfg, self.plan, w, st, rt, coll)
         return [draft, targets, hid, *(new[n] for n in self.state_order)]
 
 
@@ -254,16 +252,19 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
         files, linked into ``compiled/weights/`` where ``load_weights`` reads them."""
         nxconv.link_rank_files(self.model_path, compiled_model_path, self.neuron_config.tp_degree)
 
-    def launch(self, mode: str, runtime: dict) -> asm.LaunchResult:
+    def launch(self, mode: str, runtime: dict) -> LaunchResult:
         outs = self.graphs[mode](*asm.ordered_inputs(mode, runtime))
-        return asm.read_outputs(*outs[:len(asm.LEADING_OUTPUTS)])
+        return read_outputs(*outs[:len(asm.LEADING_OUTPUTS)])
 
     def reset_state(self) -> None:
         self.launch("reset", asm.reset_inputs())
 
 
 class NeuronEngine:
-    """``harness.nxdi.host.Engine`` over a compiled and loaded application."""
+    """A ``harness.engines.Engine`` over a compiled and loaded application (no host-side state: prompts are
+    prefilled teacher-forced through the decode graphs, ``harness.speculative.Decoder``)."""
+
+    name = "nxdi"
 
     def __init__(self, app: Qwen36ForCausalLM):
         self.app = app
@@ -291,6 +292,12 @@ class NeuronEngine:
     def reset(self) -> None:
         self.app.reset_state()
 
-    def run(self, mode: str, runtime: dict) -> asm.LaunchResult:
+    def start(self, max_len: int) -> None:
+        if max_len > self.max_len:
+            raise ValueError(f"nxdi: the sequence needs {max_len} positions, the compiled decode state holds "
+                             f"{self.max_len} (compile with a larger --max-len)")
+        self.reset()
+
+    def run(self, mode: str, runtime: dict) -> LaunchResult:
         self.launches += 1
         return self.app.launch(mode, runtime)

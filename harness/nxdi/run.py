@@ -4,10 +4,11 @@
     python -m harness.nxdi.run compile --converted CONVERTED --compiled COMPILED            # trn2 only
     python -m harness.nxdi.run decode --converted CONVERTED --compiled COMPILED --prompt-ids 1,2,3  # trn2 only
     python -m harness.nxdi.run decode --executor cpu --model-path HF_DIR --backend xla --prompt-ids 1,2,3
+    python -m harness.nxdi.run check --converted CONVERTED --compiled COMPILED --model-path HF_DIR   # trn2 only
 
 ``decode --executor neuron`` (default) drives the compiled NxDI application; ``--executor cpu`` runs the
-same per-rank work on this machine (``harness.nxdi.cpu``: the xla backend over one thread per rank, the
-megakernel under nkisim) behind the same host loop. Before touching the Neuron SDK, ``compile`` and
+same per-rank work on this machine (``harness.engines``: the xla backend over one thread per rank, the
+megakernel under nkisim) behind the same host loop, prefilled the same way (teacher-forced). Before touching the Neuron SDK, ``compile`` and
 ``decode --executor neuron`` check the converted directory: its TP, LNC, dtype and max length against
 ``--tp/--lnc/--dtype/--max-len`` when given and the LNC NxDI will run with (``NEURON_LOGICAL_NC_CONFIG``
 wins over the config in NxDI), every rank's checkpoint complete, and (decode) that the compiled directory
@@ -68,6 +69,12 @@ def parse_args(argv):
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
     d.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from harness.nxdi import check
+    t = sub.add_parser("check", help="bring-up check: teacher-forced logits vs the CPU reference (tolerance, "
+                                     "top-1 outside near-ties); exit 1 on FAIL", description=check.__doc__.split("\n\n")[0])
+    check.add_arguments(t)
+    _expected(t, cpu=True)
     return ap.parse_args(argv)
 
 
@@ -132,15 +139,16 @@ def cmd_compile(args) -> int:
 def _engine(args, max_len: int):
     """(engine, cfg) for the chosen executor."""
     if args.executor == "cpu":
-        from harness.nxdi.assembly import AssemblyError
-        from harness.nxdi.cpu import CpuEngine
+        from harness.engines import make_engine
+        from harness.nxdi.assembly import AssemblyError, check_sharding
         from model.config import ConfigError
         from model.weights import CheckpointError, load_checkpoint
         if args.model_path is None:
             raise UsageError("--executor cpu needs --model-path (a Hugging Face checkpoint)")
         try:
             cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype or "bfloat16"])
-            return CpuEngine(cfg, params, args.backend, max_len=max_len, tp=args.tp or 4, lnc=args.lnc or 2), cfg
+            check_sharding(cfg, args.tp or 4, args.lnc or 2)
+            return make_engine(args.backend, cfg, params, tp=args.tp or 4, lnc=args.lnc or 2), cfg
         except (CheckpointError, ConfigError, AssemblyError) as e:
             raise UsageError(str(e)) from None
     if args.converted is None or args.compiled is None:
@@ -172,8 +180,7 @@ def _prompt(args, cfg, tokenizer) -> list[int]:
 def cmd_decode(args) -> int:
     from harness.decode import UsageError as DecodeUsage
     from harness.decode import load_tokenizer
-    from harness.nxdi.host import NxdiVariant
-    from harness.speculative import generate
+    from harness.speculative import Decoder, generate
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
     if args.prompt_ids is not None:
@@ -195,7 +202,7 @@ def cmd_decode(args) -> int:
     ids = _prompt(args, cfg, tokenizer)
     if not args.no_spec and not cfg.mtp_num_hidden_layers:
         raise UsageError("the checkpoint has no MTP head; use --no-spec")
-    variant = NxdiVariant(engine, name=f"nxdi-{args.executor}")
+    variant = Decoder(engine)       # teacher-forced prefill through the decode graphs, on both executors
     t0 = time.perf_counter()
     try:
         res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec)
@@ -218,7 +225,9 @@ def cmd_decode(args) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        return {"convert": cmd_convert, "compile": cmd_compile, "decode": cmd_decode}[args.command](args)
+        from harness.nxdi.check import cmd as cmd_check
+        return {"convert": cmd_convert, "compile": cmd_compile, "decode": cmd_decode,
+                "check": cmd_check}[args.command](args)
     except UsageError as e:
         print(f"harness.nxdi.run: error: {e}", file=sys.stderr)
         return 2

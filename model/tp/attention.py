@@ -77,33 +77,60 @@ def rank_cache(cache: torch.Tensor, shard: dict) -> torch.Tensor:
     return cache[k0:k0 + nk].clone()
 
 
-def attention_rank(shard: dict, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], start: int,
-                   cfg: ModelConfig) -> torch.Tensor:
-    """One rank's gated GQA attention on normed x ``[T, H]`` at positions start..start+T-1.
+def positions(pos, t: int, device) -> torch.Tensor:
+    """Positions pos..pos+t-1 as int64 [t] from a run-time position (an int tensor of one element, e.g. the
+    kernels' int32 [1, 1] input, or a Python int on the host)."""
+    p = torch.as_tensor(pos, device=device).reshape(-1)[:1].long()
+    return p + torch.arange(t, device=device)
 
-    kv: the rank's caches ``(K, V)``, each ``[Hkv_r, L, D]`` (activation dtype); rows start..start+T-1
-    are written in place, then the rank's query heads attend causally over rows 0..start+T-1.
-    Same math and casts as ``ReferenceModel.attention_mixer`` (projections in the activation dtype,
-    zero-centred q/k RMSNorm, partial rotate-half RoPE, fp32 softmax, o * sigmoid(gate) rounded to
-    the activation dtype). Returns the rank's o_proj partial ``[T, H]`` in **float32**.
+
+def masked_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos_q: torch.Tensor, scale: float
+                     ) -> torch.Tensor:
+    """``model.functional.causal_attention`` over the WHOLE cache with the rows past each query's position masked
+    (no slicing by a host value: traceable). q [T, Hq, D]; kc, vc [Hkv, L, D]; pos_q int64 [T]. Scores and softmax
+    in fp32; masked rows get probability exactly 0 and their contents (zeros, stale rows, even NaN) never reach
+    the result, so it equals attending rows 0..pos. Returns [T, Hq, D] in q's dtype."""
+    t, hq, _ = q.shape
+    hkv, length, _ = kc.shape
+    seen = torch.arange(length, device=q.device)[None, :] <= pos_q.max()          # [1, L] rows any query sees
+    k = torch.where(seen[0, None, :, None], kc.float(), 0.0).repeat_interleave(hq // hkv, dim=0)
+    v = torch.where(seen[0, None, :, None], vc.float(), 0.0).repeat_interleave(hq // hkv, dim=0)
+    scores = torch.einsum("thd,hnd->htn", q.float(), k) * scale
+    mask = torch.arange(length, device=q.device)[None, :] > pos_q[:, None]        # [T, L]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("htn,hnd->thd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+
+
+def attention_rank(shard: dict, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos, cfg: ModelConfig,
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
+    """One rank's gated GQA attention on normed x ``[T, H]`` at positions pos..pos+T-1.
+
+    k_cache, v_cache: the rank's caches ``[Hkv_r, L, D]`` (activation dtype); pos: the run-time position of the
+    first token (an int tensor of one element, e.g. int32 [1, 1], or an int); cos, sin: float32 ``[T, rotary]``
+    RoPE rows of the positions (the kernels' run-time inputs; computed from pos when None). Same math and casts as
+    ``ReferenceModel.attention_mixer`` (projections in the activation dtype, zero-centred q/k RMSNorm, partial
+    rotate-half RoPE, fp32 softmax, o * sigmoid(gate) rounded to the activation dtype). Traceable: no host value,
+    no slicing by the position (rows are written with ``index_copy``, later rows masked), nothing created off the
+    inputs' device. Returns (the rank's o_proj partial ``[T, H]`` float32, new K cache, new V cache) with rows
+    pos..pos+T-1 written.
     """
     t, d = x.shape[0], cfg.head_dim
     hq_r, nk = shard["num_heads"], shard["num_kv_heads"]
+    if k_cache.shape[0] != nk or v_cache.shape[0] != nk:
+        raise ValueError(f"attention_rank: caches hold {k_cache.shape[0]}/{v_cache.shape[0]} KV heads, the rank has "
+                         f"{nk}")
     qg = F.linear(x, shard["q_proj"]).reshape(t, hq_r, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(t, -1)
     k = F.linear(x, shard["k_proj"]).reshape(t, nk, d)
     v = F.linear(x, shard["v_proj"]).reshape(t, nk, d)
     q = fn.rms_norm(q, shard["q_norm"], cfg.rms_norm_eps)
     k = fn.rms_norm(k, shard["k_norm"], cfg.rms_norm_eps)
-    cos, sin = fn.rope_cos_sin(torch.arange(start, start + t), cfg.rotary_dim, cfg.rope_theta)
+    pq = positions(pos, t, x.device)
+    if cos is None:
+        cos, sin = fn.rope_cos_sin(pq, cfg.rotary_dim, cfg.rope_theta)
     q, k = fn.apply_partial_rope(q, cos, sin), fn.apply_partial_rope(k, cos, sin)
-    kc, vc = kv
-    if kc.shape[0] != nk or vc.shape[0] != nk:
-        raise ValueError(f"attention_rank: caches hold {kc.shape[0]}/{vc.shape[0]} KV heads, the rank has {nk}")
-    if start + t > kc.shape[1]:
-        raise ValueError(f"attention_rank: positions up to {start + t - 1} exceed the KV cache length {kc.shape[1]}")
-    kc[:, start:start + t] = k.transpose(0, 1).to(kc.dtype)
-    vc[:, start:start + t] = v.transpose(0, 1).to(vc.dtype)
-    o = fn.causal_attention(q, kc, vc, start, d ** -0.5).reshape(t, -1)
+    kc = k_cache.index_copy(1, pq, k.transpose(0, 1).to(k_cache.dtype))
+    vc = v_cache.index_copy(1, pq, v.transpose(0, 1).to(v_cache.dtype))
+    o = masked_attention(q, kc, vc, pq, d ** -0.5).reshape(t, -1)
     o = (o.float() * torch.sigmoid(gate.float())).to(x.dtype)
-    return F.linear(o.float(), shard["o_proj"].float())
+    return F.linear(o.float(), shard["o_proj"].float()), kc, vc

@@ -95,3 +95,19 @@ def lm_head_argmax(params: dict[str, torch.Tensor], cfg: ModelConfig, hidden: to
         vals.append(v)
         idxs.append(i)
     return combine_argmax(torch.stack(vals), torch.stack(idxs), vocab_per_core(cfg, n_cores))
+
+
+def greedy_rank(lm_head_rows: torch.Tensor, h: torch.Tensor, coll) -> torch.Tensor:
+    """Greedy token of each row of the post-norm hidden h [T, H] with the vocabulary split by rows over the ranks:
+    ``lm_head_rows`` [V/tp, H] is this rank's (rank r holds rows r*V/tp ..); ``coll`` a
+    ``model.tp.collectives.Collectives``. Each rank's (max, first index) is packed as fp32 (indices < 2^24) and
+    gathered once; the largest value wins, the lowest global index among equal values (``torch.argmax`` semantics,
+    as :func:`combine_argmax`). Traceable. Returns int64 [T], the same on every rank."""
+    logits = F.linear(h, lm_head_rows).float()  # rounded to the activation dtype first, as the reference
+    val, idx = core_argmax(logits)
+    allp = coll.gather_ranks(torch.stack([val, idx.float()], dim=-1))  # [tp, T, 2]
+    values, local = allp[..., 0], allp[..., 1].long()
+    gidx = local + lm_head_rows.shape[0] * torch.arange(allp.shape[0], device=h.device)[:, None]
+    best = values.max(dim=0).values
+    cand = torch.where(values == best[None], gidx, torch.full_like(gidx, torch.iinfo(torch.int64).max))
+    return cand.min(dim=0).values

@@ -142,3 +142,17 @@ def split_window(window: torch.Tensor, dims: GdnDims, rank: int) -> torch.Tensor
     return torch.cat([window[..., rank * kd:(rank + 1) * kd],
                       window[..., full_kd + rank * kd:full_kd + (rank + 1) * kd],
                       window[..., 2 * full_kd + rank * vd:2 * full_kd + (rank + 1) * vd]], dim=-1)
+
+
+def gdn_rank_slots(dims: GdnDims, w: dict[str, torch.Tensor], x_norm: torch.Tensor, windows: torch.Tensor,
+                   states: torch.Tensor, read_slot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gdn_rank` on the decode state's checkpoint slots, as the kernel reads and writes them: start from slot
+    ``read_slot`` (the run-time int32 [1, 1] input, or an int) of windows [slots, K-1, C_rank] / states [slots, Hv_r,
+    Dk, Dv] float32; slot j receives the window / state after token j (j < T), later slots are kept. Traceable (the
+    slot is selected with ``index_select``). Returns (partial [T, H] float32, new windows, new states)."""
+    idx = torch.as_tensor(read_slot, device=windows.device).reshape(-1)[:1].long()
+    window = windows.index_select(0, idx)[0]
+    state = states.index_select(0, idx)[0]
+    partial, new_w, new_s = gdn_rank(dims, w, x_norm, window, state)
+    t = x_norm.shape[0]
+    return partial, torch.cat([new_w.to(windows.dtype), windows[t:]]), torch.cat([new_s, states[t:]])

@@ -70,19 +70,20 @@ def route_tokens(shard: dict[str, torch.Tensor], x: torch.Tensor, top_k: int) ->
 def moe_rank(shard: dict[str, torch.Tensor], x: torch.Tensor, top_k: int) -> torch.Tensor:
     """This rank's partial of the MoE block output. x: [T, H] activation dtype -> [T, H] float32.
 
-    ``shard`` is :func:`shard_moe`'s dict. An expert selected by several tokens is evaluated on all
-    of them at once (its weights are read once, as the kernel does); the per-token contribution is
-    ``weight.to(x.dtype) * expert(x_t)`` accumulated in fp32, as in ``sparse_moe``.
+    ``shard`` is :func:`shard_moe`'s dict (each tensor may also be one layer of a stack). The selected experts'
+    intermediate slices are gathered by index ([T, k, I_r, H]): no host-side loop over the chosen experts, so
+    the function traces. The per-token contribution is ``weight.to(x.dtype) * expert(x_t)`` accumulated in fp32,
+    as in ``sparse_moe``; the shared expert is scaled by sigmoid of its gate.
     """
-    weights, idx = route_tokens(shard, x, top_k)
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for e in torch.unique(idx).tolist():
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        y = fn.swiglu_mlp(x[tok], shard["gate"][e], shard["up"][e], shard["down"][e])
-        out[tok] += weights[tok, slot].to(x.dtype).float()[:, None] * y.float()
+    weights, idx = route_tokens(shard, x, top_k)                     # [T, k] fp32, int64
+    xe = x[:, None, :, None]                                         # [T, 1, H, 1]
+    hg = torch.matmul(shard["gate"][idx], xe)[..., 0]                # [T, k, I_r] activation dtype
+    hu = torch.matmul(shard["up"][idx], xe)[..., 0]
+    h = (F.silu(hg.float()) * hu.float()).to(x.dtype)
+    y = torch.matmul(shard["down"][idx], h[..., None])[..., 0]       # [T, k, H]
+    out = (weights.to(x.dtype).float()[..., None] * y.float()).sum(dim=1)
     shared = fn.swiglu_mlp(x, shard["shared_gate"], shard["shared_up"], shard["shared_down"]).float()
-    out += torch.sigmoid(F.linear(x, shard["shared_expert_gate"]).float()) * shared
-    return out
+    return out + torch.sigmoid(F.linear(x, shard["shared_expert_gate"]).float()) * shared
 
 
 def distinct_experts(shard: dict[str, torch.Tensor], x: torch.Tensor, top_k: int) -> list[int]:

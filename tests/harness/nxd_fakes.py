@@ -18,7 +18,7 @@ Behaviours reproduced (each class/function below cites the code it mirrors):
 * ``NEURON_LOGICAL_NC_CONFIG`` wins over the ``logical_nc_config`` keyword.
 
 Execution model of a fake "NEFF": the traced module runs eagerly on CPU on every rank at once, one thread
-per rank, NxD's mappings collectives between the threads (``harness.nxdi.cpu.ThreadWorld``), and an NKI
+per rank, NxD's mappings collectives between the threads (``harness.xla.ThreadWorld``), and an NKI
 kernel called by the ranks is ONE multi-rank nkisim launch (on the device the custom call runs on every
 rank of the SPMD program together). Not reproduced: XLA itself (lazy tracing, dead-code elimination,
 in-place aliasing on the device), compile flags, layout optimisation, async and ranked execution.
@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from harness.nxdi.cpu import ThreadWorld
+from harness.xla import ThreadWorld
 
 logger = logging.getLogger("Neuron")
 

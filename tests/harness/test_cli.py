@@ -34,7 +34,7 @@ def run(capsys, *argv):
 
 def test_json_schema(ckpt, capsys):
     code, out, err = run(capsys, "--model-path", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", 9,
-                         "--variant", "xla", "--json")
+                         "--variant", "xla", "--tp", 1, "--json")
     assert code == 0, err
     d = json.loads(out)
     assert len(d["tokens"]) == 9 and all(isinstance(t, int) for t in d["tokens"])
@@ -45,7 +45,7 @@ def test_json_schema(ckpt, capsys):
 
 def test_no_spec_text_output(ckpt, capsys):
     code, out, _ = run(capsys, "--model-path", ckpt, "--prompt-ids", "4,5", "--max-new-tokens", 5,
-                       "--no-spec", "--dtype", "float32", "--variant", "xla")
+                       "--no-spec", "--dtype", "float32", "--variant", "xla", "--tp", 1)
     assert code == 0 and "tokens: [" in out and "xla" in out
 
 
@@ -127,7 +127,7 @@ def test_matches_transformers_generate_on_save_pretrained_checkpoint(tiny_cfg, t
                          pad_token_id=0)
     expected = out[0, len(prompt):].tolist()
     code, stdout, err = run(capsys, "--model-path", tmp_path, "--prompt-ids", ",".join(map(str, prompt)),
-                            "--max-new-tokens", 32, "--variant", "xla", "--dtype", "float32", "--json")
+                            "--max-new-tokens", 32, "--variant", "xla", "--tp", 1, "--dtype", "float32", "--json")
     assert code == 0, err
     got = json.loads(stdout)["tokens"]
     assert got == expected

@@ -63,12 +63,15 @@ def test_attention_registers_depend_on_the_position():
 
 def _tiny_moe_args(tokens, seed=0):
     """Data arguments of moe_stage on rank 0 of the tiny config (random weights: the in-kernel routing runs)."""
-    from megakernel.sharded import moe_weights, rank_weights
+    from megakernel.plan import step_plan
+    from megakernel.sharded import rank_weights
     from model.params import random_params
     w = rank_weights(TINY, random_params(TINY, seed=seed, dtype=torch.float32), 0, 4, 2)
-    r, e, s, i = moe_weights(w, 0)
+    layer = step_plan(TINY, 4, 2).stages[0].layers[0]
+    table, index = layer.experts
     x = torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(seed)).float()
-    return (x, w["l0_post_norm"], r, e, s, TINY.num_experts_per_tok, i, float(TINY.rms_norm_eps))
+    return (x, w["norms"], layer.post_norm, w["moe_router"], w[f"moe_experts_{table}"], w["moe_shared"],
+            TINY.num_experts_per_tok, layer.moe, index, float(TINY.rms_norm_eps))
 
 
 def test_shape_only_moe_replaying_an_executing_runs_registers_is_its_trace():
@@ -137,12 +140,13 @@ def test_round_case_is_the_shipped_kernel_with_real_inputs(tiny_round):
     n = len(case.provider.moe.log)
     assert n == TINY.num_hidden_layers and case.provider.moe.log == [7] * n
     params = kc.kernel_parameters(case)
-    assert params["count"] == len(case.per_rank[0]) and params["bytes"] > 0
+    assert params["count"] == len(case.per_rank[0]) - 1 and params["bytes"] > 0   # every tensor but the plan
+    assert params["count"] <= params["declared"] == 36    # the tiny model uses one of the 5 experts tables
 
 
 def test_layer_labels_and_breakdown_cover_the_round(tiny_round):
     case, tr = tiny_round
-    labels = layers.label_layers(tr.instructions, TINY.layer_types)
+    labels = layers.label_layers(tr.instructions, case.plan)
     trunk = {lab for lab, kind, _ in labels if lab.startswith("L")}
     assert trunk == {f"L{i}" for i in range(TINY.num_hidden_layers)}
     kinds = {lab: kind for lab, kind, _ in labels if lab.startswith("L")}

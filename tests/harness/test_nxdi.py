@@ -1,12 +1,12 @@
 """The NxDI adapter (harness/nxdi) on CPU. Nothing here runs NxDI, NxD or the Neuron compiler.
 
 * Import guard: ``import harness.nxdi`` works without the SDK; the trn2-only names raise a clear ImportError.
-* Assembly: the kernel's argument names (the generated signature), per-rank shapes/dtypes of weights and
-  state, each rank's checkpoint, run-time inputs for several positions, the graphs' inputs, routes
+* Assembly: the kernel's arguments (the shipped kernels' hand-written signatures), per-rank shapes/dtypes of
+  weights and state, each rank's checkpoint, run-time inputs for several positions, the graphs' inputs, routes
   (shape-only), leading outputs and state aliasing, which states each graph takes, the reset graph.
-* Host: the teacher-forced prefill plan, slot selection sequences, what the variant passes to an engine.
-* The xla backend (``xla_math``, the function traced on trn2): one round vs the reference round
-  (fp32, 1e-4 absolute, as tests/harness/test_kernel_variants.py), teacher-forced prefill vs the
+* Host: the teacher-forced prefill launches, slot selection sequences, what the decoder passes to an engine.
+* The xla backend (``harness.xla.forward``, the function traced on trn2): one round vs the reference round
+  (fp32, 1e-4 absolute, as tests/megakernel/test_round.py), teacher-forced prefill vs the
   reference prefill, tokens = plain greedy, the decode-state invariant, and no host-value dependence
   (fake tensors) and no tensors created off the inputs' device (meta tensors).
 * The megakernel backend behind the same host loop under nkisim: tokens = plain greedy.
@@ -33,20 +33,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from decoding import ReferenceDecoder, forced_rounds, reference_decode_state, reference_greedy
+from harness import xla
+from harness.engines import LaunchResult, make_engine
 from harness.nxdi import assembly as asm
 from harness.nxdi import config as nxcfg
 from harness.nxdi import convert as nxconv
-from harness.nxdi import xla_math
-from harness.nxdi.cpu import CpuEngine, ThreadWorld
-from harness.nxdi.host import NxdiVariant, PrefillLaunch, SlotBook, accepted_count, prefill_plan
-from harness.speculative import forced_rounds, generate, token_by_token_state
-from harness.variants import XlaVariant
-from megakernel.round import RUNTIME_INPUTS, build_kernel, mutated_names
+from harness.speculative import Decoder, generate
+from megakernel import plan as rp
+from megakernel.plan import PrefillLaunch, teacher_forced_launches
+from megakernel.round import KERNELS
 from megakernel.sharded import rank_state, rank_weights
 from model import functional as fn
 from model.config import ConfigError, preset
 from model.params import random_params
 from model.state import DecodeState
+from model.tp.collectives import SINGLE_RANK
 from model.weights import save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +66,7 @@ def tiny(tiny_cfg):
 @pytest.fixture(scope="module")
 def plain(tiny):
     cfg, params = tiny
-    return generate(XlaVariant(cfg, params), PROMPT, 12, spec=False).tokens
+    return reference_greedy(cfg, params, PROMPT, 12)
 
 
 def right_draft(plain_tokens, n_prompt=len(PROMPT)):
@@ -102,49 +104,47 @@ def test_trn2_module_parses_and_imports_only_plain_project_modules():
     tree = ast.parse(src.read_text())
     project = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                and n.module.split(".")[0] in ("harness", "model", "megakernel")}
-    assert project <= {"harness.nxdi", "megakernel.round", "model.config"}
+    assert project <= {"harness", "harness.engines", "harness.nxdi", "model.config"}
 
 
 # --------------------------------------------------------------------------------------------------
 # Assembly: kernel arguments, shapes, per-rank checkpoints
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["round", "step"])
-def test_kernel_argument_names_match_the_generated_signature(tiny_cfg, mode):
+def test_kernel_arguments_are_the_shipped_kernels_parameters(tiny_cfg, mode):
     cfg, tp, lnc = tiny_cfg, 4, 2
     params = random_params(cfg, seed=0)
     weights = asm.rank_weights(cfg, params, "megakernel", 0, tp, lnc)
     specs = asm.state_specs(cfg, tp, 24, torch.bfloat16)
-    spec = asm.round_spec(cfg, tp, lnc, mode)
-    taken = asm.graph_states(mode, spec, specs)
-    names = asm.kernel_arg_names(weights, taken, mode)
-    # the names of harness.kernel_variants' launch, minus the states this graph does not write
-    state = rank_state(cfg, DecodeState.empty(cfg, 24, 2, torch.bfloat16), 0, tp)
-    assert names == sorted({**rank_weights(cfg, params, 0, tp, lnc), **{n: state[n] for n in taken},
-                            **dict.fromkeys(RUNTIME_INPUTS[mode])})
-    kernel = build_kernel(spec, names)
-    assert list(inspect.signature(kernel).parameters) == names
-    rt = asm.round_inputs(cfg, torch.bfloat16, 3, torch.zeros(cfg.hidden_size), 4, 0) if mode == "round" \
-        else asm.step_inputs(cfg, 3, 4, 0)
+    taken = asm.graph_states(mode, specs)
+    rt = rp.round_inputs(cfg, torch.bfloat16, 3, torch.zeros(cfg.hidden_size), 4, 0) if mode == "round" \
+        else rp.step_inputs(cfg, 3, 4, 0)
     states = asm.zero_states(specs)
-    kwargs = asm.kernel_kwargs(names, weights, {n: states[n] for n in taken}, rt)
-    assert list(kwargs) == names
+    kwargs = asm.kernel_kwargs(mode, weights, {n: states[n] for n in taken}, rt)
+    sig = list(inspect.signature(KERNELS[mode]).parameters)
+    assert sig[0] == "plan" and list(kwargs) == [n for n in sig if n in kwargs]
+    # what the in-process engines launch with: every weight, every state, the mode's inputs; the tiny model uses
+    # one experts table, the other four stay at their default None
+    assert set(sig) - set(kwargs) == {"plan", "moe_experts_1", "moe_experts_2", "moe_experts_3", "moe_experts_4"}
+    assert set(kwargs) == set(weights) - ({"mtp_fc"} if mode == "step" else set()) | set(rp.STATE) | \
+        set(rp.input_names(mode))
+    assert len(asm.kernel_parameters(mode)) <= 48
     with pytest.raises(asm.AssemblyError, match="missing.*unexpected"):
-        asm.kernel_kwargs(names, weights, {n: states[n] for n in taken}, {**rt, "bogus": 1})
-    with pytest.raises(asm.AssemblyError, match="both a weight and a state"):
-        asm.kernel_arg_names(["l0_window"], ["l0_window"], mode)
+        asm.kernel_kwargs(mode, weights, {n: states[n] for n in taken}, {**rt, "bogus": 1})
+    with pytest.raises(asm.AssemblyError, match="given twice"):
+        asm.kernel_kwargs(mode, {"gdn_window": 0}, {"gdn_window": 0}, {})
 
 
 def test_each_graph_takes_exactly_the_states_it_overwrites(tiny_cfg):
     specs = asm.state_specs(tiny_cfg, 4, 24, torch.bfloat16)
-    rnd, stp = (asm.graph_states(m, asm.round_spec(tiny_cfg, 4, 2, m), specs) for m in ("round", "step"))
-    assert set(rnd) == set(specs) and asm.graph_states("reset", None, specs) == list(specs)
-    assert set(stp) == set(specs) - {n for n in specs if n.startswith("mtp")} and stp == mutated_names(
-        asm.round_spec(tiny_cfg, 4, 2, "step"))  # a step does not take the MTP KV caches
+    rnd, stp = (asm.graph_states(m, specs) for m in ("round", "step"))
+    # stacked state: a step writes the trunk's entries of every stack (the MTP entries pass through)
+    assert rnd == stp == list(rp.STATE) and set(rnd) == set(specs) and asm.graph_states("reset", specs) == list(specs)
     asm.check_graph_states("step", stp, stp, stp)
     with pytest.raises(asm.AssemblyError, match="step: state buffers taken"):
-        asm.check_graph_states("step", list(specs), stp, stp)  # takes the MTP caches without aliasing them
+        asm.check_graph_states("step", stp + ["bogus"], stp, stp)  # takes a buffer without aliasing it
     with pytest.raises(asm.AssemblyError, match="do not exist"):
-        asm.graph_states("round", asm.round_spec(tiny_cfg, 4, 2, "round"), stp)
+        asm.graph_states("round", stp[:2])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -174,7 +174,7 @@ def test_rank_checkpoints_hold_each_ranks_weights_and_rank(tiny_cfg, backend):
 
 def test_kernel_layout_keeps_fp32_where_the_kernels_need_it(tiny_cfg):
     w = asm.rank_weights(tiny_cfg, random_params(tiny_cfg, seed=0), "megakernel", 1, 4, 2)
-    assert w["l0_gdn_A_log"].dtype == torch.float32 and w["final_norm"].dtype == torch.float32
+    assert w["gdn_A_log"].dtype == torch.float32 and w["norms"].dtype == torch.float32
     assert w["embed"].dtype == torch.bfloat16 and all(t.is_contiguous() for t in w.values())
 
 
@@ -182,7 +182,7 @@ def test_kernel_layout_keeps_fp32_where_the_kernels_need_it(tiny_cfg):
 def test_round_inputs_for_positions(tiny_cfg, pos):
     cfg = tiny_cfg
     h = torch.randn(cfg.hidden_size)
-    rt = asm.round_inputs(cfg, torch.bfloat16, 11, h, pos, 1, forced_draft=42)
+    rt = rp.round_inputs(cfg, torch.bfloat16, 11, h, pos, 1, forced_draft=42)
     ex = asm.runtime_example(cfg, "round", torch.bfloat16)
     for name, t in zip(asm.graph_inputs("round"), asm.ordered_inputs("round", rt)):
         assert t.shape == ex[name].shape and t.dtype == ex[name].dtype, name
@@ -193,8 +193,8 @@ def test_round_inputs_for_positions(tiny_cfg, pos):
         c, s = fn.rope_cos_sin(torch.arange(start, start + t), cfg.rotary_dim, cfg.rope_theta)
         torch.testing.assert_close(torch.as_tensor(cos), c, rtol=0, atol=1e-5)
         torch.testing.assert_close(torch.as_tensor(sin), s, rtol=0, atol=1e-5)
-    assert asm.round_inputs(cfg, torch.bfloat16, 11, h, pos, 0)["force"].tolist() == [[0, 0]]
-    st = asm.step_inputs(cfg, 9, pos, 0)
+    assert rp.round_inputs(cfg, torch.bfloat16, 11, h, pos, 0)["force"].tolist() == [[0, 0]]
+    st = rp.step_inputs(cfg, 9, pos, 0)
     ex = asm.runtime_example(cfg, "step", torch.bfloat16)
     for name, t in zip(asm.graph_inputs("step"), asm.ordered_inputs("step", st)):
         assert t.shape == ex[name].shape and t.dtype == ex[name].dtype, name
@@ -202,16 +202,16 @@ def test_round_inputs_for_positions(tiny_cfg, pos):
 
 def test_runtime_input_errors(tiny_cfg):
     h = torch.zeros(tiny_cfg.hidden_size)
-    with pytest.raises(asm.AssemblyError, match=">= 1"):
-        asm.round_inputs(tiny_cfg, torch.float32, 1, h, 0, 0)
-    with pytest.raises(asm.AssemblyError, match="outside the vocabulary"):
-        asm.round_inputs(tiny_cfg, torch.float32, tiny_cfg.vocab_size, h, 3, 0)
-    with pytest.raises(asm.AssemblyError, match="read_slot"):
-        asm.step_inputs(tiny_cfg, 1, 3, 2)
-    with pytest.raises(asm.AssemblyError, match="hidden_size"):
-        asm.round_inputs(tiny_cfg, torch.float32, 1, torch.zeros(7), 3, 0)
+    with pytest.raises(ValueError, match=">= 1"):
+        rp.round_inputs(tiny_cfg, torch.float32, 1, h, 0, 0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        rp.round_inputs(tiny_cfg, torch.float32, tiny_cfg.vocab_size, h, 3, 0)
+    with pytest.raises(ValueError, match="read_slot"):
+        rp.step_inputs(tiny_cfg, 1, 3, 2)
+    with pytest.raises(ValueError, match="hidden_size"):
+        rp.round_inputs(tiny_cfg, torch.float32, 1, torch.zeros(7), 3, 0)
     with pytest.raises(asm.AssemblyError, match="do not match"):
-        asm.ordered_inputs("step", asm.round_inputs(tiny_cfg, torch.float32, 1, h, 3, 0))
+        asm.ordered_inputs("step", rp.round_inputs(tiny_cfg, torch.float32, 1, h, 3, 0))
     with pytest.raises(asm.AssemblyError, match="takes 5 inputs"):
         asm.named_inputs("step", (torch.zeros(1),) * 10)
 
@@ -219,19 +219,17 @@ def test_runtime_input_errors(tiny_cfg):
 def test_graph_inputs_routes_outputs_and_aliases(tiny_cfg):
     assert asm.GRAPHS[0] == "round"  # the first graph gives NxD's packer and state initializer
     for mode in ("round", "step"):
-        assert set(asm.graph_inputs(mode)) == set(RUNTIME_INPUTS[mode])
+        assert asm.graph_inputs(mode) == tuple(s.name for s in rp.input_specs(tiny_cfg, mode))
     examples = {m: tuple(asm.runtime_example(tiny_cfg, m, torch.bfloat16).values()) for m in asm.GRAPHS}
     asm.check_routes(examples)  # every graph has its own input shapes
     with pytest.raises(asm.AssemblyError, match="same shapes"):
         asm.check_routes({**examples, "other": examples["step"]})
     states = list(asm.state_specs(tiny_cfg, 4, 24, torch.bfloat16))
     for mode in ("round", "step"):
-        spec = asm.round_spec(tiny_cfg, 4, 2, mode)
-        al = asm.state_aliases(spec)
-        assert asm.output_names(spec)[:3] == list(asm.LEADING_OUTPUTS)
-        assert list(al) == mutated_names(spec) and list(al.values()) == list(range(3, 3 + len(al)))
-    assert set(asm.state_aliases(asm.round_spec(tiny_cfg, 4, 2, "round"))) == set(states)  # a round writes all
-    assert not any(n.startswith("mtp") for n in asm.state_aliases(asm.round_spec(tiny_cfg, 4, 2, "step")))
+        al = asm.state_aliases(mode)
+        assert asm.output_names(mode)[:3] == list(asm.LEADING_OUTPUTS)
+        assert list(al) == list(rp.STATE) and list(al.values()) == list(range(3, 3 + len(al)))
+        assert set(al) == set(states)            # every launch writes (part of) every stacked state buffer
     assert asm.reset_aliases(states) == {n: 3 + i for i, n in enumerate(states)}
 
 
@@ -279,11 +277,11 @@ def test_reset_graph_reads_and_overwrites_every_state(tiny_cfg):
     assert _data_inputs(reset, keep, *small) == {0, 1, 2, 3}
     assert _data_inputs(zeros_like_reset, keep, *small) == {0}
 # --------------------------------------------------------------------------------------------------
-# Host: prefill plan, slots, what reaches the engine
+# Host: teacher-forced prefill launches, slots, what reaches the engine
 # --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", range(1, 9))
-def test_prefill_plan_covers_the_prompt_once(n):
-    plan = prefill_plan(n)
+def test_prefill_launches_cover_the_prompt_once(n):
+    plan = teacher_forced_launches(n)
     assert len(plan) == 1 + math.ceil((n - 1) / 2)
     assert plan[0] == PrefillLaunch("step", 0, None, 1)
     verified, mtp_rows = [0], []
@@ -301,28 +299,21 @@ def test_prefill_plan_covers_the_prompt_once(n):
     assert sum(p.accepted for p in plan) == n
     assert mtp_rows == [(p, p + 1) for p in range(n - 1)]   # exactly the MTP rows a prefill writes
     with pytest.raises(ValueError):
-        prefill_plan(0)
-
-
-def test_slot_book_sequences():
-    book = SlotBook()
-    assert [book.commit(a) for a in (2, 1, 1, 2, 2, 1)] == [1, 0, 0, 1, 1, 0]
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match="1..2"):
-            book.commit(bad)
-    book.reset()
-    assert book.read_slot == 0
-    assert accepted_count(5, [5, 9]) == 2 and accepted_count(4, [5, 9]) == 1
+        teacher_forced_launches(0)
 
 
 class RecordingEngine:
     """A fake engine: records the run-time inputs and answers with fixed tokens."""
 
+    name = "recording"
+
     def __init__(self, cfg, max_len=64):
         self.cfg, self.dtype, self.max_len, self.launches = cfg, torch.float32, max_len, 0
         self.calls, self.resets = [], 0
 
-    def reset(self):
+    def start(self, max_len):
+        if max_len > self.max_len:
+            raise ValueError(f"the sequence needs {max_len} positions, the engine holds {self.max_len}")
         self.resets += 1
 
     def run(self, mode, runtime):
@@ -331,12 +322,12 @@ class RecordingEngine:
         T = 2 if mode == "round" else 1
         d = runtime["force"][0, 1] if mode == "round" and runtime["force"][0, 0] else 7
         hidden = torch.arange(T, dtype=torch.float32)[:, None].expand(T, self.cfg.hidden_size) + 100 * self.launches
-        return asm.LaunchResult(int(d), [7 + self.launches, 8 + self.launches][:T], hidden)
+        return LaunchResult(int(d), [7 + self.launches, 8 + self.launches][:T], hidden)
 
 
-def test_variant_prefill_and_slot_selection(tiny_cfg):
+def test_decoder_prefill_and_slot_selection(tiny_cfg):
     eng = RecordingEngine(tiny_cfg)
-    v = NxdiVariant(eng)
+    v = Decoder(eng)
     prompt = [10, 11, 12, 13, 14]
     first, h = v.prefill(prompt, max_len=20)
     got = [(m, rt["pending"], rt["pos"], rt["read_slot"], rt.get("force")) for m, rt in eng.calls]
@@ -358,9 +349,9 @@ def test_variant_prefill_and_slot_selection(tiny_cfg):
         v.committed(3)
 
 
-def test_variant_prefill_odd_tail_commits_one(tiny_cfg):
+def test_decoder_prefill_odd_tail_commits_one(tiny_cfg):
     eng = RecordingEngine(tiny_cfg)
-    first, _ = NxdiVariant(eng).prefill([10, 11, 12, 13], max_len=20)
+    first, _ = Decoder(eng).prefill([10, 11, 12, 13], max_len=20)
     assert [rt.get("force") for _, rt in eng.calls] == [None, [[1, 12]], [[0, 0]]]
     assert first == 7 + 3  # targets[0] of the last launch: the token after x_3
 
@@ -368,19 +359,14 @@ def test_variant_prefill_odd_tail_commits_one(tiny_cfg):
 # --------------------------------------------------------------------------------------------------
 # The xla backend
 # --------------------------------------------------------------------------------------------------
-def _engine_from_reference(cfg, params, backend, tp, ref_state, max_len):
-    eng = CpuEngine(cfg, params, backend, max_len=max_len, tp=tp)
-    eng.states = [rank_state(cfg, ref_state, r, tp) for r in range(tp)]
-    return eng
-
-
 @pytest.mark.parametrize("tp", [1, 4])
 def test_xla_round_matches_reference_round(tiny, tp):
     cfg, params = tiny
-    ref = XlaVariant(cfg, params)
+    ref = ReferenceDecoder(cfg, params)
     first, h = ref.prefill(PROMPT, max_len=24)
-    eng = _engine_from_reference(cfg, params, "xla", tp, ref.state, 24)
-    v = NxdiVariant(eng)
+    eng = make_engine("xla", cfg, params, tp=tp)
+    eng.load_state(ref.state)
+    v = Decoder(eng)
     r1 = v.round(first, h, len(PROMPT))
     r0 = ref.round(first, h, len(PROMPT))
     assert (r1.draft, r1.targets) == (r0.draft, r0.targets)
@@ -399,11 +385,11 @@ def test_xla_round_matches_reference_round(tiny, tp):
 def test_teacher_forced_prefill_matches_reference_prefill(tiny, n):
     cfg, params = tiny
     prompt = PROMPT[:n]
-    ref = XlaVariant(cfg, params)
+    ref = ReferenceDecoder(cfg, params)
     f0, h0 = ref.prefill(prompt, max_len=16)
-    v = NxdiVariant(CpuEngine(cfg, params, "xla", max_len=16, tp=4))
+    v = Decoder(make_engine("xla", cfg, params, tp=4))
     f1, h1 = v.prefill(prompt, max_len=16)
-    assert f1 == f0 and v.launches == len(prefill_plan(n))
+    assert f1 == f0 and v.launches == len(teacher_forced_launches(n))
     torch.testing.assert_close(h1, h0, rtol=0, atol=1e-4)
     want, got = ref.committed(n), v.committed(n)
     for name in want:  # reference prefill is the chunked GDN form: fp32 agreement ~1e-6
@@ -412,20 +398,20 @@ def test_teacher_forced_prefill_matches_reference_prefill(tiny, n):
 
 def test_xla_tokens_equal_plain_greedy(tiny, plain):
     cfg, params = tiny
-    v = NxdiVariant(CpuEngine(cfg, params, "xla", max_len=32, tp=4))
+    v = Decoder(make_engine("xla", cfg, params, tp=4))
     res = generate(v, PROMPT, len(plain), draft_source=alternating(plain, cfg.vocab_size))
     assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.launches == len(prefill_plan(len(PROMPT))) + res.rounds
+    assert v.launches == len(teacher_forced_launches(len(PROMPT))) + res.rounds
     assert generate(v, PROMPT, len(plain), spec=False).tokens == plain
     assert generate(v, PROMPT, len(plain)).tokens == plain  # the MTP's own drafts
 
 
 def test_xla_state_invariant_after_forced_rounds(tiny, plain):
     cfg, params = tiny
-    v = NxdiVariant(CpuEngine(cfg, params, "xla", max_len=32, tp=4))
+    v = Decoder(make_engine("xla", cfg, params, tp=4))
     seq, pos = forced_rounds(v, PROMPT, plain, [True, False, False, True, True], cfg.vocab_size)
     assert seq[len(PROMPT):] == plain[:len(seq) - len(PROMPT)]
-    want = token_by_token_state(XlaVariant(cfg, params), seq[:-1])
+    want = reference_decode_state(cfg, params, seq[:-1])
     got = v.committed(pos)
     for name in want:
         torch.testing.assert_close(got[name].float(), want[name].float(), rtol=0, atol=1e-4, msg=name)
@@ -439,23 +425,22 @@ def test_xla_forward_has_no_host_values_and_keeps_the_device(tiny_cfg, mode):
     cfg = tiny_cfg
     w = asm.rank_weights(cfg, random_params(cfg, seed=0), "xla", 0, 1, 2)
     st = asm.zero_states(asm.state_specs(cfg, 1, 24, torch.bfloat16))
-    rt = asm.round_inputs(cfg, torch.bfloat16, 3, torch.zeros(cfg.hidden_size), 5, 1) if mode == "round" \
-        else asm.step_inputs(cfg, 3, 5, 1)
+    rt = rp.round_inputs(cfg, torch.bfloat16, 3, torch.zeros(cfg.hidden_size), 5, 1) if mode == "round" \
+        else rp.step_inputs(cfg, 3, 5, 1)
     rt = asm.named_inputs(mode, asm.ordered_inputs(mode, rt))
-    spec = asm.round_spec(cfg, 1, 2, mode)
+    plan = asm.launch_plan(cfg, 1, 2, mode)
     with FakeTensorMode() as m:
-        out = xla_math.forward(cfg, spec, *({k: m.from_tensor(t) for k, t in d.items()} for d in (w, st, rt)),
-                               xla_math.SINGLE_RANK)
-    T = spec.tokens
+        out = xla.forward(cfg, plan, *({k: m.from_tensor(t) for k, t in d.items()} for d in (w, st, rt)), SINGLE_RANK)
+    T = plan.tokens
     assert [tuple(o.shape) for o in out[:3]] == [(1, 1), (T, 1), (T, cfg.hidden_size)]
-    assert out[0].dtype == out[1].dtype == torch.int32 and list(out[3]) == mutated_names(spec)
-    meta = xla_math.forward(cfg, spec, *({k: t.to("meta") for k, t in d.items()} for d in (w, st, rt)),
-                            xla_math.SINGLE_RANK)
+    assert out[0].dtype == out[1].dtype == torch.int32 and set(out[3]) == set(rp.STATE)
+    assert all(tuple(out[3][n].shape) == tuple(st[n].shape) for n in rp.STATE)
+    meta = xla.forward(cfg, plan, *({k: t.to("meta") for k, t in d.items()} for d in (w, st, rt)), SINGLE_RANK)
     assert meta[2].device.type == "meta"
 
 
 def test_thread_world_collectives_and_errors():
-    world = ThreadWorld(3)
+    world = xla.ThreadWorld(3)
 
     def body(r, coll):
         return coll.all_reduce(torch.tensor([float(r), 1.0])), coll.gather_ranks(torch.tensor([r, 10 * r]))
@@ -480,11 +465,11 @@ def test_thread_world_collectives_and_errors():
 def test_megakernel_engine_tokens_equal_plain_greedy(tiny):
     cfg, params = tiny
     prompt = PROMPT[:3]
-    want = generate(XlaVariant(cfg, params), prompt, 4, spec=False).tokens
-    v = NxdiVariant(CpuEngine(cfg, params, "megakernel", max_len=16, tp=4))
+    want = reference_greedy(cfg, params, prompt, 4)
+    v = Decoder(make_engine("megakernel", cfg, params, tp=4))
     res = generate(v, prompt, 4, draft_source=alternating(want, cfg.vocab_size, len(prompt)))
     assert res.tokens == want and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.launches == len(prefill_plan(len(prompt))) + res.rounds  # one launch per round, prefill included
+    assert v.launches == len(teacher_forced_launches(len(prompt))) + res.rounds  # one per round, prefill too
 
 
 # --------------------------------------------------------------------------------------------------
@@ -625,7 +610,7 @@ def test_run_cli_cpu_decode_and_convert(tiny, plain, tmp_path, capsys):
     assert run.main(["decode", "--executor", "cpu", "--backend", "xla", "--model-path", str(tmp_path / "hf"),
                      "--dtype", "float32", "--prompt-ids", ids, "--max-new-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens"] == plain[:8] and out["launches"] == len(prefill_plan(len(PROMPT))) + out["rounds"]
+    assert out["tokens"] == plain[:8] and out["launches"] == len(teacher_forced_launches(len(PROMPT))) + out["rounds"]
     assert run.main(["convert", "--model-path", str(tmp_path / "hf"), "--out", str(tmp_path / "conv"),
                      "--backend", "xla", "--max-len", "64", "--dtype", "float32"]) == 0
     assert nxconv.read_meta(tmp_path / "conv")["backend"] == "xla"
@@ -658,9 +643,9 @@ def test_run_cli_refuses_a_conversion_unlike_what_is_asked(converted, tmp_path, 
              "needs 44 positions")
     d = _copy(converted, tmp_path / "damaged")
     sd = load_file(str(nxconv.rank_file(d, 1)))
-    sd.pop("weights.final_norm")
+    sd.pop("weights.norms")
     save_file(sd, str(nxconv.rank_file(d, 1)))
-    _refused(capsys, ["compile", "--converted", str(d), "--compiled", k], "is missing ['weights.final_norm']")
+    _refused(capsys, ["compile", "--converted", str(d), "--compiled", k], "is missing ['weights.norms']")
     _refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "4"],
              "not a compiled")
     if not SDK_PRESENT:  # every check passes: the missing SDK is the one error left
@@ -809,8 +794,8 @@ def test_trn2_application_against_the_fakes(fake_nxd, converted, tmp_path, monke
     assert runs == ["round_model", "step_model", "reset_state_model"]  # warmup ran every graph, in order
     state = app.traced_model.nxd_model.state
     with pytest.raises(RuntimeError, match="expected 1 argument"):
-        app.traced_model(*asm.ordered_inputs("step", asm.step_inputs(app.config.model_config(), 1, 0, 0)))
-    app.launch("step", asm.step_inputs(app.config.model_config(), 7, 0, 0))
+        app.traced_model(*asm.ordered_inputs("step", rp.step_inputs(app.config.model_config(), 1, 0, 0)))
+    app.launch("step", rp.step_inputs(app.config.model_config(), 7, 0, 0))
     assert any(t.any() for st in state for t in st.values())  # the step wrote into the decode state ...
     app.reset_state()
     assert not any(t.any() for st in state for t in st.values())  # ... the reset graph zeroed all of it
@@ -827,10 +812,10 @@ def test_trn2_application_refuses_another_running_lnc(fake_nxd, converted, monke
 def test_trn2_xla_flow_against_the_fakes_tokens_equal_plain_greedy(fake_nxd, tiny, plain, converted, tmp_path):
     cfg, params = tiny
     fake_nxd.NeuronEngine.compile(converted, tmp_path / "k")
-    v = NxdiVariant(fake_nxd.NeuronEngine.load(converted, tmp_path / "k"))
+    v = Decoder(fake_nxd.NeuronEngine.load(converted, tmp_path / "k"))
     res = generate(v, PROMPT, 8, draft_source=alternating(plain, cfg.vocab_size))
     assert res.tokens == plain[:8] and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.launches == len(prefill_plan(len(PROMPT))) + res.rounds
+    assert v.launches == len(teacher_forced_launches(len(PROMPT))) + res.rounds
     assert generate(v, PROMPT, 8, spec=False).tokens == plain[:8]  # the step graph
     assert generate(v, PROMPT, 8).tokens == plain[:8]               # the MTP's own drafts
 
@@ -854,10 +839,10 @@ def test_trn2_megakernel_flow_against_the_fakes_tokens_equal_plain_greedy(fake_n
     """The megakernel graphs under nkisim: each rank's kernel call is one 4-rank x LNC=2 launch."""
     cfg, params = tiny
     prompt = PROMPT[:3]
-    want = generate(XlaVariant(cfg, params), prompt, 4, spec=False).tokens
+    want = reference_greedy(cfg, params, prompt, 4)
     conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", 16)
     fake_nxd.NeuronEngine.compile(conv, tmp_path / "k")
-    v = NxdiVariant(fake_nxd.NeuronEngine.load(conv, tmp_path / "k", warmup=False))
+    v = Decoder(fake_nxd.NeuronEngine.load(conv, tmp_path / "k", warmup=False))
     res = generate(v, prompt, 4, draft_source=alternating(want, cfg.vocab_size, len(prompt)))
     assert res.tokens == want and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.launches == len(prefill_plan(len(prompt))) + res.rounds
+    assert v.launches == len(teacher_forced_launches(len(prompt))) + res.rounds

@@ -1,5 +1,6 @@
-"""The full-size round megakernel in its SHIPPED form (runtime loops, ``max_context=None``: the kernel the
-variants and the NxDI build launch) traced under nkisim at TP=4 x LNC=2 in shape-only mode.
+"""The full-size round megakernel in its SHIPPED form (``megakernel.round.round_kernel`` with its round plan,
+runtime loops, ``max_context=None``: the kernel the variants and the NxDI build launch) traced under nkisim at
+TP=4 x LNC=2 in shape-only mode, from the registry of kernel cases (``harness.kernel_cases.round_case``).
 
 nkisim refuses, per launch and rank, any difference between the two cores' runtime loops (site, trip count,
 nesting), any integer beyond int32 (e.g. an element offset into a stacked MoE table), PSUM loop state, classes
@@ -11,7 +12,7 @@ run their real trip counts -- checked against the attention tiling of nki_kernel
 
 Full size: ~8 s to build the per-rank argument shapes and 30-70 s to interpret ~280k instructions on 8 cores:
 slow (``make test-slow``). The tiny-preset megakernel runs the same kernel code executing in the default suite
-(tests/harness/test_kernel_variants.py).
+(tests/megakernel/test_round.py).
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ LNC = 2
 
 @pytest.mark.slow
 def test_shipped_round_kernel_traces_with_real_trip_counts():
-    from harness.register_models import RoundRegisters, Routing
-    from megakernel.round import demo_args
-    kernel, args = demo_args(preset("qwen3.6-35b-a3b"), context=CONTEXT, shipped=True)
-    assert len(args) == 4
-    registers = RoundRegisters(CONTEXT, Routing())    # (records executing tiny launches: outside the capture)
-    with nkisim.trace.capture() as tr, nkisim.register_values(registers):
-        nkisim.launch(kernel, args, tp=4, lnc=LNC)
+    from harness.kernel_cases import kernel_parameters, round_case
+    from megakernel.round import round_kernel
+    case = round_case(preset("qwen3.6-35b-a3b"), context=CONTEXT)   # (records executing tiny launches first)
+    assert case.kernel is round_kernel and len(case.per_rank) == 4 and case.plan.max_context is None
+    assert kernel_parameters(case)["count"] <= 48
+    tr = case.trace()
     assert len(tr.instructions) > 200_000
     want = [tile_loop_trips(CONTEXT - 1)] + [tile_loop_trips(CONTEXT)] * 10 + [tile_loop_trips(CONTEXT)]
     assert want[0] != want[1]          # D1 (head tile and odd tail) and V (even tail) take different paths

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from harness import decode
 from harness.speculative import generate
-from harness.variants import XlaVariant
+from harness.speculative import make_decoder
 from model import tokenizer as byte_tok
 from model.config import preset
 from model.params import expected_shapes, is_fp32_param
@@ -89,7 +89,7 @@ def test_transformers_loads_the_trunk():
 
 def test_speculation_is_lossless_and_accepts_drafts(shipped, one_thread):
     cfg, params = shipped
-    variant = XlaVariant(cfg, params)
+    variant = make_decoder("xla", cfg, params, tp=1)
     rounds = accepted = 0
     for text in PROMPTS:
         ids = byte_tok.encode(text)
@@ -149,4 +149,5 @@ def test_prompt_through_the_cli(capsys, one_thread):
     assert len(d["tokens"]) == 16
     assert d["text"] == hf_tokenizer().decode(d["tokens"])
     cfg, params = load_checkpoint(EMBEDDED, dtype=torch.bfloat16)
-    assert generate(XlaVariant(cfg, params), list(text.encode()), 16, eos_ids=cfg.eos_token_id).tokens == d["tokens"]
+    assert generate(make_decoder("xla", cfg, params), list(text.encode()), 16,
+                    eos_ids=cfg.eos_token_id).tokens == d["tokens"]

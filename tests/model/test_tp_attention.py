@@ -40,7 +40,8 @@ def _run(cfg, dtype, tp, start, T, seed=0, L=None):
     for r in range(tp):
         sh = shard_attention(params, _layer(cfg), cfg, r, tp)
         kc, vc = rank_cache(k0, sh), rank_cache(v0, sh)
-        total += attention_rank(sh, x, (kc, vc), start, cfg)
+        part, kc, vc = attention_rank(sh, x, kc, vc, start, cfg)
+        total += part
         h0, nk = sh["kv_head"], sh["num_kv_heads"]
         assert torch.equal(kc, kr[h0:h0 + nk]), f"rank {r}: K cache differs from the reference"
         assert torch.equal(vc, vr[h0:h0 + nk]), f"rank {r}: V cache differs from the reference"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.speculative import generate
-from harness.variants import XlaVariant
+from harness.speculative import make_decoder
 from model.params import random_params
 from model.reference import ReferenceModel
 from model.state import DecodeState
@@ -66,5 +66,5 @@ def test_greedy_tokens_match_generate(setup):
         out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                          eos_token_id=None, pad_token_id=cfg.vocab_size - 1)
     expected = out[0, len(prompt):].tolist()
-    res = generate(XlaVariant(cfg, params), prompt, 32, spec=True)
+    res = generate(make_decoder("xla", cfg, params, tp=1), prompt, 32, spec=True)
     assert res.tokens == expected

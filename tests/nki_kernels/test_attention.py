@@ -82,7 +82,7 @@ def _case(name, dtype, T, p, lnc, rank=0, L=None, kv_tile=att.KV_TILE, seed=1, p
         k0[:, p + T:] = float("nan")
         v0[:, p + T:] = float("nan")
     kt, vt = k0.clone(), v0.clone()
-    want = attention_rank(sh, x, (kt, vt), p, cfg)
+    want, kt, vt = attention_rank(sh, x, kt, vt, p, cfg)
     kk, vk = k0.clone(), v0.clone()
     got = att.run_attention(att.attention_layout(sh), x, kk, vk, p, cfg, lnc=lnc, kv_tile=kv_tile,
                             max_context=max_context)
@@ -381,7 +381,7 @@ def test_body_reuses_caller_registers():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, cfg.hidden_size, generator=g)
     kc, vc = torch.randn(1, 512, cfg.head_dim, generator=g), torch.randn(1, 512, cfg.head_dim, generator=g)
-    want = attention_rank(sh, x, (kc.clone(), vc.clone()), 40, cfg)
+    want = attention_rank(sh, x, kc.clone(), vc.clone(), 40, cfg)[0]
     args = att.kernel_args(att.attention_layout(sh), x, kc.numpy(), vc.numpy(), 40, cfg)[:12]
     got = eight(*args)
     for i in range(8):

@@ -93,7 +93,7 @@ def _case(name, dtype, N, start, lnc, rank=1, L=None, key_block=pf.KEY_BLOCK, se
         k0[:, start + N:] = float("nan")
         v0[:, start + N:] = float("nan")
     kt, vt = k0.clone(), v0.clone()
-    want = attention_rank(sh, x, (kt, vt), start, cfg)
+    want, kt, vt = attention_rank(sh, x, kt, vt, start, cfg)
     kk, vk = k0.clone(), v0.clone()
     got, stats = pf.run_attention_prefill(attention_layout(sh), x, kk, vk, start, cfg, lnc=lnc, key_block=key_block,
                                           return_stats=True, check_finite=check_finite)

@@ -172,8 +172,9 @@ def test_stacked_layers(tiny_params):
 def test_stacked_table_beyond_int32_is_refused_and_groups_fit():
     """Real per-rank shapes: one layer's experts table is 201,326,592 elements, so at most 10 layers stack into
     one table whose element offsets fit int32 (SDK-LG "NKI Values"); 11 are refused with the group size named,
-    and the megakernel's groups (megakernel.sharded) map layer i to group i // 10, index i % 10."""
-    from megakernel.sharded import moe_weights
+    and the round plan (megakernel.plan) maps MoE layer i to experts table i // 10, index i % 10 (the MTP layer,
+    41st, alone in the fifth table)."""
+    from megakernel import plan as rp
     from nki_kernels.moe import layers_per_table
     cfg = preset("qwen3.6-35b-a3b")
     _, args = demo_args(cfg, tp=4, T=2, shape_only=True)
@@ -191,15 +192,12 @@ def test_stacked_table_beyond_int32_is_refused_and_groups_fit():
     with nkisim.trace.capture() as tr:
         stacked_moe[2](x, stack(router, 10), stack(experts, 10), stack(shared, 10), k, 9)
     assert routed_expert_bytes(tr) == cfg.num_experts_per_tok * expert_block_bytes(cfg, 4)
-    w = {}
-    for g in range(4):
-        for n in ("router", "experts", "shared"):
-            w[f"moe_{n}_{g}"] = torch.empty(10, 1)
+    plan = rp.round_plan(cfg, 4, 2)
+    assert rp.experts_per_table(cfg, 4, 2) == 10 and rp.experts_tables(cfg, 4, 2) == 5
+    trunk = [s for s in plan.stages if s.kind == rp.VERIFY][0].layers
     for layer in (0, 9, 10, 39):
-        r, e, sh, i = moe_weights(w, layer)
-        g = layer // 10
-        assert i == layer % 10
-        assert r is w[f"moe_router_{g}"] and e is w[f"moe_experts_{g}"] and sh is w[f"moe_shared_{g}"]
+        assert trunk[layer].experts == (layer // 10, layer % 10) and trunk[layer].moe == layer
+    assert plan.stages[0].layers[0].experts == (4, 0) and plan.stages[0].layers[0].moe == 40
 
 
 def test_layout_helpers_round_trip():

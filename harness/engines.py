@@ -1,0 +1,272 @@
+"""Engines: things that run the launches of a ``megakernel.plan.Plan`` (a round or a plain step) on decode state
+they hold -- one interface (:class:`Engine`) for every variant, driven by ``harness.speculative.Decoder``.
+
+* :class:`XlaEngine` -- ``xla``: the plan as plain PyTorch over the ``model.tp`` twins (``harness.xla.forward``,
+  the function the NxDI xla backend traces), one thread per TP rank;
+* :class:`LayerwiseEngine` -- ``layerwise``: one NKI launch per layer stage (``megakernel.layerwise``) under nkisim,
+  the cross-rank sums on the host between launches;
+* :class:`MegakernelEngine` -- ``megakernel``: one NKI launch per round (``megakernel.round``) under nkisim;
+* ``harness.nxdi.modeling.NeuronEngine`` -- the NxDI application on a trn2 chip (never executed here).
+
+Every engine keeps the decode state in the kernels' stacked per-rank layout (``plan.state_specs``) and takes the
+run-time inputs of ``plan.input_specs``; the host passes the checkpoint slot to read (``read_slot``), so
+committing moves nothing. The in-process engines also take a host-built state (``load_state``: the reference
+model's prefill) and give theirs back in the reference layout (``reference_state``, for the decode-state
+invariant tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from megakernel import plan as rp
+from megakernel.sharded import gather_state, kv_heads, rank_state, rank_weights
+from model.config import ModelConfig
+from model.state import DecodeState
+from nki_kernels.host import as_torch
+
+ENGINE_NAMES = ("xla", "layerwise", "megakernel")
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What the host reads back from a round / step launch."""
+
+    draft: int            # the draft (round; the forced draft if forced) or the pending token (step)
+    targets: list[int]    # greedy token after each verified token (2 for a round, 1 for a step)
+    hidden: torch.Tensor  # [T, H] post-final-norm trunk hidden of the verified tokens
+
+
+def read_outputs(draft, targets, hidden) -> LaunchResult:
+    return LaunchResult(int(as_torch(draft).reshape(-1)[0]), [int(t) for t in as_torch(targets).reshape(-1)],
+                        as_torch(hidden))
+
+
+class Engine(Protocol):
+    """Runs round / step launches on the decode state it holds."""
+
+    name: str
+    cfg: ModelConfig
+    dtype: torch.dtype
+    launches: int
+
+    def start(self, max_len: int) -> None:
+        """Begin a sequence of at most ``max_len`` positions: every decode-state buffer zero."""
+
+    def run(self, mode: str, inputs: dict) -> LaunchResult:
+        """One launch of the ``mode`` ("round" | "step") plan with the run-time inputs of ``plan.input_specs``."""
+
+
+def state_tensors(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero tensors of ``plan.state_specs`` ("activation" = ``dtype``)."""
+    return {s.name: torch.zeros(s.shape, dtype=dtype if s.dtype == "activation" else getattr(torch, s.dtype))
+            for s in rp.state_specs(cfg, tp, max_len)}
+
+
+class HostEngine:
+    """Shared part of the in-process engines: per-rank weights (converted once) and per-rank decode state."""
+
+    name = "base"
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2):
+        self.cfg, self.tp, self.lnc = cfg, tp, lnc
+        self.dtype = params["model.embed_tokens.weight"].dtype
+        self.plans = {m: rp.plan_for(cfg, m, tp, lnc) for m in (("round", "step") if cfg.mtp_num_hidden_layers
+                                                               else ("step",))}
+        self.weights = [self.rank_weights(params, r) for r in range(tp)]
+        self.states: list[dict[str, torch.Tensor]] = []
+        self.max_len = 0
+        self.launches = 0
+
+    def rank_weights(self, params, rank: int) -> dict:
+        return rank_weights(self.cfg, params, rank, self.tp, self.lnc)
+
+    def start(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.states = [state_tensors(self.cfg, self.tp, max_len, self.dtype) for _ in range(self.tp)]
+
+    def load_state(self, state: DecodeState) -> None:
+        """Take a reference-layout decode state (the host prefill's) in the per-rank stacked layout."""
+        self.max_len = state.max_len
+        self.states = [rank_state(self.cfg, state, r, self.tp) for r in range(self.tp)]
+
+    def reference_state(self, read_slot: int) -> DecodeState:
+        """The decode state gathered over the ranks, in the reference layout."""
+        like = DecodeState.empty(self.cfg, self.max_len, rp.SLOTS, self.dtype)
+        return gather_state(self.cfg, self.states, like, read_slot)
+
+    def plan(self, mode: str):
+        if mode not in self.plans:
+            raise ValueError(f"{self.name}: no {mode} launches for this checkpoint (plans: {sorted(self.plans)})")
+        return self.plans[mode]
+
+    def run(self, mode: str, inputs: dict) -> LaunchResult:
+        plan = self.plan(mode)
+        if set(inputs) != set(rp.input_names(mode)):
+            raise ValueError(f"{self.name}: {mode} inputs {sorted(inputs)} differ from {sorted(rp.input_names(mode))}")
+        return self._run(plan, inputs)
+
+
+class MegakernelEngine(HostEngine):
+    """One launch of ``megakernel.round`` per round (D1 + V + D2) and per step, on every rank, under nkisim."""
+
+    name = "megakernel"
+
+    def _run(self, plan, inputs):
+        import nkisim
+        from megakernel.round import KERNELS
+        names = rp.kernel_weights(plan.mode) + rp.EXPERTS
+        per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **inputs}
+                    for w, st in zip(self.weights, self.states)]
+        self.launches += 1
+        outs = nkisim.launch(KERNELS[plan.mode], per_rank, tp=self.tp, lnc=self.lnc)
+        return read_outputs(*outs[0][:3])   # the state was written in place (nkisim writes argument tensors back)
+
+
+class XlaEngine(HostEngine):
+    """The plan as plain PyTorch (``harness.xla.forward``), one thread per rank, no custom kernels."""
+
+    name = "xla"
+
+    def rank_weights(self, params, rank):
+        from harness import xla
+        return xla.rank_weights(self.cfg, params, rank, self.tp)
+
+    def _run(self, plan, inputs):
+        from harness import xla
+        rt = {k: as_torch(v) for k, v in inputs.items()}
+        world = xla.ThreadWorld(self.tp)
+
+        def rank(r, coll, w, st):
+            return xla.forward(self.cfg, plan, w, st, rt, coll)
+
+        self.launches += 1                  # one graph per launch (as the NxDI xla backend runs it)
+        outs = world.run(rank, [(w, st) for w, st in zip(self.weights, self.states)])
+        for st, out in zip(self.states, outs):
+            st.update(out[3])
+        return read_outputs(*outs[0][:3])
+
+
+class LayerwiseEngine(HostEngine):
+    """One launch per layer stage per rank (``megakernel.layerwise``); reductions and residual adds on the host."""
+
+    name = "layerwise"
+
+    def _sum(self, partials: list) -> torch.Tensor:
+        """Per-rank ``[lnc, T, H]`` float32 partials -> their sum in the megakernel's fixed order: per core lane the
+        ranks in ascending order, then lane 0 + lane 1."""
+        lanes = []
+        for c in range(self.lnc):
+            acc = torch.as_tensor(partials[0][c]).clone()
+            for r in range(1, self.tp):
+                acc = acc + torch.as_tensor(partials[r][c])
+            lanes.append(acc)
+        return lanes[0] + lanes[1] if self.lnc == 2 else lanes[0]
+
+    def _add(self, x: torch.Tensor, partials: list) -> torch.Tensor:
+        return (x.float() + self._sum(partials)).to(x.dtype)
+
+    def _launch(self, kernel, per_rank: list) -> list:
+        import nkisim
+        self.launches += 1                  # every NKI kernel launch (one per layer stage and rank group)
+        return nkisim.launch(kernel, per_rank, tp=self.tp, lnc=self.lnc)
+
+    def _layer(self, plan, layer, x, pos, cos, sin, read_slot):
+        from megakernel import layerwise as lw
+        eps = plan.eps
+        W, S = self.weights, self.states
+        if layer.kind == rp.ATTENTION:
+            per_rank = [None] * self.tp
+            for g in range(layer.groups):
+                a = layer.mixer * layer.groups + g
+                outs = self._launch(lw.attention_stage[self.lnc], [
+                    (x, w["norms"], layer.in_norm, w["attn_wqg"], w["attn_wk"], w["attn_wv"], w["attn_wo"],
+                     w["attn_norm_w"], cos, sin, st["attn_k"], st["attn_v"], pos, a, eps) for w, st in zip(W, S)])
+                for r, o in enumerate(outs):
+                    per_rank[r] = o[0] if g == 0 else torch.as_tensor(per_rank[r]) + torch.as_tensor(o[0])
+        else:
+            outs = self._launch(lw.gdn_stage[self.lnc], [
+                (x, w["norms"], layer.in_norm, w["gdn_w_in"], w["gdn_conv_w"], w["gdn_A_log"], w["gdn_dt_bias"],
+                 w["gdn_norm_w"], w["gdn_w_out"], st["gdn_window"], st["gdn_state"], read_slot, layer.mixer, eps)
+                for w, st in zip(W, S)])
+            per_rank = [o[0] for o in outs]
+        x = self._add(x, per_rank)
+        table, index = layer.experts
+        outs = self._launch(lw.moe_stage[self.lnc], [
+            (x, w["norms"], layer.post_norm, w["moe_router"], w[f"moe_experts_{table}"], w["moe_shared"], plan.top_k,
+             layer.moe, index, eps) for w in W])
+        return self._add(x, outs)
+
+    def _head(self, plan, x, row: int):
+        """(greedy token ids [T], post-norm hidden [T, H]) with the lowest global index winning ties."""
+        from megakernel import layerwise as lw
+        outs = self._launch(lw.head_stage[self.lnc], [(x, w["norms"], row, w["lm_head"], plan.eps)
+                                                      for w in self.weights])
+        best = torch.cat([torch.as_tensor(b) for b, _ in outs])  # [tp*lnc, T, 2], global core order
+        values, local = best[..., 0], best[..., 1]
+        idx = local + plan.vocab_per_core * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
+        top = values.max(dim=0).values
+        idx = torch.where(values == top, idx, torch.full_like(idx, float("inf"))).min(dim=0).values
+        return [int(i) for i in idx], torch.as_tensor(outs[0][1])
+
+    def _embed(self, ids: list[int]):
+        from nki_kernels.embedding import embedding_kernel
+        table = self.weights[0]["embed"]
+        self.launches += 1
+        return torch.as_tensor(embedding_kernel(table, np.array(ids, np.int32).reshape(-1, 1))[0])
+
+    def _mtp(self, plan, stage, token: int, hidden, inputs, with_head: bool):
+        from megakernel import layerwise as lw
+        rows = plan.norms
+        e = self._embed([token])
+        h = hidden.reshape(1, -1).to(self.dtype)
+        outs = self._launch(lw.mtp_fc_stage[self.lnc], [
+            (e, h, w["norms"], rows.mtp_emb, rows.mtp_hidden, w["mtp_fc"], plan.eps) for w in self.weights])
+        x = torch.cat([torch.as_tensor(o[c]) for o in outs for c in range(self.lnc)], dim=-1).to(self.dtype)
+        pos, cos, sin = _stage_inputs(stage, inputs)
+        x = self._layer(plan, stage.layers[0], x, pos, cos, sin, inputs["read_slot"])
+        return self._head(plan, x, rows.mtp_final)[0][0] if with_head else None
+
+    def _run(self, plan, inputs):
+        pending = int(inputs["pending"].reshape(-1)[0])
+        draft, ids = pending, [pending]
+        targets = hidden = None
+        for stage in plan.stages:
+            if stage.kind == rp.DRAFT:
+                draft = self._mtp(plan, stage, pending, as_torch(inputs["hidden"]), inputs, with_head=True)
+                force = np.asarray(inputs["force"]).reshape(-1)
+                if force[0]:
+                    draft = int(force[1])
+                ids = [pending, draft]
+            elif stage.kind == rp.VERIFY:
+                x = self._embed(ids)
+                pos, cos, sin = _stage_inputs(stage, inputs)
+                for layer in stage.layers:
+                    x = self._layer(plan, layer, x, pos, cos, sin, inputs["read_slot"])
+                targets, hidden = self._head(plan, x, plan.norms.final)
+            else:
+                self._mtp(plan, stage, draft, hidden[0], inputs, with_head=False)
+        return LaunchResult(draft, targets, hidden)
+
+
+def _stage_inputs(stage, inputs):
+    if stage.inputs == "d1":
+        return inputs["pos_d1"], inputs["cos_d1"], inputs["sin_d1"]
+    r0, r1 = stage.rope_row, stage.rope_row + stage.tokens
+    return inputs["pos"], np.ascontiguousarray(inputs["cos_v"][r0:r1]), np.ascontiguousarray(inputs["sin_v"][r0:r1])
+
+
+ENGINES = {"xla": XlaEngine, "layerwise": LayerwiseEngine, "megakernel": MegakernelEngine}
+
+
+def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2) -> HostEngine:
+    """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown variant {name!r}; expected one of {ENGINE_NAMES}")
+    rp.kv_groups(cfg, tp)
+    kv_heads(cfg, 0, tp)
+    return ENGINES[name](cfg, params, tp=tp, lnc=lnc)
