@@ -5,6 +5,7 @@ time is the trn2 cost model's (harness.costmodel) on nkisim traces, as a band (l
     python -m harness.bench predict --trace T.json ...
     python -m harness.bench kernel FILE::FUNCTION --arg x=128,512:bfloat16 ... [--int n=4] [--lnc 1|2] [--tp N] [--json]
     python -m harness.bench calibrate [--sdk PATH] [--nki-library PATH] [--seed PATH]
+    python -m harness.bench robustness [--models embedded,random] [--prompts 4] [--tokens 12] [--json]
 
 ``predict``: one decode round of Qwen3.6-35B-A3B at TP=4 x LNC=2, T=2 verify, at a context of ``--context``
 tokens (the pending token's position) and a routing model for the in-kernel top-k: the round megakernel as it
@@ -19,6 +20,10 @@ argument (``--int NAME=V0,V1,...:int32[:D0xD1]`` for a real integer array), ``--
 ``--tp`` for the launch; parameters not given take their defaults. Prints the time band, per-engine busy time,
 bytes moved and the top critical-path items (``--json``:
 one object). Bad input prints one line and exits 2.
+
+``robustness``: the kernel variants teacher-forced against the CPU reference under nkisim's hardware-like
+numerics (harness/robustness.py): |delta logit|, top-1 agreement, near-ties, first divergent token of a free run;
+writes bench/robustness.json.
 
 ``calibrate``: the model beside every published per-operation measurement of trn2-costs.md, and its predictions
 for published kernels (SDK tutorials, the nki-library kernels of the public sweep, the seed's isolated DeltaNet
@@ -489,6 +494,11 @@ def main(argv=None):
     c.add_argument("--seed", help="checkout of KevGomes1403/nki-moe-megakernel (the isolated DeltaNet layer)")
     c.add_argument("--quiet", action="store_true")
     c.set_defaults(fn=cmd_calibrate)
+    from harness import robustness
+    r = sub.add_parser("robustness", help="kernel variants under hardware-like numerics vs the reference (logits)",
+                       description=robustness.__doc__.split("\n\n")[0])
+    robustness.add_arguments(r)
+    r.set_defaults(fn=robustness.cmd)
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     a.argv = argv[1:]
