@@ -1,0 +1,301 @@
+"""Chunked NKI prefill: a prompt encoded by the prefill kernels, chunk by chunk, into the decode state.
+
+What a prefill pass runs, per chunk of ``C`` prompt tokens at positions s .. s+C-1 (:class:`PrefillPlan`, built by
+:func:`prefill_plan` from the decode launch plan's layers, ``megakernel.plan``):
+
+1. embedding of the chunk's ids (``nki_kernels.embedding``, one gather per 128 tokens);
+2. per trunk layer: input RMSNorm (``nki_kernels.rmsnorm_prefill``: token-major rows + feature-major xT), the
+   mixer -- ``gdn_prefill`` (reads / writes GDN slot 0: the chunk carries the recurrent state and conv window
+   of the previous one) or ``attention_prefill`` (K/V rows s.. written into the decode cache, rows 0..s-1 read)
+   -- then ``x += all-reduce(partials)`` over the TP x LNC cores; post-attention RMSNorm, ``moe_prefill``,
+   ``x += all-reduce``;
+3. the final RMSNorm of every chunk token (the post-norm hidden h_p the MTP head reads);
+4. the MTP head over the prompt: for rows p = s .. min(s+C, n-1) - 1, fc(concat[norm_emb(embed(x_{p+1})),
+   norm_hidden(h_p)]) (:func:`mtp_fc_prefill_stage`, this core's fc columns; all-gathered), input norm and the
+   MTP layer's ``attention_prefill`` at start s: it writes MTP KV rows p (its output is not needed: the first
+   draft, D1 of the first round, runs the MTP head at p = n-1 with the returned hidden);
+5. after the last chunk only: final norm + LM head + argmax on the LAST position (the decode ``head_stage``),
+   giving the first generated token and h_{n-1}.
+
+Chunks are multiples of 64 tokens (the GDN kernel's 64-token blocks start at each call's first token) except the
+last; at multiples of 512 (GDN super-tiles) and 1024 (attention key blocks) a chunked prefill is bit-identical
+to one call of each kernel (the kernels' docstrings).
+
+Executors. :class:`LayerwisePrefill` runs the plan under nkisim on any in-process engine holding the stacked
+per-rank weights and decode state (``harness.engines``): one launch per kernel and layer, all ranks at once
+(``nkisim.launch``), the cross-rank sums on the host in the decode variants' fixed order (per core lane the
+ranks ascending, then lane 0 + lane 1). The replicated work -- the RMSNorms and the embedding, identical on
+every rank -- is launched once (one rank, its LNC cores) and its output handed to every rank. The layerwise and
+the megakernel variants both prefill through it: the issue allows one launch per layer per chunk, and the
+megakernel variant's decode launch is a round, not a chunk. ``harness.prefill`` predicts the same plan's time
+on trn2 from shape-only traces of the same kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+from megakernel import plan as rp
+from nki_kernels.common import P, kernel_assert, program_sharding
+from nki_kernels.rmsnorm_prefill import broadcast_weight, feature_major_tile, rmsnorm_rows_tile
+
+CHUNK = 4096            # default prompt tokens per chunk (the prefill kernels' measured sizes: 1K .. 4K)
+GDN_BLOCK = 64          # chunk lengths (except the last) must be multiples of the GDN kernel's block
+F32 = nl.float32
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One chunk: prompt positions ``start`` .. ``start + tokens - 1``; MTP KV rows ``start`` ..
+    ``start + mtp_rows - 1`` (the MTP row p needs token p+1, so the prompt's last position has none)."""
+    start: int
+    tokens: int
+    mtp_rows: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A prefill pass over an n-token prompt: its chunks and the decode plan's layers and norm rows."""
+    n: int
+    chunk: int
+    chunks: tuple               # PrefillChunk s in order
+    layers: tuple               # megakernel.plan.Layer s of the trunk
+    mtp: object                 # the MTP head's Layer, or None
+    norms: object               # megakernel.plan.NormRows
+    tp: int
+    lnc: int
+    eps: float
+    top_k: int
+    vocab_per_core: int
+
+    @property
+    def last(self) -> PrefillChunk:
+        return self.chunks[-1]
+
+
+def prefill_chunks(n: int, chunk: int = CHUNK, mtp: bool = True) -> tuple:
+    """The chunks of an n-token prompt, ``chunk`` tokens each (the last one shorter)."""
+    if n < 1:
+        raise ValueError("prefill: the prompt is empty")
+    if chunk < GDN_BLOCK or chunk % GDN_BLOCK:
+        raise ValueError(f"prefill: the chunk must be a positive multiple of {GDN_BLOCK} tokens (the GDN prefill "
+                         f"kernel's blocks start at each chunk's first token), got {chunk}")
+    out = []
+    for s in range(0, n, chunk):
+        t = min(chunk, n - s)
+        out.append(PrefillChunk(s, t, (min(s + t, n - 1) - s) if mtp else 0))
+    return tuple(out)
+
+
+def prefill_plan(cfg, n: int, tp: int = 4, lnc: int = 2, chunk: int = CHUNK) -> PrefillPlan:
+    """The prefill pass of an n-token prompt for ``cfg`` sharded over tp x lnc cores, in chunks of ``chunk``."""
+    step = rp.plan_for(cfg, "step", tp, lnc)
+    mtp = rp.mtp_layer(cfg, tp, lnc) if cfg.mtp_num_hidden_layers else None
+    return PrefillPlan(n, chunk, prefill_chunks(n, chunk, mtp is not None), step.stages[0].layers, mtp,
+                       rp.NormRows(cfg.num_hidden_layers, mtp is not None), tp, lnc, step.eps, step.top_k,
+                       step.vocab_per_core)
+
+
+# ---- the MTP fc over the prompt (a new small body: the decode stage takes one token) ----------------------------
+@nki.jit
+def mtp_fc_prefill_stage(e, h, norms, emb_row, hidden_row, fc, eps):
+    """MTP input of N prompt rows: embeddings ``e [N, H]`` (of tokens p+1) and post-final-norm trunk hiddens
+    ``h [N, H]`` (of positions p), activation dtype, token-major -> this core's fc output columns
+    ``[n_cores, N, Nc]`` float32 (core c writes row c; concatenated over the TP x LNC cores in global order they
+    are fc(concat[norm_emb(e), norm_hidden(h)])). ``fc [lnc, P, 2J, Nc]`` (``nki_kernels.linear.column_layout``);
+    ``norms`` rows ``emb_row`` / ``hidden_row`` the two pre-fc norms.
+
+    Per 128-token tile: both RMSNorms (``rmsnorm_prefill`` tile helpers), their feature-major tiles side by side
+    as the stationary ``[P, 2J, tokens]``, the fc columns (loaded once) moving, 2J accumulating matmuls into one
+    PSUM bank per 512 columns."""
+    N, H = e.shape
+    n, c = program_sharding()
+    _, wp, J2, nc = fc.shape
+    J = H // P
+    kernel_assert(tuple(h.shape) == (N, H) and wp == P and J2 == 2 * J,
+                  f"mtp_fc_prefill: e {list(e.shape)}, h {list(h.shape)}, fc {list(fc.shape)}: expected [N, H], "
+                  f"[N, H], [lnc, {P}, {2 * J}, Nc]")
+    out = nl.ndarray((n, N, nc), F32, buffer=nl.shared_hbm, name="mtp_fc_prefill_out")
+    w_e = broadcast_weight(norms[emb_row], H)
+    w_h = broadcast_weight(norms[hidden_row], H)
+    w_sb = nl.ndarray((P, 2 * J, nc), fc.dtype, buffer=nl.sbuf, name="mtp_fc_w")
+    nisa.dma_copy(dst=w_sb, src=fc[c])
+    ident = nl.shared_identity_matrix(n=P, dtype=e.dtype)
+    for t0 in range(0, N, P):
+        nt = min(P, N - t0)
+        es = nl.ndarray((P, H), e.dtype, buffer=nl.sbuf, name="mtp_e")
+        nisa.dma_copy(dst=es[0:nt, :], src=e[t0:t0 + nt, :])
+        hs = nl.ndarray((P, H), h.dtype, buffer=nl.sbuf, name="mtp_h")
+        nisa.dma_copy(dst=hs[0:nt, :], src=h[t0:t0 + nt, :])
+        eT = feature_major_tile(rmsnorm_rows_tile(es, w_e, nt, eps), nt, ident)
+        hT = feature_major_tile(rmsnorm_rows_tile(hs, w_h, nt, eps), nt, ident)
+        y = nl.ndarray((P, nc), F32, buffer=nl.sbuf, name="mtp_fc_y")
+        for n0 in range(0, nc, 512):
+            n1 = min(nc, n0 + 512)
+            ps = nl.ndarray((P, n1 - n0), F32, buffer=nl.psum, name="mtp_fc_ps")
+            for j in range(2 * J):
+                src = eT if j < J else hT
+                nisa.nc_matmul(dst=ps[0:nt, :], stationary=src[:, j % J, 0:nt], moving=w_sb[:, j, n0:n1],
+                               accumulate=j > 0)
+            nisa.tensor_copy(dst=y[0:nt, n0:n1], src=ps[0:nt, :])
+        nisa.dma_copy(dst=out[c, t0:t0 + nt, :], src=y[0:nt, :])
+    return out
+
+
+# ---- the nkisim executor ---------------------------------------------------------------------------------------
+@dataclass
+class PrefillResult:
+    first: int              # greedy token after the prompt
+    hidden: torch.Tensor    # [H] post-final-norm hidden at the last prompt position (h_{n-1})
+    launches: int           # NKI kernel launches of the pass
+    chunks: int
+
+
+class LayerwisePrefill:
+    """Runs a :class:`PrefillPlan` under nkisim on an in-process engine (``harness.engines.HostEngine``: its
+    ``cfg``, ``tp``, ``lnc``, ``dtype``, per-rank ``weights`` and decode ``states``, started for the sequence).
+    Writes GDN slot 0, the trunk and MTP KV rows 0..n-1 / 0..n-2; returns a :class:`PrefillResult`."""
+
+    def __init__(self, engine):
+        self.e = engine
+        self.cfg, self.tp, self.lnc, self.dtype = engine.cfg, engine.tp, engine.lnc, engine.dtype
+        self.launches = 0
+
+    # launches
+    def _all(self, kernel, per_rank):
+        import nkisim
+        self.launches += 1
+        return nkisim.launch(kernel[self.lnc] if self.lnc > 1 else kernel, per_rank, tp=self.tp, lnc=self.lnc)
+
+    def _one(self, kernel, *args):
+        """A replicated launch: every rank would compute the same bits, so one rank runs it."""
+        self.launches += 1
+        return (kernel[self.lnc] if self.lnc > 1 else kernel)(*args)
+
+    def _sum(self, partials):
+        """Per-rank ``[lnc, N, H]`` float32 partials -> their sum: per core lane the ranks ascending, then lanes."""
+        lanes = []
+        for c in range(partials[0].shape[0]):
+            acc = torch.as_tensor(partials[0][c]).float().clone()
+            for r in range(1, len(partials)):
+                acc = acc + torch.as_tensor(partials[r][c]).float()
+            lanes.append(acc)
+        total = lanes[0]
+        for lane in lanes[1:]:
+            total = total + lane
+        return total
+
+    def _add(self, x, total):
+        return (x.float() + total).to(self.dtype)
+
+    # stages
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        from nki_kernels.embedding import check_token_ids, embedding_kernel
+        table = self.e.weights[0]["embed"]
+        rows = []
+        for t0 in range(0, len(ids), P):
+            part = check_token_ids(np.array(ids[t0:t0 + P]), self.cfg.vocab_size, "prefill")
+            self.launches += 1
+            rows.append(torch.as_tensor(embedding_kernel(table, part.reshape(-1, 1))[0]))
+        return torch.cat(rows)
+
+    def norm(self, x, row: int):
+        """(rows [N, H], xT [P, H/P, N]) of norms row ``row``."""
+        from nki_kernels.rmsnorm_prefill import rmsnorm_prefill_kernel
+        rows, xT = self._one(rmsnorm_prefill_kernel, x, self.e.weights[0]["norms"][row], self.plan.eps)
+        return torch.as_tensor(rows), torch.as_tensor(xT)
+
+    def gdn(self, layer, xT):
+        from nki_kernels.gdn_prefill import check_finite, gdn_prefill_kernel
+        j, slot = layer.mixer, np.zeros((1, 1), np.int32)
+        outs = self._all(gdn_prefill_kernel, [
+            (xT, w["gdn_w_in"][j], w["gdn_conv_w"][j], w["gdn_A_log"][j], w["gdn_dt_bias"][j], w["gdn_norm_w"][j],
+             w["gdn_w_out"][j], st["gdn_window"][j], st["gdn_state"][j], slot, slot, self.plan.eps, False)
+            for w, st in zip(self.e.weights, self.e.states)])
+        for o in outs:
+            check_finite(o[3], f"prefill {layer.name} gdn_prefill")
+        return self._sum([o[0] for o in outs])
+
+    def attention(self, layer, xT, start: int):
+        from nki_kernels.attention_prefill import KEY_BLOCK, attention_prefill_kernel
+        N = xT.shape[2]
+        cos, sin = rp.rope_rows(self.cfg, start, N)
+        st_in = np.array([[start]], np.int32)
+        total = None
+        for g in range(layer.groups):
+            a = layer.mixer * layer.groups + g
+            outs = self._all(attention_prefill_kernel, [
+                (xT, w["attn_wqg"][a], w["attn_wk"][a], w["attn_wv"][a], w["attn_wo"][a], w["attn_norm_w"][a],
+                 cos, sin, st["attn_k"][a:a + 1], st["attn_v"][a:a + 1], st_in, self.plan.eps, KEY_BLOCK, None)
+                for w, st in zip(self.e.weights, self.e.states)])
+            bad = sum(float(np.asarray(o[1])[:, 2].sum()) for o in outs)
+            if bad:
+                raise FloatingPointError(f"prefill {layer.name}: attention_prefill reports {int(bad)} non-finite "
+                                         f"output rows (NaN or Inf in the hidden states, weights or cache)")
+            part = self._sum([o[0] for o in outs])
+            total = part if total is None else total + part
+        return total
+
+    def moe(self, layer, rows):
+        from nki_kernels.moe_prefill import check_finite, moe_prefill, token_rows
+        table, i = layer.experts
+        x = token_rows(rows)
+        outs = self._all(moe_prefill, [
+            (x, w["moe_router"][layer.moe], w[f"moe_experts_{table}"][i], w["moe_shared"][layer.moe],
+             self.plan.top_k) for w in self.e.weights])
+        for o in outs:
+            check_finite(o[1], f"prefill {layer.name} moe_prefill")
+        return self._sum([torch.as_tensor(o[0])[None] for o in outs])     # rows disjoint per core: one lane
+
+    def layer(self, layer, x, start: int):
+        _, xT = self.norm(x, layer.in_norm)
+        mix = self.gdn(layer, xT) if layer.kind == rp.GDN else self.attention(layer, xT, start)
+        x = self._add(x, mix)
+        rows, _ = self.norm(x, layer.post_norm)
+        return self._add(x, self.moe(layer, rows))
+
+    def mtp(self, prompt, chunk: PrefillChunk, hidden_rows):
+        s, m = chunk.start, chunk.mtp_rows
+        rows = self.plan.norms
+        e = self.embed(prompt[s + 1:s + 1 + m])
+        h = hidden_rows[0:m].contiguous()
+        outs = self._all(mtp_fc_prefill_stage, [(e, h, w["norms"], rows.mtp_emb, rows.mtp_hidden, w["mtp_fc"],
+                                                 self.plan.eps) for w in self.e.weights])
+        x = torch.cat([torch.as_tensor(o[c]) for o in outs for c in range(self.lnc)], dim=-1).to(self.dtype)
+        _, xT = self.norm(x, self.plan.mtp.in_norm)
+        self.attention(self.plan.mtp, xT, s)             # the MTP KV rows s .. s+m-1; the output is not needed
+
+    def head(self, x_last):
+        """(greedy id, post-norm hidden [H]) of one position: the decode head stage on every rank, the lowest
+        global vocabulary index winning ties."""
+        from megakernel import layerwise as lw
+        outs = self._all(lw.head_stage, [(x_last, w["norms"], self.plan.norms.final, w["lm_head"], self.plan.eps)
+                                         for w in self.e.weights])
+        best = torch.cat([torch.as_tensor(b) for b, _ in outs])      # [tp*lnc, 1, 2] in global core order
+        values, local = best[..., 0], best[..., 1]
+        idx = local + self.plan.vocab_per_core * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
+        top = values.max(dim=0).values
+        idx = torch.where(values == top, idx, torch.full_like(idx, float("inf"))).min(dim=0).values
+        return int(idx[0]), torch.as_tensor(outs[0][1])[0]
+
+    def run(self, prompt: list[int], chunk: int = CHUNK) -> PrefillResult:
+        """Prefill ``prompt`` into the engine's (started) decode state."""
+        self.plan = prefill_plan(self.cfg, len(prompt), self.tp, self.lnc, chunk)
+        self.launches = 0
+        x = None
+        for ch in self.plan.chunks:
+            x = self.embed(prompt[ch.start:ch.start + ch.tokens])
+            for layer in self.plan.layers:
+                x = self.layer(layer, x, ch.start)
+            if ch.mtp_rows:
+                hidden_rows, _ = self.norm(x, self.plan.norms.final)
+                self.mtp(prompt, ch, hidden_rows)
+        first, hidden = self.head(x[-1:].contiguous())
+        return PrefillResult(first, hidden, self.launches, len(self.plan.chunks))
