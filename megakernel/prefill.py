@@ -299,3 +299,65 @@ class LayerwisePrefill:
                 self.mtp(prompt, ch, hidden_rows)
         first, hidden = self.head(x[-1:].contiguous())
         return PrefillResult(first, hidden, self.launches, len(self.plan.chunks))
+
+
+# ---- the all-reduce of a chunk's partials (the on-chip composition; costed by harness.prefill) -------------------
+AR_TILE_BYTES = 32 * 1024   # bytes per partition of one collective's fp32 operand (4 tokens x H 2048)
+
+
+@nki.jit
+def residual_allreduce_stage(x, partial, tp, per_core):
+    """``x + all-reduce(partial)`` of a chunk on one rank's cores, the step between the prefill kernels on chip:
+    ``x [N, H]`` residual (activation dtype), ``partial [n_cores, N, H]`` float32 (``per_core``: every core holds
+    a partial of every row, the mixers' layout) or ``[N, H]`` (rows disjoint between the cores, the MoE's) ->
+    the new residual ``[N, H]``. The rows are split over the cores (core c: groups c, c + n, ...; a group = 128
+    partitions x k tokens, k x H x 4 bytes <= :data:`AR_TILE_BYTES`): with ``per_core`` the cores first swap the
+    halves they do not own (one ``sendrecv``) and add them, then every core all-reduces its rows over the TP ranks
+    (one collective per group and lane), adds the residual and writes its rows."""
+    import nki.collectives as ncc
+    N, H = x.shape
+    n, c = program_sharding()
+    rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
+    k = max(1, min(AR_TILE_BYTES // (4 * H), N // P))
+    out = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_out")
+    groups = []
+    t0 = 0
+    while t0 < N:
+        kk = k if N - t0 >= P * k else 1
+        rows = min(P, (N - t0) // kk)
+        groups.append((t0, rows, kk))
+        t0 = t0 + rows * kk
+    Fmax = k * H
+    for i in range(0, len(groups), n):
+        gi = i + c
+        if per_core and n > 1:
+            # swap: this core sends its partial of the peer's group and receives the peer's partial of its own
+            gp = i + 1 - c
+            theirs = nl.ndarray((P, Fmax), F32, buffer=nl.sbuf, name="ar_pf_theirs")
+            full = gp < len(groups) and groups[gp][1] == P and groups[gp][2] == k
+            if not full:
+                nisa.memset(dst=theirs, value=0.0)
+            if gp < len(groups):
+                t0, rows, kk = groups[gp]
+                nisa.dma_copy(dst=theirs[0:rows, 0:kk * H],
+                              src=partial.ap(pattern=[[kk * H, rows], [1, kk * H]], offset=(c * N + t0) * H))
+            peer = nl.ndarray((P, Fmax), F32, buffer=nl.sbuf, name="ar_pf_peer")
+            nisa.sendrecv(src=theirs, dst=peer, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
+        if gi >= len(groups):
+            continue
+        t0, rows, kk = groups[gi]
+        F = kk * H
+        mine = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="ar_pf_mine")
+        base = (c * N + t0) * H if per_core else t0 * H
+        nisa.dma_copy(dst=mine[0:rows, :], src=partial.ap(pattern=[[F, rows], [1, F]], offset=base))
+        if per_core and n > 1:
+            nisa.tensor_tensor(dst=mine[0:rows, :], data1=mine[0:rows, :], data2=peer[0:rows, 0:F], op=nl.add)
+        total = mine
+        if rg != None:
+            total = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="ar_pf_total")
+            ncc.all_reduce(srcs=[mine[0:rows, :]], dsts=[total[0:rows, :]], replica_group=rg, op=nl.add)
+        xs = nl.ndarray((P, F), x.dtype, buffer=nl.sbuf, name="ar_pf_x")
+        nisa.dma_copy(dst=xs[0:rows, :], src=x.ap(pattern=[[F, rows], [1, F]], offset=t0 * H))
+        nisa.tensor_tensor(dst=xs[0:rows, :], data1=xs[0:rows, :], data2=total[0:rows, :], op=nl.add)
+        nisa.dma_copy(dst=out.ap(pattern=[[F, rows], [1, F]], offset=t0 * H), src=xs[0:rows, :])
+    return out
