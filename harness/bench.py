@@ -499,6 +499,11 @@ def main(argv=None):
                        description=robustness.__doc__.split("\n\n")[0])
     robustness.add_arguments(r)
     r.set_defaults(fn=robustness.cmd)
+    from harness import prefill
+    pf = sub.add_parser("prefill", help="time to first token of the NKI prefill pass (band) vs teacher-forced and floor",
+                        description=prefill.__doc__.split("\n\n")[0])
+    prefill.add_arguments(pf)
+    pf.set_defaults(fn=prefill.cmd)
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     a.argv = argv[1:]

@@ -1,0 +1,327 @@
+"""Time to first token on trn2: the NKI prefill pass (``megakernel.prefill``) predicted from shape-only traces.
+
+``python -m harness.bench prefill --context 1024 4096 32768 131072 [--chunk 4096] [--json]``
+
+For each prompt length n the pass is the plan of ``megakernel.prefill.prefill_plan`` (chunks of ``--chunk``
+tokens); every kernel it launches is traced shape-only under nkisim at the real per-rank shapes (TP=4 x LNC=2)
+and predicted with the trn2 cost model (``harness.costmodel.predict_band``), and the time to first token is the
+sum, per chunk, of
+
+* the embedding (one gather per 128 tokens), the RMSNorms (2 per layer, the final norm of every token, the MTP's),
+* per layer the mixer kernel (``gdn_prefill`` / ``attention_prefill`` at the chunk's start) and ``moe_prefill``,
+* after every mixer and MoE the residual all-reduce (``megakernel.prefill.residual_allreduce_stage``, traced on
+  4 ranks with its collectives),
+* the MTP fc and the MTP layer's attention over the chunk's rows (its KV rows),
+* on the last chunk the decode head stage on the last position (final norm + LM head + argmax),
+* one launch overhead per kernel launch (``costmodel.constants.LAUNCH_OVERHEAD_NS``: the kernels run one after
+  the other, the composition does not overlap them).
+
+Band ends are summed end by end (low with low, ...): the ends are correlated (the same constants), so the sum of
+the high ends is what one set of pessimistic constants gives. Attention depends on the chunk's start (rows of the
+earlier chunks it reads); chunks at starts above ``MAX_TRACED_START`` are EXTRAPOLATED linearly from the traced
+chunks (its context loop costs the same per key block) and the output says so. Routing: the MoE prefill's
+shape-only registers read 0, which is its realistic case (every expert slot used, no heavy expert, kernel
+docstring).
+
+Beside it: the teacher-forced baseline -- the prompt fed through the decode launches, 1 + ceil((n-1)/2) launches
+at the round time of the last ``harness.bench predict`` (bench/costmodel_predict.json; a lower bound, rounds at
+longer contexts cost more) -- and the floor: per chunk the larger of every per-rank weight byte read once (at
+the fast end of the HBM band) and the chunk's FLOPs at the PE's measured peak (132 TFLOP/s per rank).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+ENDS = ("low", "central", "high")
+MAX_TRACED_START = 28 * 1024      # attention chunks beyond this start are extrapolated (trace size and time)
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _band_sum(parts):
+    return {e: sum(p[e] for p in parts) for e in ENDS}
+
+
+def _scale(b, k):
+    return {e: b[e] * k for e in ENDS}
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(name, builder):
+    """{low, central, high} us of one traced launch (memoised per process: the same kernel at the same shapes)."""
+    from harness.costmodel import predict_band
+    case = builder()
+    return predict_band(case.trace(), stages="function", name=name).time_us()
+
+
+def _case(kernel, per_rank, tp=1, lnc=2, name="kernel"):
+    from harness.kernel_cases import KernelCase
+    return KernelCase(name, kernel, per_rank, tp, lnc)
+
+
+class Costs:
+    """Per-launch predictions of the prefill kernels for one config at the real per-rank shapes (memoised)."""
+
+    def __init__(self, cfg, tp=4, lnc=2, dtype="bfloat16"):
+        self.cfg, self.tp, self.lnc, self.dtype = cfg, tp, lnc, dtype
+        self.key = (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.num_experts, tp, lnc, dtype)
+
+    def _sd(self, shape, dtype=None):
+        import nkisim
+        return nkisim.ShapeDtype(tuple(shape), dtype or self.dtype)
+
+    def gdn(self, N):
+        from nki_kernels import gdn_prefill as kp
+
+        def build():
+            kern, args = kp.demo_args(self.cfg, tp=self.tp, L=N, dtype=self.dtype, shape_only=True)
+            return _case(kp.gdn_prefill_kernel, [args], lnc=self.lnc)
+        return _traced(("gdn", self.key, N), build)
+
+    def attention(self, N, start):
+        from nki_kernels import attention_prefill as ap
+
+        def build():
+            kern, args = ap.demo_args(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype, shape_only=True)
+            return _case(ap.attention_prefill_kernel, [args], lnc=self.lnc)
+        return _traced(("attention", self.key, N, start), build)
+
+    def moe(self, N):
+        from nki_kernels import moe_prefill as mp
+
+        def build():
+            kern, args = mp.demo_args(self.cfg, tp=self.tp, N=N, dtype=self.dtype, shape_only=True, lnc=self.lnc)
+            return _case(mp.moe_prefill, [args], lnc=self.lnc)
+        return _traced(("moe", self.key, N), build)
+
+    def norm(self, N):
+        from nki_kernels.common import P
+        from nki_kernels.rmsnorm_prefill import rmsnorm_prefill_kernel
+        H = self.cfg.hidden_size
+
+        def build():
+            args = (self._sd((N, H)), self._sd((P, H // P), "float32"), float(self.cfg.rms_norm_eps))
+            return _case(rmsnorm_prefill_kernel, [args], lnc=self.lnc)
+        return _traced(("norm", self.key, N), build)
+
+    def allreduce(self, N, per_core):
+        from megakernel.prefill import residual_allreduce_stage
+        H = self.cfg.hidden_size
+
+        def build():
+            part = self._sd((self.lnc, N, H) if per_core else (N, H), "float32")
+            return _case(residual_allreduce_stage, [(self._sd((N, H)), part, self.tp, per_core)] * self.tp,
+                         tp=self.tp, lnc=self.lnc)
+        return _traced(("allreduce", self.key, N, per_core), build)
+
+    def mtp_fc(self, N):
+        from harness.kernel_cases import rank_tensors
+        from megakernel.plan import NormRows
+        from megakernel.prefill import mtp_fc_prefill_stage
+        H = self.cfg.hidden_size
+
+        def build():
+            w = rank_tensors(self.cfg, self.tp, self.lnc, 2048, self.dtype)[0]
+            rows = NormRows(self.cfg.num_hidden_layers, True)
+            args = (self._sd((N, H)), self._sd((N, H)), w["norms"], rows.mtp_emb, rows.mtp_hidden, w["mtp_fc"],
+                    float(self.cfg.rms_norm_eps))
+            return _case(mtp_fc_prefill_stage, [args], lnc=self.lnc)
+        return _traced(("mtp_fc", self.key, N), build)
+
+    def embed(self, T):
+        from nki_kernels.embedding import embedding_kernel
+        H, V = self.cfg.hidden_size, self.cfg.vocab_size
+
+        def build():
+            return _case(embedding_kernel, [(self._sd((V, H)), np.zeros((T, 1), np.int32))], lnc=1)
+        return _traced(("embed", self.key, T), build)
+
+    def head(self):
+        from harness.kernel_cases import stage_case
+        return _traced(("head", self.key), lambda: stage_case(self.cfg, "head", 1, tp=self.tp, lnc=self.lnc,
+                                                                dtype=self.dtype))
+
+
+def _attention_chunk(costs, N, start, measured):
+    """Attention at ``start``: traced up to MAX_TRACED_START, else a straight line through the two traced
+    chunks of length N with the largest starts (``measured``: start -> band); returns (band, extrapolated)."""
+    if start <= MAX_TRACED_START:
+        b = costs.attention(N, start)
+        measured[start] = b
+        return b, False
+    pts = sorted(measured)[-2:]
+    if len(pts) < 2:
+        for s in (MAX_TRACED_START - N, MAX_TRACED_START):
+            measured[s] = costs.attention(N, s)
+        pts = sorted(measured)[-2:]
+    s0, s1 = pts
+    return {e: measured[s0][e] + (measured[s1][e] - measured[s0][e]) * (start - s0) / (s1 - s0) for e in ENDS}, True
+
+
+def floor_us(cfg, plan, tp=4, lnc=2, dtype="bfloat16"):
+    """The byte / FLOP floor of the pass (module docstring), us."""
+    from harness.costmodel import constants as C
+    from harness.kernel_cases import rank_tensors
+    w = rank_tensors(cfg, tp, lnc, 2048, dtype)[0]
+    size = {k: int(np.prod(v.shape)) * (4 if v.dtype == "float32" else 2) for k, v in w.items()
+            if not k.startswith(("gdn_window", "gdn_state", "attn_k", "attn_v"))}
+    experts = sum(v for k, v in size.items() if k.startswith("moe_experts_"))
+    dense = sum(v for k, v in size.items() if k not in ("embed", "lm_head") and not k.startswith("moe_experts_"))
+    bw = C.HBM_BW_PER_RANK.low                                     # the fast end, bytes/ns
+    peak = 2 * 128 * 128 * C.PE_COLUMNS_PER_CYCLE * C.PE_CLOCK_HZ * lnc / 1e9   # FLOP/ns per rank
+    active = dense / 2 + experts / 2 * cfg.num_experts_per_tok / cfg.num_experts  # weight elements per token
+    hq = cfg.num_attention_heads // tp
+    attn_layers = len(cfg.full_layers) + (1 if cfg.mtp_num_hidden_layers else 0)
+    total = 0.0
+    for ch in plan.chunks:
+        N = ch.tokens
+        flops = 2 * N * active + attn_layers * 4 * hq * cfg.head_dim * N * (ch.start + N / 2)
+        nbytes = dense + experts + (size["lm_head"] if ch is plan.last else 0)
+        total += max(nbytes / bw, flops / peak)
+    return total / 1e3
+
+
+def baseline_us(n):
+    """Teacher-forced prefill through the decode launches: (band us, launches, source) or None without a stored
+    round prediction."""
+    path = BENCH / "costmodel_predict.json"
+    launches = 1 + math.ceil((n - 1) / 2)
+    if not path.exists():
+        return None, launches, None
+    d = json.loads(path.read_text())
+    return (_scale(d["round_us"], launches), launches,
+            f"{launches} launches x the round at context {d['context']} (bench/costmodel_predict.json, "
+            f"{d.get('measured_commit')}); a lower bound: rounds at longer contexts cost more")
+
+
+def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None):
+    """The time-to-first-token prediction of an n-token prompt (module docstring) as a dict."""
+    from harness.costmodel import constants as C
+    from megakernel.prefill import CHUNK, prefill_plan
+    from nki_kernels.common import P
+    chunk = chunk or CHUNK
+    plan = prefill_plan(cfg, n, tp, lnc, chunk)
+    costs = Costs(cfg, tp, lnc, dtype)
+    n_gdn = sum(1 for layer in plan.layers if layer.kind == "gdn")
+    n_attn = len(plan.layers) - n_gdn
+    measured, parts, chunks, extrapolated = {}, {}, [], []
+    launches = 0
+
+    def add(key, band, count=1):
+        parts.setdefault(key, []).append(_scale(band, count))
+
+    for i, ch in enumerate(plan.chunks):
+        if progress:
+            progress(f"chunk {i + 1}/{len(plan.chunks)} (start {ch.start}, {ch.tokens} tokens)")
+        N = ch.tokens
+        before = {k: len(v) for k, v in parts.items()}
+        tiles = -(-N // P)
+        add("embedding", costs.embed(P) if N >= P else costs.embed(N), tiles)
+        add("rmsnorm", costs.norm(N), 2 * len(plan.layers) + (1 if ch.mtp_rows else 0))
+        add("gdn_prefill", costs.gdn(N), n_gdn)
+        att, ext = _attention_chunk(costs, N, ch.start, measured)
+        if ext:
+            extrapolated.append(ch.start)
+        add("attention_prefill", att, n_attn)
+        add("moe_prefill", costs.moe(N), len(plan.layers))
+        add("all_reduce", costs.allreduce(N, True), len(plan.layers))
+        add("all_reduce", costs.allreduce(N, False), len(plan.layers))
+        k = 1 + 6 * len(plan.layers) + tiles
+        if ch.mtp_rows:
+            m = ch.mtp_rows
+            add("embedding", costs.embed(P) if m >= P else costs.embed(m), -(-m // P))
+            add("rmsnorm", costs.norm(m))
+            add("mtp", costs.mtp_fc(m))
+            att_m, _ = (_attention_chunk(costs, m, ch.start, {}) if ch.start <= MAX_TRACED_START or m == N
+                        else (att, True))
+            add("mtp", att_m)
+            k += 3 + -(-m // P)
+        if ch is plan.last:
+            add("lm_head", costs.head())
+            k += 1
+        add("launch_overhead", {e: k * C.LAUNCH_OVERHEAD_NS / 1e3 for e in ENDS})
+        launches += k
+        chunk_band = _band_sum([b for key, v in parts.items() for b in v[before.get(key, 0):]])
+        chunks.append({"start": ch.start, "tokens": N, "us": chunk_band})
+    ttft = _band_sum([c["us"] for c in chunks])
+    base, base_launches, base_src = baseline_us(n)
+    return {"context": n, "chunk": chunk, "chunks": len(plan.chunks), "ttft_us": ttft,
+            "parts_us": {k: _band_sum(v) for k, v in parts.items()}, "per_chunk_us": chunks,
+            "launches": launches, "extrapolated_starts": extrapolated,
+            "baseline_us": base, "baseline_launches": base_launches, "baseline_source": base_src,
+            "floor_us": floor_us(cfg, plan, tp, lnc, dtype), "tp": tp, "lnc": lnc, "dtype": dtype,
+            "model": getattr(cfg, "name", None)}
+
+
+# ---- the bench subcommand ---------------------------------------------------------------------------------------
+def add_arguments(p):
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 32768, 131072],
+                   help="prompt lengths to predict (default 1024 4096 32768 131072)")
+    p.add_argument("--chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 4096; a "
+                                                            "multiple of 64); a shorter prompt is one chunk")
+    p.add_argument("--model", default="qwen3.6-35b-a3b", help="model.config preset (default qwen3.6-35b-a3b)")
+    p.add_argument("--json", action="store_true", help="print the JSON (also written to bench/prefill.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _fmt(b):
+    return f"{b['central'] / 1e3:,.1f} ({b['low'] / 1e3:,.1f}-{b['high'] / 1e3:,.1f})"
+
+
+def markdown(rows):
+    out = ["| prompt | chunks | TTFT ms, NKI prefill (band) | teacher-forced baseline ms | floor ms | extrapolated |",
+           "|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        base = _fmt(r["baseline_us"]) if r["baseline_us"] else "-"
+        ext = f"attention at starts {r['extrapolated_starts'][0]}..{r['extrapolated_starts'][-1]}" \
+            if r["extrapolated_starts"] else "no"
+        out.append(f"| {r['context']:,} | {r['chunks']} | {_fmt(r['ttft_us'])} | {base} | "
+                   f"{r['floor_us'] / 1e3:,.1f} | {ext} |")
+    return "\n".join(out)
+
+
+def cmd(a):
+    import sys
+
+    import nkisim
+    from model.config import preset
+    nkisim.install()
+    try:
+        cfg = preset(a.model)
+    except Exception as e:
+        print(f"error: prefill: unknown --model {a.model!r} ({e})", file=sys.stderr)
+        return 2
+    for n in a.context:
+        if n < 1:
+            print(f"error: prefill: --context must be >= 1, got {n}", file=sys.stderr)
+            return 2
+    if a.chunk is not None and (a.chunk < 64 or a.chunk % 64):
+        print(f"error: prefill: --chunk must be a positive multiple of 64, got {a.chunk}", file=sys.stderr)
+        return 2
+    progress = None if a.quiet else (lambda s: print(f"  {s}", file=sys.stderr, flush=True))
+    rows = []
+    for n in a.context:
+        if progress:
+            progress(f"context {n:,}")
+        rows.append(predict(cfg, n, a.chunk, progress=progress))
+    BENCH.mkdir(exist_ok=True)
+    (BENCH / "prefill.json").write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
+    if a.json:
+        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
+        return 0
+    print(markdown(rows))
+    for r in rows:
+        print(f"\ncontext {r['context']:,}: " + ", ".join(f"{k} {v['central'] / 1e3:,.2f} ms"
+                                                          for k, v in r["parts_us"].items()))
+        if r["extrapolated_starts"]:
+            print(f"  EXTRAPOLATED: attention of {len(r['extrapolated_starts'])} chunks (starts > "
+                  f"{MAX_TRACED_START:,}) from the traced chunks, linear in the start")
+        if r["baseline_source"]:
+            print(f"  baseline: {r['baseline_source']}")
+    print("\nwrote bench/prefill.json")
+    return 0
