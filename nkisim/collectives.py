@@ -25,19 +25,20 @@ Model (ref §5.10; sources cited inline):
   shared by all participants, rank-list, participants [[rank, core], ...], payload bytes) for a cost
   model (fixed latency + bytes / bandwidth, trn2-costs.md "TP all-reduce ... 13.3 us").
 """
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .runtime import QUIET
 
-from . import dtypes, ops
+from . import dtypes, frontend, ops
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
 from .isa.common import Instruction, read_raw, record, write
 from .language import NKIObject
 from .memory import HBM, PRIVATE_HBM, PSUM, SBUF, SHARED_HBM
 from .registers import VirtualRegister
-from .runtime import current
+from .site import current
 from .tensor import NkiTensor, check_written, mask, raw
 
 F32 = np.float32
@@ -55,8 +56,7 @@ class ReplicaGroup(NKIObject):
 
     def __getattribute__(self, name):
         if name == "groups":
-            from .frontend import attribute_guard
-            attribute_guard(self, name, ())
+            frontend.attribute_guard(self, name, ())
         return object.__getattribute__(self, name)
 
 
@@ -680,3 +680,7 @@ def rank_id(name=None):
     inst = current("ncc.rank_id")
     record("rank_id", "SP")
     return VirtualRegister(inst.rank)
+
+
+frontend.register_api_module(sys.modules[__name__], "nki.collectives")
+frontend.register_api_class(ReplicaGroup, "nki.collectives.ReplicaGroup")

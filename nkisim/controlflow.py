@@ -22,7 +22,7 @@ import os
 
 from . import hw
 from .errors import NkiValidationError
-from .runtime import kernel_site
+from .site import kernel_site
 
 RULE = "LNC-uniform control flow"
 DOC = "SDK nki/get-started/about/lnc.rst 'Final Notes'"

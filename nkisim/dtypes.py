@@ -6,6 +6,7 @@ import ml_dtypes
 # name -> numpy storage dtype (SDK-SHARED tbl-dtype; ref §4 "Allowed dtypes").
 # tfloat32 is stored as fp32 (its 10-bit mantissa matters only as a matmul input, ref §10.4).
 # Packed x4 types (v4 MX only) are stored as raw 32-bit words.
+DType = str      # nki.language.DType (and nki.dtype): dtypes are named by strings (ref §3.1)
 _STORAGE = {
     "bool_": np.dtype(np.uint8),
     "int8": np.dtype(np.int8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32),

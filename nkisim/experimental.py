@@ -34,6 +34,7 @@ from . import ops as _ops_mod
 from .errors import NkiValidationError
 from .memory import HBM, ON_CHIP, PSUM, SBUF
 from .ops import OPS
+from .site import current
 from .tensor import NkiTensor
 
 F32 = "float32"
@@ -58,11 +59,6 @@ _MATMUL_IN = ("float8_e4m3", "float8_e5m2", "bfloat16", "float16", "tfloat32", "
 def _isa():
     from . import isa
     return isa
-
-
-def _nl():
-    from . import language
-    return language
 
 
 @contextlib.contextmanager
@@ -150,7 +146,8 @@ def _tile(where, name, x):
 
 
 def _new(shape, dtype, buffer=SBUF):
-    return _nl().ndarray(tuple(shape), dtype, buffer=buffer)
+    """A new tile in the running instance, as ``nl.ndarray(shape, dtype, buffer=buffer)`` allocates it."""
+    return current("nl.ndarray").allocate(tuple(shape), _dt.normalize(dtype, "nl.ndarray"), buffer, "", None)
 
 
 def _axes(where, x, axis):
@@ -757,3 +754,6 @@ def call(name, *args, **kwargs):
         raise TypeError(f"nl.{name} is an operator constant (an op= argument of nki.isa instructions), not a "
                         f"tile-level function in NKI 0.6")
     return f(*args, **kwargs)
+
+
+_ops_mod.TILE_FUNCTIONS[0] = call

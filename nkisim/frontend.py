@@ -290,20 +290,35 @@ def _global_refs(code):
 
 
 # ---- the public API ----------------------------------------------------------------------------------------------
+# The API modules and classes register themselves when they are imported (nkisim/language.py, isa/__init__.py,
+# isa/common.py, collectives.py, typing.py; shim.py registers the ``nki`` package), so this checker, which the runtime
+# below the API uses, imports none of them.
 _API_MODULES = {}      # id(nkisim module object) -> public module name
+_API_BY_NAME = {}      # public module name -> module object
+_API_CLASSES = {}      # API class -> its public_api.CLASSES key (matched exactly; NkiTensor also by subclass)
 _PUBLIC_IDS = set()
+_PUBLIC_FROM = [0]     # how many API modules _PUBLIC_IDS was built from
+
+
+def register_api_module(mod, name):
+    """``mod`` is nkisim's implementation of the public module ``name`` (``nki.language``, ...)."""
+    _API_MODULES[id(mod)] = name
+    _API_BY_NAME[name] = mod
+
+
+def register_api_class(cls, key):
+    """``cls`` is the API class documented as ``key`` (a public_api.CLASSES key, e.g. ``nki.language.NKIObject``)."""
+    _API_CLASSES[cls] = key
+
+
+def _api_class(key):
+    for c, k in _API_CLASSES.items():
+        if k == key:
+            return c
+    return None
 
 
 def _api_module_name(mod):
-    if not _API_MODULES:
-        from . import collectives, isa, language
-        from . import typing as nki_typing
-        for m, n in ((language, "nki.language"), (isa, "nki.isa"), (collectives, "nki.collectives"),
-                     (nki_typing, "nki.typing"), (isa.constants, "nki.isa.constants")):
-            _API_MODULES[id(m)] = n
-        pkg = sys.modules.get("nki")
-        if pkg is not None and getattr(pkg, "__nkisim__", False):
-            _API_MODULES[id(pkg)] = "nki"
     return _API_MODULES.get(id(mod))
 
 
@@ -337,15 +352,17 @@ def _enum_member(obj, attr):
 
 
 def _public_ids():
-    if not _PUBLIC_IDS:
-        from . import collectives, isa, language
-        pkg = sys.modules.get("nki")
-        for m, n in ((language, "nki.language"), (isa, "nki.isa"), (collectives, "nki.collectives"),
-                     (isa.constants, "nki.isa.constants")):
+    if _PUBLIC_FROM[0] != len(_API_BY_NAME):
+        _PUBLIC_FROM[0] = len(_API_BY_NAME)
+        pkg = _API_BY_NAME.get("nki")
+        for n in ("nki.language", "nki.isa", "nki.collectives", "nki.isa.constants"):
+            m = _API_BY_NAME.get(n)
+            if m is None:
+                continue
             for a in public_api.MODULES[n]:
                 if hasattr(m, a):
                     _PUBLIC_IDS.add(id(getattr(m, a)))
-        if pkg is not None and getattr(pkg, "__nkisim__", False):
+        if pkg is not None:
             _PUBLIC_IDS.update((id(pkg.jit), id(pkg.simulate)))
         _PUBLIC_IDS.add(id(sys.modules[__package__ + ".jit"].Kernel))
     return _PUBLIC_IDS
@@ -353,8 +370,6 @@ def _public_ids():
 
 def _api_class_key(obj):
     """The public_api.CLASSES key of an API object (or class), None if it is not one."""
-    from . import collectives, language
-    from .isa.common import Instruction
     from .ops import Op
     from .registers import VirtualRegister
     from .tensor import NkiTensor
@@ -363,12 +378,9 @@ def _api_class_key(obj):
         return "nki.language.NkiTensor"
     if cls is VirtualRegister:
         return "nki.isa.VirtualRegister"
-    if cls is Instruction:
-        return "nki.isa.NkiInstruction"
-    if cls is collectives.ReplicaGroup:
-        return "nki.collectives.ReplicaGroup"
-    if cls is language._TileSize:
-        return "nki.language._TileSize"
+    key = _API_CLASSES.get(cls)
+    if key is not None and key != "nki.language.NKIObject":
+        return key
     if cls is Op:
         return "operator"          # nl.add, nl.exp, ...: documented as functions, no public attributes
     if issubclass(cls, enum.Enum) and cls.__module__.startswith("nkisim") and not isinstance(obj, type):
@@ -393,7 +405,7 @@ def attribute_guard(obj, name, public):
     during a launch and it is not in ``public``."""
     if name in public or name.startswith("__"):
         return
-    from .runtime import current_or_none
+    from .site import current_or_none
     if current_or_none() is None:
         return
     f = sys._getframe(2)
@@ -474,7 +486,7 @@ def _own_nodes(fnode):
 # ---- dict keys (SDK-LG "NKI Values") ------------------------------------------------------------------------------
 _SCAN_DEPTH = 2          # containers nested this deep are looked into
 _SCAN_ITEMS = 32         # elements looked at per container
-_NKIOBJECT = []          # [nl.NKIObject], imported lazily
+_NKIOBJECT = []          # [nl.NKIObject], once registered
 _OBJ_TYPES = {}          # type -> whether its objects are user NKIObjects
 
 
@@ -509,8 +521,10 @@ def _user_object(t):
     r = _OBJ_TYPES.get(t)
     if r is None:
         if not _NKIOBJECT:
-            from .language import NKIObject
-            _NKIOBJECT.append(NKIObject)
+            base = _api_class("nki.language.NKIObject")
+            if base is None:
+                return False          # nki.language not imported yet: no NKIObjects exist
+            _NKIOBJECT.append(base)
         r = _OBJ_TYPES[t] = issubclass(t, _NKIOBJECT[0]) and not t.__module__.startswith("nkisim") and \
             not hasattr(t, "__slots__")
     return r
@@ -687,7 +701,7 @@ def _class_site(cls):
 
 
 def _class_problem(cls):
-    from .language import NKIObject
+    NKIObject = _api_class("nki.language.NKIObject")
     if issubclass(cls, enum.Enum):
         if cls.__bases__ != (enum.Enum,):
             return (f"an enumeration must derive from Enum alone ('class E(Enum)', section 'Enumerations'), it derives "

@@ -28,7 +28,7 @@ _warned = set()
 
 
 def _where():
-    from .runtime import current_or_none, kernel_site
+    from .site import current_or_none, kernel_site
     if current_or_none() is None:
         return "the kernel call"
     s = kernel_site()

@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 
-from . import dtypes, frontend, hw, runtime
+from . import dtypes, frontend, hw, runtime, site
 from .errors import LaunchAborted, NkiFidelityWarning, NkiValidationError
 from .memory import SHARED_HBM, Storage
 from .tensor import NkiTensor, raw
@@ -347,7 +347,7 @@ class Kernel:
         return Kernel(self.fn, lnc=g[0], **self.options)
 
     def __call__(self, *args, **kwargs):
-        if runtime.current_or_none() is not None:
+        if site.current_or_none() is not None:
             if NESTED_JIT != "warn":
                 raise NkiValidationError(f"{self.fn.__name__}: calling an @nki.jit kernel from inside a kernel is not "
                                          f"supported (nested jit; SDK migration guide 0.2.0 'Remove nki.jit decorator "

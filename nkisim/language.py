@@ -2,20 +2,23 @@
 import builtins
 import contextlib
 import hashlib
+import sys
+import warnings
+import weakref
 
 import numpy as np
 
-from . import controlflow, dtypes as _dt, hw
+from . import controlflow, dtypes as _dt, frontend, hw
 from . import int32 as _int32
 from .errors import NkiValidationError
 from .memory import MemoryRegion, PSUM, SBUF, PRIVATE_HBM, SHARED_HBM
 from .ops import OPS as _OPS, Op
-from .registers import VirtualRegister
-from .runtime import call_site, current as _current
+from .registers import WHILE_CONDITION as _WHILE_CONDITION, VirtualRegister, _refuse as _reg_refuse, _where as _reg_where
+from .site import call_site, current as _current, current_or_none as _current_or_none
 from .tensor import NkiTensor, ds
 
 # ---- dtypes (strings, ref §3.1) --------------------------------------------------------------
-DType = str
+DType = _dt.DType
 for _n in _dt.ALL:
     globals()[_n] = _n
 del _n
@@ -282,6 +285,72 @@ def _iteration(inst, k):
     inst.loop_iters = inst.loop_iters[:d] + ((inst.loops[-1], k),)
 
 
+# ---- the deprecated ``while reg:`` loop ------------------------------------------------------------------------
+_WHILE_LOOPS = weakref.WeakKeyDictionary()     # program instance -> {(id(frame), while site): _WhileLoop}
+
+
+class _WhileLoop:
+    """One running ``while reg:`` loop: its runtime-loop context (_runtime_loop), log entry, body runs."""
+    __slots__ = ("cm", "inst", "entry", "n", "base")
+
+
+def _while_condition(reg, frame):
+    """``bool(reg)``: legal only as the condition of a ``while reg:`` statement, which it runs as a runtime loop.
+
+    The first evaluation at a site opens the loop (a ``while reg`` runtime loop: _runtime_loop), each later
+    one ends the previous iteration; the loop closes when the register reads 0 (trip count = body runs, as
+    nl.while_loop). The site is found from the bytecode position of the truth test (frontend.truth_test)."""
+    site, construct = frontend.truth_test(frame)
+    if site is None:
+        _reg_refuse(f"uses it as a Python truth value ({construct})", frame)
+    inst = _current_or_none()
+    if inst is None:
+        _reg_refuse("tests it in a while statement outside a kernel launch", frame)
+    loops = _WHILE_LOOPS.get(inst)
+    if loops is None:
+        loops = _WHILE_LOOPS[inst] = {}
+    key = (id(frame), site)
+    w = loops.get(key)
+    if w is None:
+        w = loops[key] = _open_while(inst, frame, site)
+    else:
+        w.n += 1                           # the previous iteration's body ran
+    if reg.value != 0:
+        _iteration(inst, w.n)
+        inst.loop_regs = w.base + (reg,)   # the body runs on the current condition register
+        return True
+    del loops[key]
+    w.cm.__exit__(None, None, None)
+    controlflow.finish(inst, w.entry, w.n)
+    return False
+
+
+def _open_while(inst, frame, site):
+    bad = frontend.while_body_exit(frame.f_code, site)
+    if bad is not None:
+        raise NkiValidationError(
+            f"runtime loops: {_reg_where(frame)}: the 'while reg:' loop at line {site[0]} has {bad}; a dynamic while loop "
+            f"ends only when its condition register holds 0 (nki-language-guide.rst 'Dynamic Control Flow'; "
+            f"nki-dynamic-loops.rst 'Using while with a VirtualRegister'): set the register to 0 with register_load "
+            f"/ register_move instead")
+    key = (frame.f_code.co_filename, site[0])
+    if key not in _WHILE_WARNED:
+        _WHILE_WARNED.add(key)
+        warnings.warn(f"{_reg_where(frame)}: 'while reg:' loops are deprecated since NKI 0.6.0 and will be removed; use "
+                      f"nl.while_loop(reg, body) (SDK-RN 0.6.0 'Deprecated and Removed APIs'; migration guide 0.6.0 "
+                      f"'Pattern 2')", DeprecationWarning, stacklevel=4)
+    w = _WhileLoop()
+    w.cm = _runtime_loop("while reg", (), None)
+    w.inst, w.entry = w.cm.__enter__()
+    w.n = 0
+    w.base = inst.loop_regs
+    return w
+
+
+_WHILE_WARNED = set()
+_WHILE_CONDITION[0] = _while_condition    # VirtualRegister.__bool__ (nkisim/registers.py)
+
+
 def _last_seqs(inst):
     return {id(t): r["seq"] for t, r in inst.traced} if inst.traced else {}
 
@@ -364,3 +433,8 @@ from .experimental import (sum, max, min, mean, prod, var, all, softmax, rms_nor
 def __getattr__(name):
     raise AttributeError(f"nki.language.{name} is not provided by nkisim (not in the NKI 0.6.0 API, or not "
                          f"implemented: see nkisim/README.md)")
+
+
+frontend.register_api_module(sys.modules[__name__], "nki.language")
+frontend.register_api_class(NKIObject, "nki.language.NKIObject")
+frontend.register_api_class(_TileSize, "nki.language._TileSize")

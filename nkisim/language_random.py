@@ -23,7 +23,7 @@ import numpy as np
 from . import dtypes
 from .errors import NkiValidationError
 from .memory import ON_CHIP, SBUF, MemoryRegion
-from .runtime import current
+from .site import current
 from .tensor import NkiTensor
 
 # precision (significand bits incl. the implicit one) of the float dtypes nl.rand fills

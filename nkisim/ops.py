@@ -9,6 +9,7 @@ import numpy as np
 from .errors import NkiFidelityWarning, NkiValidationError
 
 F32 = np.float32
+TILE_FUNCTIONS = [None]   # [experimental.call]: the layer above (nkisim/experimental.py) sets it when imported
 
 
 class Op:
@@ -26,9 +27,8 @@ class Op:
 
     def __call__(self, *args, **kwargs):
         """``nl.add(x, y)``, ``nl.exp(x)``, ...: the experimental tile-level wrapper of the same name (built out of
-        ISA instructions, see nkisim/experimental.py)."""
-        from . import experimental
-        return experimental.call(self.name, *args, **kwargs)
+        ISA instructions, see nkisim/experimental.py, which registers itself in TILE_FUNCTIONS)."""
+        return TILE_FUNCTIONS[0](self.name, *args, **kwargs)
 
     @property
     def is_alu(self):
@@ -187,7 +187,7 @@ def get(op, where, arg="op", reduction=False):
     alias = REDUCTION_ALIASES.get(op) if callable(op) else None
     if alias is not None:
         if not reduction:
-            from .runtime import call_site
+            from .site import call_site
             site = call_site()
             if site not in _ALIAS_WARNED:
                 _ALIAS_WARNED.add(site)

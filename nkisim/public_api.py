@@ -104,5 +104,5 @@ def nki_package_getattr(name):
         source, evidence = UNDOCUMENTED[key]
         warnings.warn(f"{key} is not in the NKI 0.6 public interface (../shared/docs/nki-api-0.6.json); nkisim "
                       f"provides it as {source} because {evidence}", NkiFidelityWarning, stacklevel=2)
-    from . import language
-    return language.DType
+    from . import dtypes
+    return dtypes.DType

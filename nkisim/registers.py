@@ -13,7 +13,7 @@ all of that with :class:`RegisterUseError`. Two things stay legal:
   nki-dynamic-loops.rst "Using while with a VirtualRegister"), deprecated in NKI 0.6.0 in favour of
   ``nl.while_loop`` (SDK-RN 0.6.0 "Deprecated and Removed APIs": "NKI emits a deprecation warning when it encounters
   ... ``while reg:`` loops"; migration guide 0.6.0 "Pattern 2"). nkisim runs it as that runtime loop (see
-  :func:`_while_condition`): a deprecation warning, a ``while reg`` runtime loop in the trace and in the LNC=2
+  :func:`nkisim.language._while_condition`): a deprecation warning, a ``while reg`` runtime loop in the trace and in the LNC=2
   uniformity log (nkisim/controlflow.py), the same rules as ``nl.while_loop`` (none inside ``nl.no_reorder``; the
   condition register is read by every body instruction). Its condition must be the register itself (``while reg:``,
   ``while regs["c"]:``): ``while not reg:``, ``while reg and x:`` and the like are refused, and so are ``break`` /
@@ -21,8 +21,6 @@ all of that with :class:`RegisterUseError`. Two things stay legal:
 """
 import os
 import sys
-import warnings
-import weakref
 
 from .errors import NkiValidationError
 
@@ -62,7 +60,7 @@ class VirtualRegister:
             o.live_registers -= 1
 
     def __bool__(self):
-        return _while_condition(self, sys._getframe(1))
+        return WHILE_CONDITION[0](self, sys._getframe(1))
 
     def __eq__(self, other):
         if other is None:
@@ -110,75 +108,13 @@ def _refuse(what, frame):
         f"'reg == None' is the only comparison (a static test)")
 
 
-# ---- the deprecated ``while reg:`` loop ------------------------------------------------------------------------
-_WHILES = weakref.WeakKeyDictionary()     # program instance -> {(id(frame), while site): _While}
+def _truth_refused(reg, frame):
+    _refuse("uses it as a Python truth value", frame)
 
 
-class _While:
-    """One running ``while reg:`` loop: its runtime-loop context (language._runtime_loop), log entry, body runs."""
-    __slots__ = ("cm", "inst", "entry", "n", "base")
-
-
-def _while_condition(reg, frame):
-    """``bool(reg)``: legal only as the condition of a ``while reg:`` statement, which it runs as a runtime loop.
-
-    The first evaluation at a site opens the loop (a ``while reg`` runtime loop: language._runtime_loop), each later
-    one ends the previous iteration; the loop closes when the register reads 0 (trip count = body runs, as
-    nl.while_loop). The site is found from the bytecode position of the truth test (frontend.truth_test)."""
-    from . import frontend
-    from .runtime import current_or_none
-    site, construct = frontend.truth_test(frame)
-    if site is None:
-        _refuse(f"uses it as a Python truth value ({construct})", frame)
-    inst = current_or_none()
-    if inst is None:
-        _refuse("tests it in a while statement outside a kernel launch", frame)
-    loops = _WHILES.get(inst)
-    if loops is None:
-        loops = _WHILES[inst] = {}
-    key = (id(frame), site)
-    w = loops.get(key)
-    if w is None:
-        w = loops[key] = _open(inst, frame, site)
-    else:
-        w.n += 1                           # the previous iteration's body ran
-    if reg.value != 0:
-        from .language import _iteration
-        _iteration(inst, w.n)
-        inst.loop_regs = w.base + (reg,)   # the body runs on the current condition register
-        return True
-    del loops[key]
-    w.cm.__exit__(None, None, None)
-    from . import controlflow
-    controlflow.finish(inst, w.entry, w.n)
-    return False
-
-
-def _open(inst, frame, site):
-    from . import frontend
-    from .language import _runtime_loop
-    bad = frontend.while_body_exit(frame.f_code, site)
-    if bad is not None:
-        raise NkiValidationError(
-            f"runtime loops: {_where(frame)}: the 'while reg:' loop at line {site[0]} has {bad}; a dynamic while loop "
-            f"ends only when its condition register holds 0 (nki-language-guide.rst 'Dynamic Control Flow'; "
-            f"nki-dynamic-loops.rst 'Using while with a VirtualRegister'): set the register to 0 with register_load "
-            f"/ register_move instead")
-    key = (frame.f_code.co_filename, site[0])
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(f"{_where(frame)}: 'while reg:' loops are deprecated since NKI 0.6.0 and will be removed; use "
-                      f"nl.while_loop(reg, body) (SDK-RN 0.6.0 'Deprecated and Removed APIs'; migration guide 0.6.0 "
-                      f"'Pattern 2')", DeprecationWarning, stacklevel=4)
-    w = _While()
-    w.cm = _runtime_loop("while reg", (), None)
-    w.inst, w.entry = w.cm.__enter__()
-    w.n = 0
-    w.base = inst.loop_regs
-    return w
-
-
-_WARNED = set()
+# ``bool(reg)`` runs the deprecated ``while reg:`` loop, a runtime loop of nki.language: nkisim/language.py (the layer
+# above, which owns runtime loops) puts its handler here when it is imported.
+WHILE_CONDITION = [_truth_refused]
 
 
 def _scalar(x, op):

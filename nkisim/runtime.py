@@ -19,60 +19,16 @@ import time
 
 import numpy as np
 
-from . import blas, hw, int32, trace
+from . import blas, controlflow, frontend, hw, int32, trace
 from .errors import LaunchAborted, NkiValidationError
 from .memory import (PSUM, SBUF, PRIVATE_HBM, SHARED_HBM, HbmAccount, RangeAllocator, Storage,
                      attach_release)
+from .site import _local, _where, call_site, kernel_site
 from .tensor import NkiTensor
-
-_local = threading.local()
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class LaunchTimeout(NkiValidationError):
     """The launch exceeded its wall-clock timeout (a stuck collective / barrier / endless loop)."""
-
-
-def current(op="nki"):
-    inst = getattr(_local, "inst", None)
-    if inst is None:
-        raise RuntimeError(f"{op}: called outside a running kernel (call the kernel through nki.jit / "
-                           f"nki.simulate / nkisim.launch; nkisim executes eagerly inside the launch)")
-    return inst
-
-
-def current_or_none():
-    return getattr(_local, "inst", None)
-
-
-_BASENAMES = {contextlib.__file__: None}   # code filename -> basename, or None for nkisim's own files (and
-# contextlib's: a runtime loop's context manager runs between the kernel line and nkisim)
-
-
-def _kernel_frame():
-    """The innermost frame outside nkisim (the kernel line that issued the op), or None."""
-    f = sys._getframe(2)
-    while f is not None:
-        fn = f.f_code.co_filename
-        b = _BASENAMES.get(fn, 0)
-        if b == 0:
-            b = _BASENAMES[fn] = None if fn.startswith(_PKG_DIR) else os.path.basename(fn)
-        if b is not None:
-            return f
-        f = f.f_back
-    return None
-
-
-def call_site():
-    """file:line of the kernel line that issued the op."""
-    f = _kernel_frame()
-    return "?" if f is None else f"{_BASENAMES[f.f_code.co_filename]}:{f.f_lineno}"
-
-
-def kernel_site():
-    """(filename, line) of the kernel line that issued the op, or None."""
-    f = _kernel_frame()
-    return None if f is None else (f.f_code.co_filename, f.f_lineno)
 
 
 # Engines compute in IEEE fp32 where overflow/NaN are values, not errors: every launch runs its kernel under
@@ -80,49 +36,6 @@ def kernel_site():
 QUIET = contextlib.nullcontext()
 
 DEFAULT_TIMEOUT = float(os.environ.get("NKISIM_TIMEOUT", "600"))   # seconds of wall clock per launch
-
-
-_STACK_STOP = (os.path.join(_PKG_DIR, "runtime.py"), os.path.join(_PKG_DIR, "jit.py"))
-_FRAME_NAMES = {}   # (code, line) -> "file:line:function"
-STACK_DEPTH = 12    # kernel frames kept in a trace record's "stack"
-
-
-def kernel_stack():
-    """(loc, stack) of the ISA call being traced: ``loc`` = "file:line" of the innermost kernel frame (outside
-    nkisim), ``stack`` = "file:line:function" of the kernel frames from there outwards up to the kernel entry
-    (nkisim frames in between, e.g. nl.fori_loop, are skipped), at most STACK_DEPTH."""
-    f = sys._getframe(2)
-    out = []
-    while f is not None and len(out) < STACK_DEPTH:
-        code = f.f_code
-        fn = code.co_filename
-        b = _BASENAMES.get(fn, 0)
-        if b == 0:
-            b = _BASENAMES[fn] = None if fn.startswith(_PKG_DIR) else os.path.basename(fn)
-        if b is None:
-            if fn in _STACK_STOP:
-                break
-        else:
-            key = (code, f.f_lineno)
-            s = _FRAME_NAMES.get(key)
-            if s is None:
-                if len(_FRAME_NAMES) > 65536:
-                    _FRAME_NAMES.clear()
-                s = _FRAME_NAMES[key] = f"{b}:{f.f_lineno}:{code.co_name}"
-            out.append(s)
-        f = f.f_back
-    if not out:
-        return call_site(), []
-    s = out[0]
-    return s[:s.rindex(":")], out
-
-
-def _where(frame):
-    """file:line of the innermost kernel frame (outside nkisim) of a thread's current frame."""
-    f = frame
-    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
-        f = f.f_back
-    return "?" if f is None else f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
 class World:
@@ -531,5 +444,3 @@ def _timeout(world, threads):
     for t in threads:
         t.join(0.5)
 
-
-from . import controlflow, frontend  # noqa: E402  (controlflow imports kernel_site from this module)

@@ -29,7 +29,7 @@ def install(force=False):
         return True
     if not force and real_nki_available():
         return False
-    from . import collectives, isa, language, public_api
+    from . import collectives, frontend, isa, language, public_api
     from .jit import jit as _jit, simulate as _simulate
     from . import typing as nki_typing
     pkg = types.ModuleType("nki")
@@ -38,6 +38,7 @@ def install(force=False):
     pkg.__doc__ = "nkisim: CPU interpreter of the NKI API (see nkisim/README.md)"
     pkg.jit, pkg.simulate = _jit, _simulate
     pkg.__getattr__ = public_api.nki_package_getattr      # nki.dtype (nkisim/public_api.py UNDOCUMENTED)
+    frontend.register_api_module(pkg, "nki")
     pkg.language, pkg.isa, pkg.collectives, pkg.typing = language, isa, collectives, nki_typing
     for m in (language, isa, collectives, nki_typing, isa.constants):
         m.__nkisim__ = True

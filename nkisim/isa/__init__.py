@@ -1,4 +1,7 @@
 """nkisim implementation of ``nki.isa`` (NKI 0.6.0 signatures, SDK-ISA)."""
+import sys
+
+from .. import frontend
 from ..errors import NkiValidationError
 from ..registers import VirtualRegister
 from .common import Instruction as NkiInstruction
@@ -33,3 +36,7 @@ activate2 = _trn3_only("activate2")
 exponential = _trn3_only("exponential", "; use activation(op=nl.exp, bias=-max)")
 quantize_mx = _trn3_only("quantize_mx")
 rand2 = _trn3_only("rand2")
+
+
+frontend.register_api_module(sys.modules[__name__], "nki.isa")
+frontend.register_api_module(constants, "nki.isa.constants")

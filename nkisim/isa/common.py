@@ -9,7 +9,7 @@ from .. import dtypes, frontend, hw, int32
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, mm_array
 from ..registers import VirtualRegister
-from ..runtime import _local as _rt_local, call_site, current, current_or_none, kernel_stack
+from ..site import _local as _rt_local, call_site, current, current_or_none, kernel_stack
 from ..tensor import _STORE, NkiTensor, _extent, check_written, covers, mask, raw
 from .enums import engine as E, reduce_cmd
 
@@ -531,3 +531,6 @@ def accumulate(regs, lanes, cmd, sums, op_fn, identity, op, load=None):
         if load is None:
             raise NkiValidationError(f"{op}: reduce_cmd=load_reduce needs an initial value")
         regs[lanes] = op_fn(np.float32(load), sums)
+
+
+frontend.register_api_class(Instruction, "nki.isa.NkiInstruction")

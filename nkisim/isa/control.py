@@ -5,7 +5,7 @@ from .. import dtypes, hw
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, SBUF, SHARED_HBM
 from ..registers import VirtualRegister, _scalar
-from ..runtime import current
+from ..site import current
 from ..tensor import NkiTensor
 from .common import Instruction, check_enum, geom, match, read_raw, record, tensor, write
 from .enums import dma_engine as DE, engine as E, nc_version
@@ -85,7 +85,7 @@ def register_load(dst, src):
 
 def _query(inst, src, value):
     from ..registers import RegisterLoad
-    from ..runtime import kernel_stack
+    from ..site import kernel_stack
     loc, stack = kernel_stack()
     st = src.storage
     fn = stack[0].rsplit(":", 1)[-1] if stack else None

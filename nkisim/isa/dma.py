@@ -4,7 +4,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import NkiValidationError, OutOfBoundsError
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, materialize, written_array
-from ..runtime import current
+from ..site import current
 from ..tensor import NkiTensor, check_written, covers, element_addresses, first_unwritten, raw
 from ..errors import UninitializedReadError
 from .common import Instruction, check_enum, geom, mark, record, tensor

@@ -7,7 +7,7 @@ from .. import hw
 from ..errors import NkiFidelityWarning, NkiValidationError, UninitializedReadError
 from ..memory import PSUM, SBUF
 from ..numerics import fp32_matmul, fp32_matmul_active
-from ..runtime import call_site
+from ..site import call_site
 from ..tensor import _extent, elem_mask, mask, raw
 from .common import Instruction, check_enum, geom, mark, match, read, read_raw, record, tensor, write
 from .enums import engine as E, matmul_perf_mode
