@@ -41,17 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Prompts of the embedded model (byte-level vocabulary; it was trained on Python standard-library sources).
-TEXT_PROMPTS = (
-    "def fib(n):\n    ",
-    "import os\n",
-    "class Stack:\n",
-    "for i in range(",
-    "return self._",
-    "raise ValueError(",
-    "if x is None:\n",
-    "# Copyright ",
-)
+from harness.teacher_forcing import TEXT_PROMPTS
+
 RANDOM_SEED = 18                  # seed of the random checkpoint and its random-id prompts
 MODELS = ("embedded", "random")
 KERNEL_VARIANTS = ("layerwise", "megakernel")

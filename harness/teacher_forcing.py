@@ -32,6 +32,18 @@ import torch
 
 from harness.speculative import generate
 
+# Prompts of the embedded model (byte-level vocabulary; it was trained on Python standard-library sources).
+TEXT_PROMPTS = (
+    "def fib(n):\n    ",
+    "import os\n",
+    "class Stack:\n",
+    "for i in range(",
+    "return self._",
+    "raise ValueError(",
+    "if x is None:\n",
+    "# Copyright ",
+)
+
 
 @dataclass
 class Forced:

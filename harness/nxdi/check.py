@@ -37,6 +37,7 @@ routers are near-tied far more often, and swapped experts move its logits by up 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -194,9 +195,9 @@ class NoisyDecoder:
         first, h = self.inner.prefill(prompt, max_len)
         return first, self._noisy(h)
 
-    def round(self, pending, hidden, pos, forced_draft=None):
-        r = self.inner.round(pending, hidden, pos, forced_draft)
-        return type(r)(r.draft, r.targets, self._noisy(r.hidden))
+    def round(self, *args, **kwargs):
+        r = self.inner.round(*args, **kwargs)
+        return dataclasses.replace(r, hidden=self._noisy(r.hidden))
 
     def step(self, token, pos):
         tok, h = self.inner.step(token, pos)
@@ -232,7 +233,7 @@ def add_arguments(p) -> None:
 
 def _prompts(args, vocab: int, usage) -> list[list[int]]:
     if not args.prompt_ids:
-        from harness.robustness import TEXT_PROMPTS
+        from harness.teacher_forcing import TEXT_PROMPTS
         return [list(t.encode("utf-8")) for t in TEXT_PROMPTS[:4]]
     out = []
     for text in args.prompt_ids:
@@ -249,32 +250,32 @@ def _prompts(args, vocab: int, usage) -> list[list[int]]:
     return out
 
 
-def cmd(args) -> int:
-    """``python -m harness.nxdi.run check``: 0 on PASS, 1 on FAIL; usage errors raise run.UsageError."""
+def cmd(args, make_engine, usage) -> int:
+    """``python -m harness.nxdi.run check``: 0 on PASS, 1 on FAIL. ``make_engine(args, max_len)`` -> (engine, cfg)
+    is the CLI's engine of ``--executor`` (harness.nxdi.run); usage errors raise ``usage`` (run.UsageError)."""
     import contextlib
 
-    from harness.nxdi import run as cli
     from harness.speculative import Decoder
     from model.config import ConfigError
     from model.weights import CheckpointError, load_checkpoint
     if args.tokens < 1:
-        raise cli.UsageError(f"--tokens must be >= 1, found {args.tokens}")
+        raise usage(f"--tokens must be >= 1, found {args.tokens}")
     if args.rtol < 0 or args.atol < 0:
-        raise cli.UsageError("--rtol and --atol must be >= 0")
+        raise usage("--rtol and --atol must be >= 0")
     if args.executor != "cpu" and (args.inject_noise or args.hardware_like):
-        raise cli.UsageError("--inject-noise and --hardware-like are for --executor cpu (a self-test on CPU)")
+        raise usage("--inject-noise and --hardware-like are for --executor cpu (a self-test on CPU)")
     if args.hardware_like and args.backend != "megakernel":
-        raise cli.UsageError("--hardware-like needs --backend megakernel (the xla backend does not run under nkisim)")
+        raise usage("--hardware-like needs --backend megakernel (the xla backend does not run under nkisim)")
     if args.inject_noise < 0:
-        raise cli.UsageError(f"--inject-noise must be >= 0, found {args.inject_noise}")
+        raise usage(f"--inject-noise must be >= 0, found {args.inject_noise}")
     # the device first (it fixes the dtype), then the CPU reference in that dtype
-    probe = _prompts(args, 1 << 31, cli.UsageError)
-    engine, cfg = cli._engine(args, max_len=max(len(p) for p in probe) + args.tokens + 2)
-    prompts = _prompts(args, cfg.vocab_size, cli.UsageError)
+    probe = _prompts(args, 1 << 31, usage)
+    engine, cfg = make_engine(args, max_len=max(len(p) for p in probe) + args.tokens + 2)
+    prompts = _prompts(args, cfg.vocab_size, usage)
     try:
         _, params = load_checkpoint(args.model_path, dtype=engine.dtype)
     except (CheckpointError, ConfigError) as e:
-        raise cli.UsageError(str(e)) from None
+        raise usage(str(e)) from None
     device = Decoder(engine)            # teacher-forced prefill through the decode launches, as on the chip
     if args.inject_noise:
         device = NoisyDecoder(device, args.inject_noise)
@@ -288,7 +289,7 @@ def cmd(args) -> int:
                                progress=None if args.json else (
                                    lambda k: print(f"  prompt {k + 1}/{len(prompts)} done", file=sys.stderr)))
         except ValueError as e:         # e.g. a sequence longer than the decode state holds
-            raise cli.UsageError(str(e)) from None
+            raise usage(str(e)) from None
     if args.json:
         print(json.dumps({**result.to_dict(), "executor": args.executor}))
     else:

@@ -225,9 +225,10 @@ def cmd_decode(args) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        from harness.nxdi.check import cmd as cmd_check
-        return {"convert": cmd_convert, "compile": cmd_compile, "decode": cmd_decode,
-                "check": cmd_check}[args.command](args)
+        if args.command == "check":
+            from harness.nxdi import check
+            return check.cmd(args, _engine, UsageError)
+        return {"convert": cmd_convert, "compile": cmd_compile, "decode": cmd_decode}[args.command](args)
     except UsageError as e:
         print(f"harness.nxdi.run: error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ the report, and the CPU engine against itself with injected noise -- passes at t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -76,9 +77,9 @@ class WrongIds:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def round(self, pending, hidden, pos, forced_draft=None):
-        r = self.inner.round(pending, hidden, pos, forced_draft)
-        return type(r)(r.draft, [r.targets[0], (r.targets[1] + 1) % self.inner.cfg.vocab_size], r.hidden)
+    def round(self, *args, **kwargs):
+        r = self.inner.round(*args, **kwargs)
+        return dataclasses.replace(r, targets=[r.targets[0], (r.targets[1] + 1) % self.inner.cfg.vocab_size])
 
 
 def test_run_check_self_noise_and_wrong_ids(tiny):
