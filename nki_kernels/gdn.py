@@ -211,7 +211,53 @@ def _bcast_col(t, col, rows, width):
     return t.ap(pattern=[[t.shape[1], rows], [0, width]], offset=col)
 
 
-def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps, layer=None):
+class GdnWeights(nl.NKIObject):
+    """A core's big GDN weights in SBUF: ``w_in_tiles`` (in_proj groups of ``jg`` hidden tiles, each ``[P, jg, N]``;
+    empty when they do not fit ``WEIGHT_PREFETCH_BYTES`` per partition and :func:`gdn_body` streams them) and ``wo``
+    ``[D, Hv_c, H]`` (out_proj)."""
+
+    def __init__(self, w_in_tiles, jg, wo):
+        self.w_in_tiles, self.jg, self.wo = w_in_tiles, jg, wo
+
+
+def gdn_weight_tiles(w_in, w_out):
+    """Allocate (no DMA) the SBUF tiles of :class:`GdnWeights` for one layer of ``w_in`` / ``w_out`` (HBM, host
+    layout, stacked or not: only the trailing shapes matter). A caller that keeps them for the whole launch has an
+    arena: every layer's weights land at the same addresses, so a layer's weight DMA waits only for the previous
+    GDN layer's reads of them, not for whatever transient tile last held those addresses (first-fit reuse)."""
+    J, N = w_in.shape[-2], w_in.shape[-1]
+    D, hv_c, H = w_out.shape[-3], w_out.shape[-2], w_out.shape[-1]
+    adt = w_in.dtype
+    isz = 2 if adt == nl.bfloat16 else 4
+    n_groups = (J * N * isz + WEIGHT_GROUP_BYTES - 1) // WEIGHT_GROUP_BYTES
+    jg = (J + n_groups - 1) // n_groups         # hidden tiles per weight DMA
+    n_groups = (J + jg - 1) // jg
+    tiles = []
+    if J * N * isz <= WEIGHT_PREFETCH_BYTES:
+        for gi in range(n_groups):
+            j0 = gi * jg
+            tiles.append(nl.ndarray((P, min(J, j0 + jg) - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}"))
+    wo = nl.ndarray((D, hv_c, H), adt, buffer=nl.sbuf, name="w_out")
+    return GdnWeights(tuple(tiles), jg, wo)
+
+
+def gdn_weights(w_in, w_out, layer=None, arena=None):
+    """Issue the DMAs of this core's in_proj weight groups and out_proj weight of layer ``layer`` (HBM, host layout;
+    None: unstacked tensors) into ``arena`` (:func:`gdn_weight_tiles`) or fresh tiles -> :class:`GdnWeights`, to
+    pass to :func:`gdn_body` (a caller may issue them early: prefetch)."""
+    w_in, w_out = layer_of(w_in, layer), layer_of(w_out, layer)
+    _, core = program_sharding()
+    wts = arena if arena != None else gdn_weight_tiles(w_in, w_out)
+    for gi in range(len(wts.w_in_tiles)):
+        j0 = gi * wts.jg
+        wt = wts.w_in_tiles[gi]
+        nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j0 + wt.shape[1], :])
+    nisa.dma_copy(dst=wts.wo, src=w_out[core])
+    return wts
+
+
+def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps, layer=None,
+             weights=None):
     """Body of one core: normed ``xT [128, H/128, T]`` (SBUF, activation dtype) + HBM weights (host layout)
     and decode state -> this core's partial ``y [T, H]`` float32 (SBUF).
 
@@ -219,7 +265,8 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     place; reads the starting slot given by the run-time ``read_slot [1, 1]`` int32 tensor. eps: the
     gated-norm epsilon (compile-time float). layer: with weights and state stacked over the GDN layers
     (``[G, ...]``, ``megakernel.plan``), the index of this layer (nki_kernels/common.py "Stacked tensors");
-    None: one layer's tensors.
+    None: one layer's tensors. weights: :func:`gdn_weights` of the same ``w_in`` / ``w_out`` / ``layer``, issued
+    earlier by the caller (prefetch, e.g. into an arena), or None: loaded here.
     """
     w_off, s_off = layer_offset(window, layer), layer_offset(state, layer)
     slot_dim = 0 if layer == None else 1          # the dimension a run-time slot offset steps along
@@ -301,22 +348,12 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     onesF = nl.ndarray((D, D), f32, buffer=nl.sbuf, name="ones")
     nisa.memset(dst=onesF, value=1.0)
 
-    # ---- weights: in_proj groups (prefetched when they fit) and out_proj ----------------------
-    isz = 2 if adt == nl.bfloat16 else 4
-    n_groups = (J * N * isz + WEIGHT_GROUP_BYTES - 1) // WEIGHT_GROUP_BYTES
-    jg = (J + n_groups - 1) // n_groups         # hidden tiles per weight DMA
+    # ---- weights: in_proj groups (prefetched when they fit) and out_proj (gdn_weights) ---------
+    wts = weights if weights != None else gdn_weights(w_in, w_out)    # w_in / w_out: this layer's views already
+    jg, w_tiles, wo = wts.jg, wts.w_in_tiles, wts.wo
+    wts = None          # the tiles loaded here are freed after the projections (w_tiles = None below)
     n_groups = (J + jg - 1) // jg
-    prefetch = J * N * isz <= WEIGHT_PREFETCH_BYTES
-    w_tiles = []
-    if prefetch:
-        for gi in range(n_groups):
-            j0 = gi * jg
-            j1 = min(J, j0 + jg)
-            wt = nl.ndarray((P, j1 - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}")
-            nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j1, :])
-            w_tiles.append(wt)
-    wo = nl.ndarray((D, hv_c, H), adt, buffer=nl.sbuf, name="w_out")
-    nisa.dma_copy(dst=wo, src=w_out[core])
+    prefetch = len(w_tiles) > 0
 
     # ---- 2. projections ------------------------------------------------------------------------
     n_chunks = (N + MOVING_MAX - 1) // MOVING_MAX
