@@ -10,7 +10,8 @@ they hold -- one interface (:class:`Engine`) for every variant, driven by ``harn
 
 Every engine keeps the decode state in the kernels' stacked per-rank layout (``plan.state_specs``) and takes the
 run-time inputs of ``plan.input_specs``; the host passes the checkpoint slot to read (``read_slot``), so
-committing moves nothing. The in-process engines also take a host-built state (``load_state``: the reference
+committing moves nothing. An engine runs rounds of a fixed number of chained drafts K (``drafts``, 1..3): its
+round plan has K draft stages and a verify of K + 1 tokens, its GDN state K + 1 checkpoint slots. The in-process engines also take a host-built state (``load_state``: the reference
 model's prefill) and give theirs back in the reference layout (``reference_state``, for the decode-state
 invariant tests).
 """
@@ -36,13 +37,13 @@ ENGINE_NAMES = ("xla", "layerwise", "megakernel")
 class LaunchResult:
     """What the host reads back from a round / step launch."""
 
-    draft: int            # the draft (round; the forced draft if forced) or the pending token (step)
-    targets: list[int]    # greedy token after each verified token (2 for a round, 1 for a step)
+    drafts: list[int]     # the K drafts (round; forced ones as forced) or [pending token] (step)
+    targets: list[int]    # greedy token after each verified token (K + 1 for a round, 1 for a step)
     hidden: torch.Tensor  # [T, H] post-final-norm trunk hidden of the verified tokens
 
 
-def read_outputs(draft, targets, hidden) -> LaunchResult:
-    return LaunchResult(int(as_torch(draft).reshape(-1)[0]), [int(t) for t in as_torch(targets).reshape(-1)],
+def read_outputs(drafts, targets, hidden) -> LaunchResult:
+    return LaunchResult([int(d) for d in as_torch(drafts).reshape(-1)], [int(t) for t in as_torch(targets).reshape(-1)],
                         as_torch(hidden))
 
 
@@ -52,6 +53,7 @@ class Engine(Protocol):
     name: str
     cfg: ModelConfig
     dtype: torch.dtype
+    drafts: int           # chained drafts per round (K); the decode state has K + 1 checkpoint slots
     launches: int
 
     def start(self, max_len: int) -> None:
@@ -61,10 +63,11 @@ class Engine(Protocol):
         """One launch of the ``mode`` ("round" | "step") plan with the run-time inputs of ``plan.input_specs``."""
 
 
-def state_tensors(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_tensors(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype, slots: int = rp.SLOTS
+                  ) -> dict[str, torch.Tensor]:
     """Zero tensors of ``plan.state_specs`` ("activation" = ``dtype``)."""
     return {s.name: torch.zeros(s.shape, dtype=dtype if s.dtype == "activation" else getattr(torch, s.dtype))
-            for s in rp.state_specs(cfg, tp, max_len)}
+            for s in rp.state_specs(cfg, tp, max_len, slots)}
 
 
 class HostEngine:
@@ -72,11 +75,13 @@ class HostEngine:
 
     name = "base"
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2):
-        self.cfg, self.tp, self.lnc = cfg, tp, lnc
+    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
+                 drafts: int = rp.DEFAULT_DRAFTS):
+        self.cfg, self.tp, self.lnc, self.drafts = cfg, tp, lnc, rp.check_drafts(drafts)
+        self.slots = drafts + 1
         self.dtype = params["model.embed_tokens.weight"].dtype
-        self.plans = {m: rp.plan_for(cfg, m, tp, lnc) for m in (("round", "step") if cfg.mtp_num_hidden_layers
-                                                               else ("step",))}
+        self.plans = {m: rp.plan_for(cfg, m, tp, lnc, drafts=drafts)
+                      for m in (("round", "step") if cfg.mtp_num_hidden_layers else ("step",))}
         self.weights = [self.rank_weights(params, r) for r in range(tp)]
         self.states: list[dict[str, torch.Tensor]] = []
         self.max_len = 0
@@ -87,16 +92,20 @@ class HostEngine:
 
     def start(self, max_len: int) -> None:
         self.max_len = max_len
-        self.states = [state_tensors(self.cfg, self.tp, max_len, self.dtype) for _ in range(self.tp)]
+        self.states = [state_tensors(self.cfg, self.tp, max_len, self.dtype, self.slots) for _ in range(self.tp)]
 
     def load_state(self, state: DecodeState) -> None:
-        """Take a reference-layout decode state (the host prefill's) in the per-rank stacked layout."""
+        """Take a reference-layout decode state (the host prefill's, ``slots`` = K + 1) in the per-rank stacked
+        layout."""
+        if state.slots != self.slots:
+            raise ValueError(f"{self.name}: the state has {state.slots} checkpoint slots, rounds of {self.drafts} "
+                             f"drafts need {self.slots}")
         self.max_len = state.max_len
         self.states = [rank_state(self.cfg, state, r, self.tp) for r in range(self.tp)]
 
     def reference_state(self, read_slot: int) -> DecodeState:
         """The decode state gathered over the ranks, in the reference layout."""
-        like = DecodeState.empty(self.cfg, self.max_len, rp.SLOTS, self.dtype)
+        like = DecodeState.empty(self.cfg, self.max_len, self.slots, self.dtype)
         return gather_state(self.cfg, self.states, like, read_slot)
 
     def plan(self, mode: str):
@@ -108,6 +117,9 @@ class HostEngine:
         plan = self.plan(mode)
         if set(inputs) != set(rp.input_names(mode)):
             raise ValueError(f"{self.name}: {mode} inputs {sorted(inputs)} differ from {sorted(rp.input_names(mode))}")
+        if mode == "round" and inputs["force"].shape[0] != plan.drafts:
+            raise ValueError(f"{self.name}: round inputs for {inputs['force'].shape[0]} drafts, the engine runs "
+                             f"{plan.drafts}")
         return self._run(plan, inputs)
 
 
@@ -219,29 +231,33 @@ class LayerwiseEngine(HostEngine):
         self.launches += 1
         return torch.as_tensor(embedding_kernel(table, np.array(ids, np.int32).reshape(-1, 1))[0])
 
-    def _mtp(self, plan, stage, token: int, hidden, inputs, with_head: bool):
+    def _mtp(self, plan, stage, tokens: list[int], hidden, inputs, with_head: bool):
+        """The MTP head on tokens [T] and hiddens [T, H] at the stage's positions -> (greedy token, post-norm
+        hidden [1, H]) with the head (T = 1), None without."""
         from megakernel import layerwise as lw
         rows = plan.norms
-        e = self._embed([token])
-        h = hidden.reshape(1, -1).to(self.dtype)
+        e = self._embed(tokens)
+        h = hidden.reshape(len(tokens), -1).to(self.dtype)
         outs = self._launch(lw.mtp_fc_stage[self.lnc], [
             (e, h, w["norms"], rows.mtp_emb, rows.mtp_hidden, w["mtp_fc"], plan.eps) for w in self.weights])
         x = torch.cat([torch.as_tensor(o[c]) for o in outs for c in range(self.lnc)], dim=-1).to(self.dtype)
         pos, cos, sin = _stage_inputs(stage, inputs)
         x = self._layer(plan, stage.layers[0], x, pos, cos, sin, inputs["read_slot"])
-        return self._head(plan, x, rows.mtp_final)[0][0] if with_head else None
+        if not with_head:
+            return None
+        ids, hm = self._head(plan, x, rows.mtp_final)
+        return ids[0], hm
 
     def _run(self, plan, inputs):
         pending = int(inputs["pending"].reshape(-1)[0])
-        draft, ids = pending, [pending]
+        ids = [pending]
+        h = as_torch(inputs["hidden"]) if plan.drafts else None
         targets = hidden = None
         for stage in plan.stages:
             if stage.kind == rp.DRAFT:
-                draft = self._mtp(plan, stage, pending, as_torch(inputs["hidden"]), inputs, with_head=True)
-                force = np.asarray(inputs["force"]).reshape(-1)
-                if force[0]:
-                    draft = int(force[1])
-                ids = [pending, draft]
+                draft, h = self._mtp(plan, stage, [ids[-1]], h, inputs, with_head=True)
+                force = np.asarray(inputs["force"])[stage.draft]
+                ids.append(int(force[1]) if force[0] else draft)
             elif stage.kind == rp.VERIFY:
                 x = self._embed(ids)
                 pos, cos, sin = _stage_inputs(stage, inputs)
@@ -249,13 +265,15 @@ class LayerwiseEngine(HostEngine):
                     x = self._layer(plan, layer, x, pos, cos, sin, inputs["read_slot"])
                 targets, hidden = self._head(plan, x, plan.norms.final)
             else:
-                self._mtp(plan, stage, draft, hidden[0], inputs, with_head=False)
-        return LaunchResult(draft, targets, hidden)
+                self._mtp(plan, stage, ids[1:], hidden[:plan.drafts], inputs, with_head=False)
+        return LaunchResult(ids[1:] or ids, targets, hidden)
 
 
 def _stage_inputs(stage, inputs):
     if stage.inputs == "d1":
-        return inputs["pos_d1"], inputs["cos_d1"], inputs["sin_d1"]
+        r = stage.rope_row
+        return (np.ascontiguousarray(inputs["pos_d1"][r:r + 1]), np.ascontiguousarray(inputs["cos_d1"][r:r + 1]),
+                np.ascontiguousarray(inputs["sin_d1"][r:r + 1]))
     r0, r1 = stage.rope_row, stage.rope_row + stage.tokens
     return inputs["pos"], np.ascontiguousarray(inputs["cos_v"][r0:r1]), np.ascontiguousarray(inputs["sin_v"][r0:r1])
 
@@ -263,10 +281,12 @@ def _stage_inputs(stage, inputs):
 ENGINES = {"xla": XlaEngine, "layerwise": LayerwiseEngine, "megakernel": MegakernelEngine}
 
 
-def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2) -> HostEngine:
-    """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores."""
+def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
+                drafts: int = rp.DEFAULT_DRAFTS) -> HostEngine:
+    """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores, running rounds
+    of ``drafts`` chained drafts."""
     if name not in ENGINES:
         raise ValueError(f"unknown variant {name!r}; expected one of {ENGINE_NAMES}")
     rp.kv_groups(cfg, tp)
     kv_heads(cfg, 0, tp)
-    return ENGINES[name](cfg, params, tp=tp, lnc=lnc)
+    return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts)

@@ -1,8 +1,9 @@
 """The host loop: prefill, then rounds of draft / verify / replay with greedy accept, over any engine.
 
-Greedy speculative decoding is lossless: the committed tokens equal plain greedy decoding of the same model. With
-one draft token per round, a round emits the target y1 (always right: it is the trunk's own greedy choice after
-x_{t+1}) and, when the draft equalled y1, also y2.
+Greedy speculative decoding is lossless: the committed tokens equal plain greedy decoding of the same model. A
+round of K chained drafts d_1 .. d_K verifies [x, d_1 .. d_K] and gets the targets y_0 .. y_K (y_j: the trunk's
+greedy token after the first j + 1 of them). It emits y_0 (always right) and, for the longest prefix of drafts
+with d_j = y_{j-1} (n of them), y_1 .. y_n as well: n + 1 tokens, the last one the bonus / correction token.
 
 :class:`Decoder` is the one host side of every variant: the slot bookkeeping (:class:`SlotBook`), the accept rule
 (:func:`accepted_count`), the run-time inputs of each launch (``megakernel.plan.round_inputs`` / ``step_inputs``)
@@ -12,6 +13,7 @@ teacher-forced through the decode launches (``megakernel.plan.teacher_forced_lau
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,19 +24,26 @@ from megakernel import plan as rp
 from model.reference import ReferenceModel
 from model.state import DecodeState
 
-# A test draft source: given every token so far (prompt + generated), propose the draft for the round instead of
-# the MTP head.
-DraftSource = Callable[[list[int]], int]
+# A test draft source: given every token so far (prompt + generated), propose the drafts for the round instead of
+# the MTP head (one token id, or a list of up to K).
+DraftSource = Callable[[list[int]], "int | list[int]"]
 
 
-def accepted_count(draft: int, targets: list[int]) -> int:
-    """Greedy acceptance of one draft token: 2 when the draft equals the first target, else 1."""
-    return 2 if draft == targets[0] else 1
+def accepted_count(drafts: list[int], targets: list[int]) -> int:
+    """Greedy acceptance of K chained drafts: 1 + the length of the longest prefix with drafts[j] == targets[j]
+    (1 .. K + 1 tokens committed)."""
+    if len(targets) != len(drafts) + 1:
+        raise ValueError(f"accept: {len(drafts)} drafts need {len(drafts) + 1} targets, found {len(targets)}")
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n + 1
 
 
 class SlotBook:
     """Which GDN checkpoint slot holds the committed state. A verify of T tokens writes slot j with the state after
-    token j; committing n accepted tokens makes slot n-1 the one the next launch reads. Nothing is copied."""
+    token j; committing n accepted tokens makes slot n-1 the one the next launch reads. Nothing is copied.
+    ``slots``: K + 1 for rounds of K drafts."""
 
     def __init__(self, slots: int = rp.SLOTS):
         self.slots = slots
@@ -55,14 +64,16 @@ class Decoder:
 
     Positions: after prefill of p prompt tokens the pending token x_p sits at position p and ``hidden`` is
     h_{p-1}. ``round(pending, hidden, pos)`` takes pos = the position of the pending token. ``reference``: the
-    host model for the prefill (None: teacher-forced prefill through the engine's decode launches)."""
+    host model for the prefill (None: teacher-forced prefill through the engine's decode launches). Rounds have
+    the engine's number of chained drafts (``engine.drafts``, 1 when the engine does not say)."""
 
     def __init__(self, engine, reference: ReferenceModel | None = None):
         self.engine = engine
         self.cfg = engine.cfg
         self.name = engine.name
+        self.drafts = getattr(engine, "drafts", rp.DEFAULT_DRAFTS)
         self.reference = reference if hasattr(engine, "load_state") else None
-        self.slots = SlotBook()
+        self.slots = SlotBook(self.drafts + 1)
 
     @property
     def launches(self) -> int:
@@ -78,7 +89,7 @@ class Decoder:
         if self.reference is None:
             return self._teacher_forced(prompt)
         ref, cfg = self.reference, self.cfg
-        state = DecodeState.empty(cfg, max_len, slots=rp.SLOTS, dtype=ref.dtype)
+        state = DecodeState.empty(cfg, max_len, slots=self.slots.slots, dtype=ref.dtype)
         ids = torch.tensor(prompt, dtype=torch.long)
         h = ref.trunk(ids, state, 0, chunked=True)
         first = int(torch.argmax(ref.logits(h[-1:]), dim=-1))
@@ -89,23 +100,24 @@ class Decoder:
 
     def _teacher_forced(self, prompt: list[int]) -> tuple[int, torch.Tensor]:
         hidden, out, last = None, None, None
-        for launch in rp.teacher_forced_launches(len(prompt)):
+        for launch in rp.teacher_forced_launches(len(prompt), self.drafts):
             if launch.mode == "step":
                 out = self._launch_step(prompt[launch.pos], launch.pos)
             else:
-                forced = None if launch.forced is None else prompt[launch.forced]
+                forced = None if launch.forced is None else prompt[launch.forced:launch.forced + launch.accepted - 1]
                 out = self.round(prompt[launch.pos], hidden, launch.pos, forced)
             self.slots.commit(launch.accepted)
             hidden, last = out.hidden[launch.accepted - 1], launch.accepted
         return out.targets[last - 1], hidden
 
-    def round(self, pending: int, hidden: torch.Tensor, pos: int, forced_draft: int | None = None) -> LaunchResult:
-        """One speculative round; the host then commits 1 or 2 tokens (:meth:`commit`)."""
+    def round(self, pending: int, hidden: torch.Tensor, pos: int, forced_draft=None) -> LaunchResult:
+        """One speculative round (``forced_draft``: ``plan.forced_drafts``); the host then commits 1 .. K + 1
+        tokens (:meth:`commit`)."""
         return self.engine.run("round", rp.round_inputs(self.cfg, self.engine.dtype, pending, hidden, pos,
-                                                        self.slots.read_slot, forced_draft))
+                                                        self.slots.read_slot, forced_draft, self.drafts))
 
     def _launch_step(self, token: int, pos: int) -> LaunchResult:
-        return self.engine.run("step", rp.step_inputs(self.cfg, token, pos, self.slots.read_slot))
+        return self.engine.run("step", rp.step_inputs(self.cfg, token, pos, self.slots.read_slot, self.slots.slots))
 
     def step(self, token: int, pos: int) -> tuple[int, torch.Tensor]:
         """Plain greedy decode of one token at ``pos``: (next token, its hidden [H])."""
@@ -114,7 +126,7 @@ class Decoder:
         return out.targets[0], out.hidden[0]
 
     def commit(self, accepted: int) -> None:
-        """Keep the first ``accepted`` (1 or 2) verified tokens' state."""
+        """Keep the first ``accepted`` (1 .. K + 1) verified tokens' state."""
         self.slots.commit(accepted)
 
     def committed(self, length: int) -> dict[str, torch.Tensor]:
@@ -126,16 +138,20 @@ class Decoder:
         return read_back(self.slots.read_slot).committed(length)
 
 
-def make_decoder(name: str, cfg, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2) -> Decoder:
-    """A variant by name (``harness.engines.ENGINE_NAMES``): its in-process engine, prefilled on the host."""
+def make_decoder(name: str, cfg, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
+                 drafts: int = rp.DEFAULT_DRAFTS) -> Decoder:
+    """A variant by name (``harness.engines.ENGINE_NAMES``) with rounds of ``drafts`` chained drafts: its
+    in-process engine, prefilled on the host."""
     from harness.engines import make_engine
-    return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc), ReferenceModel(cfg, params))
+    return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts), ReferenceModel(cfg, params))
 
 
 @dataclass
 class DecodeResult:
     tokens: list[int]  # generated tokens (prompt excluded)
-    accepted_per_round: list[int] = field(default_factory=list)  # tokens emitted by each round (1 or 2)
+    drafts: int = rp.DEFAULT_DRAFTS  # chained drafts per round (K)
+    accepted_per_round: list[int] = field(default_factory=list)  # tokens committed by each round (1 .. K + 1)
+    round_seconds: list[float] = field(default_factory=list)     # host wall time of each round's launch
 
     @property
     def rounds(self) -> int:
@@ -143,20 +159,38 @@ class DecodeResult:
 
     @property
     def acceptance_rate(self) -> float:
-        """Fraction of drafts accepted (0 when no round ran)."""
-        return sum(a - 1 for a in self.accepted_per_round) / self.rounds if self.rounds else 0.0
+        """Fraction of all drafts accepted (0 when no round ran)."""
+        return sum(a - 1 for a in self.accepted_per_round) / (self.rounds * self.drafts) if self.rounds else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Entry i: the fraction of rounds whose draft i + 1 was accepted (a draft counts only when every draft
+        before it was: the accepted prefix)."""
+        if not self.rounds:
+            return [0.0] * self.drafts
+        return [sum(a - 1 > i for a in self.accepted_per_round) / self.rounds for i in range(self.drafts)]
 
     @property
     def tokens_per_round(self) -> float:
         return sum(self.accepted_per_round) / self.rounds if self.rounds else 0.0
 
+    def round_time_percentiles(self) -> dict:
+        """p50 / p90 / p99 of the rounds' wall time in milliseconds (nearest rank; empty without rounds)."""
+        if not self.round_seconds:
+            return {}
+        xs = sorted(self.round_seconds)
+        return {f"p{q}": round(1e3 * xs[max(0, -(-q * len(xs) // 100) - 1)], 3) for q in (50, 90, 99)}
+
     def to_dict(self) -> dict:
         return {
             "tokens": self.tokens,
+            "num_draft_tokens": self.drafts,
             "rounds": self.rounds,
             "accepted_per_round": self.accepted_per_round,
             "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
             "tokens_per_round": self.tokens_per_round,
+            "round_ms": self.round_time_percentiles(),
         }
 
 
@@ -165,16 +199,18 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
              on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Greedy decode of up to max_new_tokens after prompt; stops after an EOS token.
 
-    spec=False: plain decoding, one trunk step per token. on_tokens, if given, is called with each batch of newly
+    spec=False: plain decoding, one trunk step per token. draft_source (tests): forces the drafts of each round
+    (one token or up to K, ``plan.forced_drafts``). on_tokens, if given, is called with each batch of newly
     emitted tokens (for progress display).
     """
     if not prompt:
         raise ValueError("generate: the prompt is empty")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, found {max_new_tokens}")
-    # The verify of the last round may write one position past the last emitted token.
-    pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + max_new_tokens + 1)
-    result = DecodeResult(tokens=[pending])
+    K = decoder.drafts
+    # The verify of the last round may write K positions past the last emitted token.
+    pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + max_new_tokens + K)
+    result = DecodeResult(tokens=[pending], drafts=K)
     if on_tokens:
         on_tokens([pending])
     pos = len(prompt)  # position of the pending token
@@ -189,14 +225,16 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
             emitted = [pending]
         else:
             forced = draft_source(prompt + result.tokens) if draft_source else None
+            t0 = time.perf_counter()
             r = decoder.round(pending, hidden, pos, forced)
-            accepted = accepted_count(r.draft, r.targets)
+            result.round_seconds.append(time.perf_counter() - t0)
+            accepted = accepted_count(r.drafts, r.targets)
             decoder.commit(accepted)
             emitted = list(r.targets[:accepted])
             result.accepted_per_round.append(accepted)
             pending, hidden = emitted[-1], r.hidden[accepted - 1]
             pos += accepted
-        for tok in emitted:  # honour max_new_tokens and EOS inside a 2-token round
+        for tok in emitted:  # honour max_new_tokens and EOS inside a multi-token round
             if finished():
                 break
             result.tokens.append(tok)

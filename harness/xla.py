@@ -108,14 +108,15 @@ def decoder_layer(cfg: ModelConfig, plan, layer, w: dict, st: _State, x, pos, co
 
 def _stage_inputs(stage, rt):
     if stage.inputs == "d1":
-        return rt["pos_d1"], rt["cos_d1"], rt["sin_d1"]
+        r = stage.rope_row
+        return rt["pos_d1"][r:r + 1], rt["cos_d1"][r:r + 1], rt["sin_d1"][r:r + 1]
     r0, r1 = stage.rope_row, stage.rope_row + stage.tokens
     return rt["pos"], rt["cos_v"][r0:r1], rt["sin_v"][r0:r1]
 
 
 def mtp_head(cfg: ModelConfig, plan, stage, w: dict, st: _State, ids: torch.Tensor, h: torch.Tensor, rt, coll):
-    """The MTP head (vLLM's Qwen3_5MoeMTP, as ``ReferenceModel.mtp``) at the stage's position: ids int64 [1] (token
-    p+1), h [1, H] (trunk hidden at p). Writes the MTP KV row. Returns the post-``mtp.norm`` hidden [1, H]."""
+    """The MTP head (vLLM's Qwen3_5MoeMTP, as ``ReferenceModel.mtp``) at the stage's T positions q: ids int64 [T]
+    (token q+1), h [T, H] (hidden at q). Writes the MTP KV rows. Returns the post-``mtp.norm`` hidden [T, H]."""
     rows, eps = plan.norms, plan.eps
     dtype = w["embed"].dtype
     e = fn.rms_norm(F.embedding(ids, w["embed"]), w["norms"][rows.mtp_emb], eps)
@@ -129,18 +130,21 @@ def mtp_head(cfg: ModelConfig, plan, stage, w: dict, st: _State, ids: torch.Tens
 def forward(cfg: ModelConfig, plan, w: dict, st: dict, rt: dict, coll: Collectives):
     """One rank's launch of ``plan`` (a round or a step). w: :func:`rank_weights`; st: the rank's decode state
     (``plan.STATE``, not modified); rt: the run-time inputs as torch tensors (``plan.input_specs``).
-    Returns (draft int32 [1, 1], targets int32 [T, 1], hidden [T, H] activation dtype, new state
-    {name: tensor} of ``plan.STATE``) -- the kernel's outputs, in its order."""
+    Returns (drafts int32 [K, 1] (the pending token [1, 1] in a step), targets int32 [T, 1], hidden [T, H]
+    activation dtype, new state {name: tensor} of ``plan.STATE``) -- the kernel's outputs, in its order."""
     state = _State(st)
     pending = rt["pending"].reshape(-1)[:1].long()
-    draft, ids = pending, pending
+    drafts, ids = [], pending
+    chain_ids, chain_h = pending, None
     targets = hidden = None
     for stage in plan.stages:
         if stage.kind == rp.DRAFT:
-            hm = mtp_head(cfg, plan, stage, w, state, pending, rt["hidden"].reshape(1, -1), rt, coll)
-            force = rt["force"].reshape(-1).long()
-            draft = torch.where(force[0] == 1, force[1:2], greedy_rank(w["lm_head"], hm, coll))
-            ids = torch.cat([pending, draft])
+            h = rt["hidden"].reshape(1, -1) if stage.draft == 0 else chain_h
+            chain_h = mtp_head(cfg, plan, stage, w, state, chain_ids, h, rt, coll)
+            force = rt["force"][stage.draft].long()
+            chain_ids = torch.where(force[0] == 1, force[1:2], greedy_rank(w["lm_head"], chain_h, coll))
+            drafts.append(chain_ids)
+            ids = torch.cat([pending] + drafts)
         elif stage.kind == rp.VERIFY:
             x = F.embedding(ids, w["embed"])
             pos, cos, sin = _stage_inputs(stage, rt)
@@ -148,9 +152,11 @@ def forward(cfg: ModelConfig, plan, w: dict, st: dict, rt: dict, coll: Collectiv
                 x = decoder_layer(cfg, plan, layer, w, state, x, pos, cos, sin, rt["read_slot"], coll)
             hidden = fn.rms_norm(x, w["norms"][plan.norms.final], plan.eps)
             targets = greedy_rank(w["lm_head"], hidden, coll)
-        else:  # replay: only the MTP KV row is kept (the rest is dead code to XLA)
-            mtp_head(cfg, plan, stage, w, state, draft, hidden[0:1], rt, coll)
-    return (draft.reshape(1, 1).to(torch.int32), targets.reshape(-1, 1).to(torch.int32), hidden, state.stacked())
+        else:  # replay: only the MTP KV rows are kept (the rest is dead code to XLA)
+            K = len(drafts)
+            mtp_head(cfg, plan, stage, w, state, ids[1:], hidden[0:K], rt, coll)
+    out = ids[1:] if drafts else pending
+    return (out.reshape(-1, 1).to(torch.int32), targets.reshape(-1, 1).to(torch.int32), hidden, state.stacked())
 
 
 # ---- one thread per rank on CPU --------------------------------------------------------------------------------

@@ -90,15 +90,15 @@ def head_stage(x, norms, norm_row, lm_head, eps):
 
 @nki.jit
 def mtp_fc_stage(e, h, norms, emb_row, hidden_row, fc, eps):
-    """MTP input: embedding row e [1, H] and trunk hidden h [1, H] -> this core's fc output columns
-    ``[n, 1, Nc]`` float32 (concatenated over the cores in global order = the fc output)."""
+    """MTP input: embedding rows e [T, H] and hiddens h [T, H] -> this core's fc output columns
+    ``[n, T, Nc]`` float32 (concatenated over the cores in global order = the fc output)."""
     n, c = program_sharding()
     nc = fc.shape[3]
-    out = nl.ndarray((n, 1, nc), nl.float32, buffer=nl.shared_hbm, name="stage_fc")
+    out = nl.ndarray((n, e.shape[0], nc), nl.float32, buffer=nl.shared_hbm, name="stage_fc")
     eT = rmsnorm_body(_load(e), norms[emb_row], eps)
     hT = rmsnorm_body(_load(h), norms[hidden_row], eps)
-    P, J, _ = eT.shape
-    uT = nl.ndarray((P, 2 * J, 1), eT.dtype, buffer=nl.sbuf, name="stage_fc_in")
+    P, J, T = eT.shape
+    uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="stage_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
     nisa.dma_copy(dst=out[c], src=columns_body(uT, fc[c]))

@@ -11,13 +11,23 @@ Built from a ``ModelConfig`` (plus the sharding: ``tp`` ranks x ``lnc`` cores) b
 
 What a plan says
 ----------------
-A :class:`Plan` is a tuple of :class:`Stage` s. A round (DESIGN.md §1), pending token x at position p:
+A :class:`Plan` is a tuple of :class:`Stage` s. A round with K chained drafts (``drafts``, 1..:data:`MAX_DRAFTS`;
+DESIGN.md §1 is K = 1), pending token x at position p:
 
-* ``D1`` (kind ``draft``): the MTP head on (x, hidden h_{p-1}) at position p - 1, then LM head and argmax
-  -> the draft d (or the forced draft of the run-time input ``force``);
-* ``V`` (kind ``verify``): the trunk on [x, d] at positions p, p + 1 (GDN checkpoints per token, KV rows in
-  place), final norm, LM head and argmax -> the targets and the post-norm hiddens;
-* ``D2`` (kind ``replay``): the MTP head on (d, h_p) at position p: its KV row only, no LM head.
+* K ``D1`` stages (kind ``draft``, draft i = 0..K-1 in ``Stage.draft``): the MTP head at position p - 1 + i on
+  (x, hidden h_{p-1}) for i = 0, on (d_i, the MTP head's own post-norm hidden of draft i - 1) after that (the
+  chain vLLM runs for Qwen MTP with num_speculative_tokens > 1), then LM head and argmax -> draft d_{i+1} (or the
+  forced draft of row i of the run-time input ``force``). Drafts i >= 1 write MTP KV rows from the MTP's own
+  hiddens; the replay overwrites them;
+* ``V`` (kind ``verify``): the trunk on the T = K + 1 tokens [x, d_1 .. d_K] at positions p .. p + K (GDN
+  checkpoint slot j = the state after token j, KV rows in place), final norm, LM head and argmax -> the targets
+  and the post-norm hiddens;
+* ``D2`` (kind ``replay``): the MTP head on the K tokens [d_1 .. d_K] with the trunk's hiddens [h_p .. h_{p+K-1}]
+  at positions p .. p + K - 1: its KV rows only, no LM head. The rows of the accepted drafts are then those of
+  plain decoding; the rest are overwritten by later rounds (a row is read only by positions at or after it).
+
+The host accepts the longest prefix of drafts equal to the targets (n of them) plus the target after it, n + 1
+tokens, and reads GDN checkpoint slot n next (``harness.speculative``).
 
 A step is one ``V`` stage on the pending token. Each stage lists its :class:`Layer` s in order; a layer says its
 kind (GDN or attention), its index in the stacked tensors of that kind, the norm rows it applies and where its MoE
@@ -36,8 +46,7 @@ slots, ...], ``attn_k``, ``attn_v`` [A, L, D].
 
 Run-time inputs: :func:`input_specs` is their one definition (names, shapes, dtypes, order).
 
-What comes next, as data (not as new copies of the round): K chained drafts (issue 17) are K ``draft`` stages and
-a verify of T = K + 1 tokens; device-side accept (issue 15) moves inputs of :func:`input_specs` into the decode
+What comes next, as data (not as new copies of the round): device-side accept (issue 15) moves inputs of :func:`input_specs` into the decode
 state; a chunked prefill (issue 16) is a plan of ``prefill`` stages over prompt chunks beside
 :func:`teacher_forced_launches`, today's host-driven prefill through the decode launches.
 """
@@ -54,7 +63,9 @@ from nki_kernels.moe import layers_per_table
 
 GDN, ATTENTION = "gdn", "attention"
 DRAFT, VERIFY, REPLAY = "draft", "verify", "replay"
-SLOTS = 2                   # GDN checkpoint slots of the decode state: one per verified token of a round
+MAX_DRAFTS = 3              # chained drafts per round: the verify of K + 1 <= 4 tokens is what the kernels take
+DEFAULT_DRAFTS = 1
+SLOTS = DEFAULT_DRAFTS + 1  # GDN checkpoint slots of the decode state at K drafts: one per verified token, K + 1
 MOE_TABLES = 5              # experts tables in the kernels' signatures (Qwen3.6: 41 MoE layers, 10 per table)
 MOE_PREFETCH = 8            # expert ring depth of moe_tkg_body; the register pool holds twice that
 
@@ -93,17 +104,21 @@ class Layer(nl.NKIObject):
 
 
 class Stage(nl.NKIObject):
-    """One stage of a launch: ``kind`` draft / verify / replay, ``name`` as the round calls it (D1, V, D2),
-    ``tokens`` it runs on, ``layers`` in order, and which run-time inputs give its positions: ``d1`` (``pos_d1``,
-    ``cos_d1``, ``sin_d1``) or ``v`` (``pos``, ``cos_v``, ``sin_v``, rows ``rope_row`` ..)."""
+    """One stage of a launch: ``kind`` draft / verify / replay, ``name`` as the round calls it (D1, V, D2; the K
+    draft stages share the name D1: one kernel function, the cost model reports them together), ``tokens`` it runs
+    on, ``layers`` in order, and which run-time inputs give its positions: ``d1`` (row ``rope_row`` of ``pos_d1``,
+    ``cos_d1``, ``sin_d1``) or ``v`` (``pos``, ``cos_v``, ``sin_v``, rows ``rope_row`` ..). ``draft``: the index i
+    of a draft stage in the chain (0 for the others)."""
 
-    def __init__(self, name: str, kind: str, tokens: int, layers: tuple, inputs: str, rope_row: int = 0):
+    def __init__(self, name: str, kind: str, tokens: int, layers: tuple, inputs: str, rope_row: int = 0,
+                 draft: int = 0):
         self.name, self.kind, self.tokens, self.layers = name, kind, tokens, layers
-        self.inputs, self.rope_row = inputs, rope_row
+        self.inputs, self.rope_row, self.draft = inputs, rope_row, draft
 
 
 class Plan(nl.NKIObject):
-    """A launch: ``mode`` (round | step), its stages, and the compile-time settings every stage shares."""
+    """A launch: ``mode`` (round | step), its stages, and the compile-time settings every stage shares.
+    ``tokens``: the verify's T; ``drafts``: the draft stages K (0 in a step; T = K + 1 in a round)."""
 
     def __init__(self, mode: str, stages: tuple, tp: int, lnc: int, eps: float, top_k: int, vocab_per_core: int,
                  norms: NormRows, max_context=None):
@@ -112,6 +127,15 @@ class Plan(nl.NKIObject):
         self.norms = norms
         self.max_context = max_context      # attention loops unrolled for a context (shape-only costing), or None
         self.tokens = stages[len(stages) - 1].tokens if mode == "step" else _verify_tokens(stages)
+        self.drafts = _count(stages, DRAFT)
+
+
+def _count(stages, kind: str) -> int:
+    n = 0
+    for s in stages:
+        if s.kind == kind:
+            n += 1
+    return n
 
 
 def _verify_tokens(stages) -> int:
@@ -189,9 +213,17 @@ def mtp_layer(cfg: ModelConfig, tp: int, lnc: int) -> Layer:
                  divmod(m, experts_per_table(cfg, tp, lnc)))
 
 
-def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context) -> Plan:
+def check_drafts(drafts: int) -> int:
+    """K in 1..:data:`MAX_DRAFTS` (a ValueError naming the range otherwise)."""
+    if isinstance(drafts, bool) or not isinstance(drafts, int) or not 1 <= drafts <= MAX_DRAFTS:
+        raise ValueError(f"plan: the number of draft tokens must be in 1..{MAX_DRAFTS}, found {drafts!r}")
+    return drafts
+
+
+def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: int) -> Plan:
     if mode not in ("round", "step"):
         raise ValueError(f"plan: mode must be 'round' or 'step', got {mode!r}")
+    check_drafts(drafts)
     experts_tables(cfg, tp, lnc)
     trunk = _trunk(cfg, kv_groups(cfg, tp), experts_per_table(cfg, tp, lnc))
     mtp = bool(cfg.mtp_num_hidden_layers)
@@ -199,27 +231,30 @@ def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context) -> Plan:
         if not mtp:
             raise ValueError("plan: a speculative round needs the MTP head (the checkpoint has none)")
         head = (mtp_layer(cfg, tp, lnc),)
-        stages = (Stage("D1", DRAFT, 1, head, "d1"), Stage("V", VERIFY, 2, trunk, "v"),
-                  Stage("D2", REPLAY, 1, head, "v", rope_row=0))
+        chain = tuple(Stage("D1", DRAFT, 1, head, "d1", rope_row=i, draft=i) for i in range(drafts))
+        stages = chain + (Stage("V", VERIFY, drafts + 1, trunk, "v"), Stage("D2", REPLAY, drafts, head, "v"))
     else:
         stages = (Stage("V", VERIFY, 1, trunk, "v"),)
     return Plan(mode, stages, tp, lnc, cfg.rms_norm_eps, cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc),
                 NormRows(cfg.num_hidden_layers, mtp), max_context)
 
 
-def round_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> Plan:
-    """The speculative round D1 + V (2 tokens) + D2. ``max_context`` (shape-only costing only) unrolls the
-    attention loops for that context; the shipped kernel has None."""
-    return _plan(cfg, "round", tp, lnc, max_context)
+def round_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None, drafts: int = DEFAULT_DRAFTS
+               ) -> Plan:
+    """The speculative round: ``drafts`` (K) chained D1 stages + V (K + 1 tokens) + D2 (K tokens).
+    ``max_context`` (shape-only costing only) unrolls the attention loops for that context; the shipped kernel
+    has None."""
+    return _plan(cfg, "round", tp, lnc, max_context, drafts)
 
 
 def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> Plan:
     """A plain decode step: V on the pending token."""
-    return _plan(cfg, "step", tp, lnc, max_context)
+    return _plan(cfg, "step", tp, lnc, max_context, DEFAULT_DRAFTS)
 
 
-def plan_for(cfg: ModelConfig, mode: str, tp: int = 4, lnc: int = 2, max_context=None) -> Plan:
-    return _plan(cfg, mode, tp, lnc, max_context)
+def plan_for(cfg: ModelConfig, mode: str, tp: int = 4, lnc: int = 2, max_context=None,
+             drafts: int = DEFAULT_DRAFTS) -> Plan:
+    return _plan(cfg, mode, tp, lnc, max_context, drafts)
 
 
 def stage_functions(plan: Plan) -> dict:
@@ -246,22 +281,24 @@ def kernel_weights(mode: str) -> tuple:
     return WEIGHTS if mode == "round" else tuple(n for n in WEIGHTS if n != "mtp_fc")
 
 
-def input_specs(cfg: ModelConfig, mode: str) -> tuple:
+def input_specs(cfg: ModelConfig, mode: str, drafts: int = DEFAULT_DRAFTS) -> tuple:
     """The run-time inputs of a launch, in order (the step's are a prefix of the round's): ``pending`` token id,
     ``read_slot`` (GDN checkpoint slot to read), ``pos`` (position of the pending token) int32 [1, 1]; ``cos_v``,
-    ``sin_v`` float32 [T, rotary] (RoPE rows of positions pos .. pos+T-1); round only: ``hidden`` [1, H] (h_{p-1},
-    post final norm), ``force`` int32 [1, 2] = (1, token) to impose the draft or (0, 0), ``pos_d1`` = pos - 1 and its
-    RoPE row ``cos_d1``, ``sin_d1`` [1, rotary]."""
+    ``sin_v`` float32 [T, rotary] (RoPE rows of positions pos .. pos+T-1, T = K + 1 in a round); round only:
+    ``hidden`` [1, H] (h_{p-1}, post final norm), ``force`` int32 [K, 2], row i = (1, token) to impose draft i or
+    (0, 0), ``pos_d1`` int32 [K, 1] (the draft stages' positions pos - 1 .. pos + K - 2) and their RoPE rows
+    ``cos_d1``, ``sin_d1`` [K, rotary]."""
     if mode not in ("round", "step"):
         raise ValueError(f"input_specs: mode must be 'round' or 'step', got {mode!r}")
-    T, R = (2 if mode == "round" else 1), cfg.rotary_dim
+    K, R = check_drafts(drafts), cfg.rotary_dim
+    T = K + 1 if mode == "round" else 1
     out = [TensorSpec("pending", (1, 1), "int32"), TensorSpec("read_slot", (1, 1), "int32"),
            TensorSpec("pos", (1, 1), "int32"), TensorSpec("cos_v", (T, R), "float32"),
            TensorSpec("sin_v", (T, R), "float32")]
     if mode == "round":
-        out += [TensorSpec("hidden", (1, cfg.hidden_size), "activation"), TensorSpec("force", (1, 2), "int32"),
-                TensorSpec("pos_d1", (1, 1), "int32"), TensorSpec("cos_d1", (1, R), "float32"),
-                TensorSpec("sin_d1", (1, R), "float32")]
+        out += [TensorSpec("hidden", (1, cfg.hidden_size), "activation"), TensorSpec("force", (K, 2), "int32"),
+                TensorSpec("pos_d1", (K, 1), "int32"), TensorSpec("cos_d1", (K, R), "float32"),
+                TensorSpec("sin_d1", (K, R), "float32")]
     return tuple(out)
 
 
@@ -286,39 +323,56 @@ def rope_rows(cfg: ModelConfig, start: int, T: int) -> tuple[np.ndarray, np.ndar
     return rope_tables(start, T, cfg.rotary_dim, cfg.rope_theta)
 
 
-def round_inputs(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_slot: int,
-                 forced_draft: int | None = None) -> dict:
-    """The run-time inputs of one round (:func:`input_specs`), pending token at position ``pos`` >= 1, hidden
-    h_{pos-1} (torch or numpy, converted to ``dtype``), ``forced_draft`` imposing the draft (tests, teacher-forced
-    prefill) or None."""
-    import torch
-
-    from nki_kernels.host import as_torch
-    if pos < 1:
-        raise ValueError(f"round: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
-    if read_slot not in range(SLOTS):
-        raise ValueError(f"round: read_slot must be in 0..{SLOTS - 1}, found {read_slot}")
-    _check_token(cfg, pending, "round pending")
-    if forced_draft is not None:
-        _check_token(cfg, forced_draft, "round forced draft")
-    h = as_torch(hidden).reshape(1, -1).to(dtype)
-    if h.shape[1] != cfg.hidden_size:
-        raise ValueError(f"round: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
-    cos_d1, sin_d1 = rope_rows(cfg, pos - 1, 1)
-    cos_v, sin_v = rope_rows(cfg, pos, 2)
-    force = _i32(0, 0) if forced_draft is None else _i32(1, forced_draft)
-    out = {"pending": _i32(pending), "read_slot": _i32(read_slot), "pos": _i32(pos), "cos_v": cos_v, "sin_v": sin_v,
-           "hidden": h.contiguous() if isinstance(h, torch.Tensor) else h, "force": force, "pos_d1": _i32(pos - 1),
-           "cos_d1": cos_d1, "sin_d1": sin_d1}
+def forced_drafts(forced, drafts: int) -> tuple:
+    """The forced drafts of a round as a tuple: None (none), one token id (draft 1) or a sequence of at most K ids
+    (drafts 1 .. len; the rest come from the MTP head)."""
+    if forced is None:
+        return ()
+    out = (int(forced),) if isinstance(forced, (int, np.integer)) else tuple(int(f) for f in forced)
+    if len(out) > drafts:
+        raise ValueError(f"round: {len(out)} forced drafts for a round of {drafts} drafts")
     return out
 
 
-def step_inputs(cfg: ModelConfig, token: int, pos: int, read_slot: int) -> dict:
-    """The run-time inputs of one plain decode step (:func:`input_specs`): token at position ``pos``."""
+def round_inputs(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_slot: int,
+                 forced_draft=None, drafts: int = DEFAULT_DRAFTS) -> dict:
+    """The run-time inputs of one round of ``drafts`` (K) chained drafts (:func:`input_specs`), pending token at
+    position ``pos`` >= 1, hidden h_{pos-1} (torch or numpy, converted to ``dtype``), ``read_slot`` in 0..K,
+    ``forced_draft`` imposing the first drafts (tests, teacher-forced prefill; :func:`forced_drafts`) or None."""
+    import torch
+
+    from nki_kernels.host import as_torch
+    K = check_drafts(drafts)
+    if pos < 1:
+        raise ValueError(f"round: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
+    if read_slot not in range(K + 1):
+        raise ValueError(f"round: read_slot must be in 0..{K}, found {read_slot}")
+    _check_token(cfg, pending, "round pending")
+    forced = forced_drafts(forced_draft, K)
+    for f in forced:
+        _check_token(cfg, f, "round forced draft")
+    h = as_torch(hidden).reshape(1, -1).to(dtype)
+    if h.shape[1] != cfg.hidden_size:
+        raise ValueError(f"round: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
+    cos_d1, sin_d1 = rope_rows(cfg, pos - 1, K)
+    cos_v, sin_v = rope_rows(cfg, pos, K + 1)
+    force = np.zeros((K, 2), np.int32)
+    for i, f in enumerate(forced):
+        force[i] = (1, f)
+    out = {"pending": _i32(pending), "read_slot": _i32(read_slot), "pos": _i32(pos), "cos_v": cos_v, "sin_v": sin_v,
+           "hidden": h.contiguous() if isinstance(h, torch.Tensor) else h, "force": force,
+           "pos_d1": np.arange(pos - 1, pos - 1 + K, dtype=np.int32).reshape(K, 1), "cos_d1": cos_d1,
+           "sin_d1": sin_d1}
+    return out
+
+
+def step_inputs(cfg: ModelConfig, token: int, pos: int, read_slot: int, slots: int = SLOTS) -> dict:
+    """The run-time inputs of one plain decode step (:func:`input_specs`): token at position ``pos``, reading
+    checkpoint slot ``read_slot`` of a state with ``slots`` slots."""
     if pos < 0:
         raise ValueError(f"step: position must be >= 0, found {pos}")
-    if read_slot not in range(SLOTS):
-        raise ValueError(f"step: read_slot must be in 0..{SLOTS - 1}, found {read_slot}")
+    if read_slot not in range(slots):
+        raise ValueError(f"step: read_slot must be in 0..{slots - 1}, found {read_slot}")
     _check_token(cfg, token, "step token")
     cos, sin = rope_rows(cfg, pos, 1)
     return {"pending": _i32(token), "read_slot": _i32(read_slot), "pos": _i32(pos), "cos_v": cos, "sin_v": sin}
@@ -334,7 +388,8 @@ def cache_length(max_len: int) -> int:
 def state_specs(cfg: ModelConfig, tp: int, max_len: int, slots: int = SLOTS) -> tuple:
     """The stacked per-rank decode state (the same on every rank): ``gdn_window`` [G, slots, K-1, C_rank]
     (activation dtype), ``gdn_state`` [G, slots, Hv_rank, Dk, Dv] float32, ``attn_k``, ``attn_v`` [A, L, D]
-    (activation dtype; A = attention layers incl. the MTP layer x KV-head groups, L = :func:`cache_length`)."""
+    (activation dtype; A = attention layers incl. the MTP layer x KV-head groups, L = :func:`cache_length`).
+    ``slots``: K + 1 for rounds of K drafts (one per verified token)."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     if hk % tp or hv % tp:
         raise ValueError(f"plan: tp={tp} does not divide the {hk} GDN key heads and {hv} value heads")
@@ -355,20 +410,22 @@ class PrefillLaunch:
     """One launch of the teacher-forced prefill (indices are prompt positions)."""
     mode: str            # "step" or "round"
     pos: int             # position of the pending token (= its prompt index)
-    forced: int | None   # prompt index of the forced draft (None: not forced; the draft is not committed)
-    accepted: int        # tokens of this launch committed (1 or 2)
+    forced: int | None   # prompt index of the first forced draft (None: none; unforced drafts are not committed)
+    accepted: int        # tokens of this launch committed (1 .. K + 1): drafts prompt[forced : forced+accepted-1]
 
 
-def teacher_forced_launches(n: int) -> tuple:
+def teacher_forced_launches(n: int, drafts: int = DEFAULT_DRAFTS) -> tuple:
     """The launches that feed an n-token prompt through the decode launches (for an engine without a prefill
-    path, e.g. the NxDI application): a step at position 0 on x_0 (nothing precedes it for the MTP head), then
-    rounds at p = 1, 3, 5, ... with the draft forced to x_{p+1} and both tokens committed; the round's D1 writes
-    the MTP KV row p-1, its verify the trunk state of x_p, x_{p+1}, its D2 the MTP row p -- exactly the rows a
-    prefill writes. A left-over last token (n even) gets a round that commits only it. 1 + ceil((n-1)/2)
-    launches."""
+    path, e.g. the NxDI application), with rounds of K = ``drafts`` drafts: a step at position 0 on x_0 (nothing
+    precedes it for the MTP head), then rounds at p = 1, 1 + (K+1), ... with the drafts forced to x_{p+1} ..
+    x_{p+m} (m = min(K, n-1-p)) and those m + 1 tokens committed; the round's first D1 writes the MTP KV row p-1,
+    its verify the trunk state of x_p .. x_{p+m}, its D2 the MTP rows p .. p+m-1 -- exactly the rows a prefill
+    writes. 1 + ceil((n-1)/(K+1)) launches."""
     if n < 1:
         raise ValueError("prefill: the prompt is empty")
+    K = check_drafts(drafts)
     out = [PrefillLaunch("step", 0, None, 1)]
-    for p in range(1, n, 2):
-        out.append(PrefillLaunch("round", p, p + 1, 2) if p + 1 < n else PrefillLaunch("round", p, None, 1))
+    for p in range(1, n, K + 1):
+        m = min(K, n - 1 - p)
+        out.append(PrefillLaunch("round", p, p + 1 if m else None, m + 1))
     return tuple(out)

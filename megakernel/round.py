@@ -1,19 +1,20 @@
 """The round megakernel and the step kernel: a ``megakernel.plan.Plan`` run in ONE launch per rank.
 
-``round_kernel`` runs a round plan (D1 draft, 2-token verify of the trunk, D2 replay), ``step_kernel`` a step
-plan (the trunk on the pending token); both are composed of the subkernel bodies of ``nki_kernels`` (no copies
-of them) and walk the plan's stages and layers (``run_plan``). With the pending token x_{t+1} at position p and
-h_t the trunk's post-norm hidden at position t:
+``round_kernel`` runs a round plan (K chained D1 drafts, a verify of the trunk on K + 1 tokens, D2 replay),
+``step_kernel`` a step plan (the trunk on the pending token); both are composed of the subkernel bodies of
+``nki_kernels`` (no copies of them) and walk the plan's stages and layers (``run_plan``). With the pending token
+x_{t+1} at position p and h_t the trunk's post-norm hidden at position t:
 
-* D1 (:func:`draft`): embed(x_{t+1}), the two MTP pre-fc norms, ``mtp_fc`` (columns split over the cores,
-  gathered), the MTP layer (gated attention with its KV cache at p - 1, MoE), ``mtp.norm``, LM head and global
-  argmax -> draft d (or the host's forced draft, for tests; selected arithmetically, no branch).
-* V (:func:`verify`): the residual ``x [T, H]`` stays in SBUF across all layers; after every mixer and every MoE
-  the core partials are all-reduced over the TP x LNC cores; KV rows are written in place; every GDN layer writes
-  its per-token checkpoints; final norm; LM head and argmax for every position -> targets; the post-norm hidden
-  goes back to the host.
-* D2 (:func:`replay`): the MTP layer on (d, h_{t+1}) at position p: writes the MTP KV row the next round needs
-  if d is accepted; no LM head.
+* D1 (:func:`draft`, once per draft i = 0..K-1): embed(token), the two MTP pre-fc norms, ``mtp_fc`` (columns split
+  over the cores, gathered), the MTP layer (gated attention with its KV cache at p - 1 + i, MoE), ``mtp.norm``, LM
+  head and global argmax -> draft d_{i+1} (or the host's forced draft, for tests; selected arithmetically, no
+  branch). Draft 0 runs on (x_{t+1}, h_t), draft i > 0 on (d_i, draft i-1's ``mtp.norm`` output).
+* V (:func:`verify`): the residual ``x [T, H]`` (T = K + 1: [x_{t+1}, d_1 .. d_K]) stays in SBUF across all
+  layers; after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores; KV rows are
+  written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax for every
+  position -> targets; the post-norm hidden goes back to the host.
+* D2 (:func:`replay`): the MTP layer on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1: writes
+  the MTP KV rows the next round needs for the accepted drafts; no LM head.
 
 Parameters (hand-written, fixed): the plan (compile time), the stacked per-rank weights and decode state of
 ``megakernel.plan`` (``WEIGHTS``, ``STATE``, experts tables ``moe_experts_0..4``, unused tables None) and the
@@ -33,7 +34,7 @@ from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
-from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
+from nki_kernels.gdn import gdn_body
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body
@@ -61,8 +62,8 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1, moe_experts_0, moe_experts_1=None, moe_experts_2=None, moe_experts_3=None,
                  moe_experts_4=None):
-    """One speculative round (``plan.mode == "round"``) on one core. Returns (draft [1, 1] int32, targets [T, 1]
-    int32, hidden [T, H], gdn_window, gdn_state, attn_k, attn_v)."""
+    """One speculative round (``plan.mode == "round"``, K = ``plan.drafts``) on one core. Returns (drafts [K, 1]
+    int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     t = LaunchTensors(embed, lm_head, norms, mtp_fc,
                       (gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out),
@@ -97,30 +98,37 @@ def run_plan(plan, t):
     """The whole launch on one core: the plan's stages in order, then the outputs."""
     n, core = program_sharding()
     kernel_assert(n == plan.lnc, f"megakernel: plan built for LNC={plan.lnc}, launched with {n} cores")
-    T = plan.tokens
+    T, K = plan.tokens, plan.drafts
     H = t.embed.shape[1]
     # outputs first, before any program_id-dependent code (LNC=2 aliases shared-HBM allocations by order)
     targets_out = nl.ndarray((T, 1), nl.int32, buffer=nl.shared_hbm, name="targets")
     hidden_out = nl.ndarray((T, H), t.embed.dtype, buffer=nl.shared_hbm, name="hidden_out")
-    draft_out = nl.ndarray((1, 1), nl.int32, buffer=nl.shared_hbm, name="draft")
+    draft_out = nl.ndarray((max(K, 1), 1), nl.int32, buffer=nl.shared_hbm, name="draft")
     rg = tp_group(plan.tp)
     regs = _registers()
     pending = load_token_ids(t.pending)
-    proposed = pending          # the draft token ids (the pending token in a step)
-    ids = pending
+    proposed = pending          # the draft token ids [K, 1] (the pending token in a step)
+    ids = pending               # the verify's token ids [T, 1]
+    if K > 0:
+        proposed = nl.ndarray((K, 1), nl.int32, buffer=nl.sbuf, name="drafts")
+        ids = nl.ndarray((T, 1), nl.int32, buffer=nl.sbuf, name="verify_ids")
+        nisa.dma_copy(dst=ids[0:1, :], src=pending)
+        chain_ids = pending     # the token and hidden the next draft runs on
+        chain_h = nl.ndarray((1, H), t.embed.dtype, buffer=nl.sbuf, name="h_prev")
+        nisa.dma_copy(dst=chain_h, src=t.hidden)
     targets = None
     hidden = None
     for stage in plan.stages:
         if stage.kind == DRAFT:
-            proposed = draft(plan, stage, t, pending, rg, regs, core)
-            ids = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf, name="verify_ids")
-            nisa.dma_copy(dst=ids[0:1, :], src=pending)
-            nisa.dma_copy(dst=ids[1:2, :], src=proposed)
+            i = stage.draft
+            chain_ids, chain_h = draft(plan, stage, t, chain_ids, chain_h, rg, regs, core)
+            nisa.dma_copy(dst=proposed[i:i + 1, :], src=chain_ids)
+            nisa.dma_copy(dst=ids[i + 1:i + 2, :], src=chain_ids)
         elif stage.kind == VERIFY:
             targets, hidden = verify(plan, stage, t, ids, rg, regs, core)
         else:
             kernel_assert(stage.kind == REPLAY, f"megakernel: unknown stage kind {stage.kind}")
-            replay(plan, stage, t, proposed, hidden[0:1, :], rg, regs, core)
+            replay(plan, stage, t, proposed, hidden[0:K, :], rg, regs, core)
     if core == 0:  # every core holds the same values; one writes them
         nisa.dma_copy(dst=targets_out, src=targets)
         nisa.dma_copy(dst=hidden_out, src=hidden)
@@ -129,15 +137,16 @@ def run_plan(plan, t):
 
 
 # ---- stages (one function per stage kind: the cost model tags instructions by them, plan.stage_functions) ----
-def draft(plan, stage, t, pending, rg, regs, core):
-    """D1: the MTP head on (x_{t+1}, h_t) at position p - 1 -> draft ids SBUF [1, 1] int32."""
-    H = t.embed.shape[1]
-    h_prev = nl.ndarray((1, H), t.embed.dtype, buffer=nl.sbuf, name="h_prev")
-    nisa.dma_copy(dst=h_prev, src=t.hidden)
-    hm = mtp_head(plan, stage, t, pending, h_prev, rg, regs, core)
+def draft(plan, stage, t, ids, h, rg, regs, core):
+    """D1, draft i = ``stage.draft``: the MTP head on (ids SBUF [1, 1] int32, h SBUF [1, H]) at position p - 1 + i
+    -> (draft ids SBUF [1, 1] int32, the head's post-norm hidden SBUF [1, H] for the next draft, or None after the
+    last one)."""
+    i = stage.draft
+    hm = mtp_head(plan, stage, t, ids, h, rg, regs, core)
     force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
-    nisa.dma_copy(dst=force, src=t.force)
-    return token_ids_from_best(_forced(_greedy(plan, t, hm, rg, core), force))
+    nisa.dma_copy(dst=force, src=t.force[i:i + 1, :])
+    d = token_ids_from_best(_forced(_greedy(plan, t, hm, rg, core), force))
+    return d, (token_major(hm) if i + 1 < plan.drafts else None)
 
 
 def verify(plan, stage, t, ids, rg, regs, core):
@@ -151,7 +160,8 @@ def verify(plan, stage, t, ids, rg, regs, core):
 
 
 def replay(plan, stage, t, ids, h, rg, regs, core):
-    """D2: the MTP head on (d, h_{t+1}) at position p: writes its KV row; no LM head."""
+    """D2: the MTP head on (drafts ids SBUF [K, 1], trunk hiddens h SBUF [K, H] of positions p .. p + K - 1) at
+    positions p .. p + K - 1: writes its KV rows; no LM head."""
     mtp_head(plan, stage, t, ids, h, rg, regs, core)
 
 
@@ -159,36 +169,32 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
     """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
     all-reduced over the TP x LNC cores."""
-    g = t.gdn
-    wg = None
-    if layer.kind != ATTENTION:     # GDN weights into the launch's arena, issued before the norm: the stream
-        if regs.gdn == None:        # overlaps the previous layer's all-reduce (issue 15)
-            regs.gdn = gdn_weight_tiles(g[0], g[5])
-        wg = gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
     xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs)
     else:
+        g = t.gdn
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
-                     layer=layer.mixer, weights=wg)
+                     layer=layer.mixer)
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs), rg))
 
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
-    """The MTP head up to its final norm: ids SBUF [1, 1] int32 (token p+1), h SBUF [1, H] (trunk hidden at p) ->
-    feature-major ``mtp.norm`` output [P, J, 1]. Writes the MTP KV row of the stage's position."""
+    """The MTP head up to its final norm on T = ``stage.tokens`` positions q: ids SBUF [T, 1] int32 (token q+1), h
+    SBUF [T, H] (hidden at q) -> feature-major ``mtp.norm`` output [P, J, T]. Writes the MTP KV rows of the stage's
+    positions."""
     rows = plan.norms
     e = embedding_body(t.embed, ids)
     eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
     hT = rmsnorm_body(h, t.norms[rows.mtp_hidden], plan.eps)
-    P, J, _ = eT.shape
-    uT = nl.ndarray((P, 2 * J, 1), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
+    P, J, T = eT.shape
+    uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
     fc = allgather_cores(columns_body(uT, t.mtp_fc[core]), rg, plan.tp)
-    x = nl.ndarray((1, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
+    x = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
     nisa.tensor_copy(dst=x, src=fc)
     pos, cos, sin = _stage_inputs(stage, t)
     x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core)
@@ -198,7 +204,10 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
 def _stage_inputs(stage, t):
     """(pos, cos, sin) HBM tensors of a stage's positions (``plan.Stage.inputs``)."""
     if stage.inputs == "d1":
-        return t.pos_d1, t.cos_d1, t.sin_d1
+        if t.pos_d1.shape[0] == 1:
+            return t.pos_d1, t.cos_d1, t.sin_d1
+        r = stage.rope_row
+        return t.pos_d1[r:r + 1, :], t.cos_d1[r:r + 1, :], t.sin_d1[r:r + 1, :]
     if stage.rope_row == 0 and stage.tokens == t.cos_v.shape[0]:
         return t.pos, t.cos_v, t.sin_v
     r0, r1 = stage.rope_row, stage.rope_row + stage.tokens
@@ -254,13 +263,10 @@ def _forced(best, force):
 
 class Registers(nl.NKIObject):
     """One register pool per launch, reused by every layer's bodies (registers are a per-engine resource: 64 per
-    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's; and the launch's SBUF arena of
-    GDN weights (``gdn``: ``nki_kernels.gdn.gdn_weight_tiles``, allocated by the first GDN layer, then reused by
-    every GDN layer so its weight DMA waits only for the previous GDN layer's reads)."""
+    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's."""
 
     def __init__(self, moe, attention):
         self.moe, self.attention = moe, attention
-        self.gdn = None
 
 
 def _allocate(n):

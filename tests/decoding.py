@@ -7,7 +7,7 @@ import torch
 
 from harness.engines import LaunchResult
 from harness.speculative import Decoder, accepted_count
-from megakernel.plan import SLOTS
+from megakernel.plan import DEFAULT_DRAFTS, forced_drafts
 from model.reference import ReferenceModel
 from model.state import DecodeState
 
@@ -15,15 +15,17 @@ from model.state import DecodeState
 class ReferenceDecoder:
     """The single-device reference model behind the decoder interface (``prefill`` / ``round`` / ``step`` /
     ``commit`` / ``committed``): the truth the variants' rounds and states are compared with. Prefill is chunked,
-    a round is D1 on (pending, h) at pos - 1, the verify of [pending, draft] and D2 at pos, as DESIGN.md §1."""
+    a round of K drafts is D1 on (pending, h) at pos - 1, then on (d_i, the MTP's own hidden) at pos - 1 + i, the
+    verify of [pending, d_1 .. d_K] and D2 on ([d_1 .. d_K], [h_pos .. h_{pos+K-1}]) at pos .. pos + K - 1
+    (``megakernel.plan``)."""
 
-    def __init__(self, cfg, params):
-        self.cfg, self.ref = cfg, ReferenceModel(cfg, params)
+    def __init__(self, cfg, params, drafts: int = DEFAULT_DRAFTS):
+        self.cfg, self.ref, self.drafts = cfg, ReferenceModel(cfg, params), drafts
         self.state = None
 
     def prefill(self, prompt: list[int], max_len: int):
         ref = self.ref
-        self.state = DecodeState.empty(self.cfg, max_len, slots=SLOTS, dtype=ref.dtype)
+        self.state = DecodeState.empty(self.cfg, max_len, slots=self.drafts + 1, dtype=ref.dtype)
         ids = torch.tensor(prompt, dtype=torch.long)
         h = ref.trunk(ids, self.state, 0, chunked=True)
         if self.cfg.mtp_num_hidden_layers and len(prompt) > 1:
@@ -35,14 +37,18 @@ class ReferenceDecoder:
         self.state.commit(1)
         return int(torch.argmax(self.ref.logits(h), dim=-1)), h[0]
 
-    def round(self, pending: int, hidden, pos: int, forced_draft: int | None = None) -> LaunchResult:
-        ref, st = self.ref, self.state
-        h_mtp = ref.mtp(torch.tensor([pending]), hidden[None], st, pos - 1)
-        draft = int(torch.argmax(ref.logits(h_mtp), dim=-1)) if forced_draft is None else forced_draft
-        hv = ref.trunk(torch.tensor([pending, draft]), st, pos, chunked=False)
+    def round(self, pending: int, hidden, pos: int, forced_draft=None) -> LaunchResult:
+        ref, st, K = self.ref, self.state, self.drafts
+        forced = forced_drafts(forced_draft, K)
+        drafts, token, h = [], pending, hidden[None]
+        for i in range(K):
+            h = ref.mtp(torch.tensor([token]), h, st, pos - 1 + i)
+            token = forced[i] if i < len(forced) else int(torch.argmax(ref.logits(h), dim=-1))
+            drafts.append(token)
+        hv = ref.trunk(torch.tensor([pending] + drafts), st, pos, chunked=False)
         targets = torch.argmax(ref.logits(hv), dim=-1)
-        ref.mtp(torch.tensor([draft]), hv[:1], st, pos)
-        return LaunchResult(draft, [int(t) for t in targets], hv)
+        ref.mtp(torch.tensor(drafts), hv[:K], st, pos)
+        return LaunchResult(drafts, [int(t) for t in targets], hv)
 
     def commit(self, accepted: int) -> None:
         self.state.commit(accepted)
@@ -72,35 +78,49 @@ def reference_decode_state(cfg, params, tokens: list[int]) -> dict[str, torch.Te
     return ref.state.committed(len(tokens))
 
 
-def forced_rounds(decoder: Decoder, prompt: list[int], plain: list[int], accepts: list[bool],
-                  vocab_size: int) -> tuple[list[int], int]:
-    """Prefill, then one round per entry of ``accepts`` with the draft forced to be right (the plain greedy token
-    ``plain`` predicts) or wrong (that token + 1). Checks each round accepted exactly as forced and returns
-    (prompt + committed tokens including the pending one, position of the pending token)."""
-    pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + 2 * len(accepts) + 3)
+def forced_rounds(decoder: Decoder, prompt: list[int], plain: list[int], accepts: list, vocab_size: int
+                  ) -> tuple[list[int], int]:
+    """Prefill, then one round per entry of ``accepts``: the number of drafts forced to be right (the plain greedy
+    tokens ``plain`` predicts; a bool: True = all K, False = 0), the next one forced wrong (that token + 1, if
+    any), the rest left to the MTP head. Checks each round accepted exactly as forced and returns (prompt +
+    committed tokens including the pending one, position of the pending token)."""
+    K = getattr(decoder, "drafts", DEFAULT_DRAFTS)
+    pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + (K + 1) * len(accepts) + K + 2)
     seq, pos = prompt + [pending], len(prompt)
     for accept in accepts:
-        truth = plain[len(seq) - len(prompt)]
-        r = decoder.round(pending, hidden, pos, truth if accept else (truth + 1) % vocab_size)
-        n = accepted_count(r.draft, r.targets)
-        if n != (2 if accept else 1):
-            raise AssertionError(f"round at position {pos}: forced {'accept' if accept else 'reject'}, got {n} tokens")
+        right = (K if accept else 0) if isinstance(accept, bool) else int(accept)
+        base = len(seq) - len(prompt)
+        forced = [plain[base + i] for i in range(right)]
+        if right < K:
+            forced.append((plain[base + right] + 1) % vocab_size)
+        r = decoder.round(pending, hidden, pos, forced)
+        n = accepted_count(r.drafts, r.targets)
+        if n != right + 1:
+            raise AssertionError(f"round at position {pos}: forced {right} right drafts, got {n} tokens")
         decoder.commit(n)
         seq += list(r.targets[:n])
         pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
     return seq, pos
 
 
-def right_draft(prompt: list[int], plain: list[int]):
-    """Draft source proposing the plain greedy token for the draft position (0 past the end of ``plain``)."""
-    return lambda seq: plain[len(seq) - len(prompt)] if len(seq) - len(prompt) < len(plain) else 0
+def right_draft(prompt: list[int], plain: list[int], drafts: int = 1):
+    """Draft source proposing the plain greedy tokens for the ``drafts`` draft positions (0 past the end of
+    ``plain``)."""
+    def source(seq):
+        i = len(seq) - len(prompt)
+        return [plain[j] if j < len(plain) else 0 for j in range(i, i + drafts)]
+    return source
 
 
-def alternating(prompt: list[int], plain: list[int], vocab: int):
-    """Right, wrong, right, ... drafts: both accept paths run."""
-    right, calls = right_draft(prompt, plain), []
+def alternating(prompt: list[int], plain: list[int], vocab: int, drafts: int = 1):
+    """Rounds whose accepted prefix cycles through K, 0, K-1, 1, ... right drafts (then one wrong one): every
+    accept length 0..K runs. K = 1: right, wrong, right, ..."""
+    right, calls = right_draft(prompt, plain, drafts), []
+    cycle = [n for pair in zip(range(drafts, -1, -1), range(drafts + 1)) for n in pair][:drafts + 1]
 
     def source(seq):
+        n = cycle[len(calls) % len(cycle)]
         calls.append(1)
-        return right(seq) if len(calls) % 2 else (right(seq) + 1) % vocab
+        want = right(seq)
+        return want[:n] + ([(want[n] + 1) % vocab] if n < drafts else [])
     return source

@@ -322,7 +322,7 @@ class RecordingEngine:
         T = 2 if mode == "round" else 1
         d = runtime["force"][0, 1] if mode == "round" and runtime["force"][0, 0] else 7
         hidden = torch.arange(T, dtype=torch.float32)[:, None].expand(T, self.cfg.hidden_size) + 100 * self.launches
-        return LaunchResult(int(d), [7 + self.launches, 8 + self.launches][:T], hidden)
+        return LaunchResult([int(d)], [7 + self.launches, 8 + self.launches][:T], hidden)
 
 
 def test_decoder_prefill_and_slot_selection(tiny_cfg):
@@ -369,7 +369,7 @@ def test_xla_round_matches_reference_round(tiny, tp):
     v = Decoder(eng)
     r1 = v.round(first, h, len(PROMPT))
     r0 = ref.round(first, h, len(PROMPT))
-    assert (r1.draft, r1.targets) == (r0.draft, r0.targets)
+    assert (r1.drafts, r1.targets) == (r0.drafts, r0.targets)
     assert torch.isfinite(r1.hidden).all() and r1.hidden.abs().max() > 0.1
     torch.testing.assert_close(r1.hidden, r0.hidden, rtol=0, atol=1e-4)
     p = len(PROMPT)

@@ -1,7 +1,8 @@
 """Greedy speculative decoding is lossless, and the decode state stays that of plain decoding.
 
-Draft sources stand in for the MTP head: always right (the plain greedy token),
-always wrong, random; a hypothesis property drives arbitrary accept/reject sequences
+Rounds of K = 1, 2, 3 chained drafts. Draft sources stand in for the MTP head: always
+right (the plain greedy tokens), always wrong, random (each draft right with probability
+1/2, else a random token); a hypothesis property drives arbitrary accept lengths 0..K
 and compares the full decode state (KV rows, committed GDN conv window and recurrent
 state, MTP KV rows) of the xla variant (the tensor-parallel twins, harness.xla) with
 token-by-token decoding of the committed tokens by the single-device reference model.
@@ -18,8 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decoding import forced_rounds, reference_decode_state, reference_greedy
-from harness.speculative import SlotBook, accepted_count, generate, make_decoder
+from decoding import forced_rounds, reference_decode_state, reference_greedy, right_draft
+from harness.speculative import DecodeResult, SlotBook, accepted_count, generate, make_decoder
+from megakernel.plan import MAX_DRAFTS
 from model.params import random_params
 
 N_NEW = 24
@@ -33,45 +35,43 @@ def setup(small_cfg):
     return small_cfg, params, prompt, plain
 
 
-def xla(cfg, params, tp=2):
-    return make_decoder("xla", cfg, params, tp=tp)
+def xla(cfg, params, tp=2, drafts=1):
+    return make_decoder("xla", cfg, params, tp=tp, drafts=drafts)
 
 
-def next_greedy(prompt, plain):
-    """Draft source that proposes the plain greedy token for the draft position (t+2)."""
-    def source(seq):
-        i = len(seq) - len(prompt) + 0  # index in `plain` of the token after the pending one
-        return plain[i] if i < len(plain) else 0
-    return source
-
-
+@pytest.mark.parametrize("drafts", range(1, MAX_DRAFTS + 1))
 @pytest.mark.parametrize("kind", ["right", "wrong", "random", "mtp"])
-def test_lossless(setup, kind):
+def test_lossless(setup, kind, drafts):
     cfg, params, prompt, plain = setup
-    rng = random.Random(0)
-    right = next_greedy(prompt, plain)
+    rng = random.Random(drafts)
+    right = right_draft(prompt, plain, drafts)
     source = {
         "right": right,
-        "wrong": lambda seq: (right(seq) + 1) % cfg.vocab_size,
-        "random": lambda seq: rng.randrange(cfg.vocab_size),
+        "wrong": lambda seq: [(t + 1) % cfg.vocab_size for t in right(seq)],
+        "random": lambda seq: [t if rng.random() < 0.5 else rng.randrange(cfg.vocab_size) for t in right(seq)],
         "mtp": None,
     }[kind]
-    res = generate(xla(cfg, params), prompt, N_NEW, spec=True, draft_source=source)
+    res = generate(xla(cfg, params, drafts=drafts), prompt, N_NEW, spec=True, draft_source=source)
     assert res.tokens == plain
-    assert all(a in (1, 2) for a in res.accepted_per_round)
+    assert all(1 <= a <= drafts + 1 for a in res.accepted_per_round)
+    assert len(res.acceptance_per_position) == drafts
     if kind == "right":
-        assert res.acceptance_rate == 1.0 and res.tokens_per_round > 1.9
+        assert res.acceptance_rate == 1.0 and res.acceptance_per_position == [1.0] * drafts
+        assert res.rounds == -(-(N_NEW - 1) // (drafts + 1))
     if kind == "wrong":
         assert res.acceptance_rate == 0.0 and res.rounds == N_NEW - 1
+    if kind == "random":
+        assert len(set(res.accepted_per_round)) > 1
 
 
 def test_eos_stops_inside_a_round(setup):
     cfg, params, prompt, plain = setup
     eos = plain[5]
     first = plain.index(eos)
-    res = generate(xla(cfg, params), prompt, N_NEW, eos_ids=(eos,), spec=True,
-                   draft_source=next_greedy(prompt, plain))
-    assert res.tokens == plain[:first + 1]
+    for drafts in (1, MAX_DRAFTS):
+        res = generate(xla(cfg, params, drafts=drafts), prompt, N_NEW, eos_ids=(eos,), spec=True,
+                       draft_source=right_draft(prompt, plain, drafts))
+        assert res.tokens == plain[:first + 1]
 
 
 def test_plain_decoding_is_the_reference(setup):
@@ -87,14 +87,32 @@ def test_slot_book_and_accept_rule():
             book.commit(bad)
     book.reset()
     assert book.read_slot == 0
-    assert accepted_count(5, [5, 9]) == 2 and accepted_count(4, [5, 9]) == 1
+    assert SlotBook(4).commit(4) == 3
+    assert accepted_count([5], [5, 9]) == 2 and accepted_count([4], [5, 9]) == 1
+    assert accepted_count([5, 9, 2], [5, 9, 2, 7]) == 4        # every draft right: K + 1 tokens
+    assert accepted_count([5, 8, 2], [5, 9, 2, 7]) == 2        # the prefix stops at the first wrong draft
+    assert accepted_count([4, 9, 2], [5, 9, 2, 7]) == 1
+    with pytest.raises(ValueError, match="2 drafts need 3 targets"):
+        accepted_count([1, 2], [1, 2])
+
+
+def test_metrics():
+    r = DecodeResult(tokens=[1] * 9, drafts=3, accepted_per_round=[4, 1, 2, 3], round_seconds=[0.004, 0.001, 0.002,
+                                                                                               0.003])
+    assert r.rounds == 4 and r.tokens_per_round == 2.5 and r.acceptance_rate == 6 / 12
+    assert r.acceptance_per_position == [0.75, 0.5, 0.25]
+    assert r.round_time_percentiles() == {"p50": 2.0, "p90": 4.0, "p99": 4.0}
+    d = r.to_dict()
+    assert d["acceptance_per_position"] == [0.75, 0.5, 0.25] and d["num_draft_tokens"] == 3
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(accepts=st.lists(st.booleans(), min_size=1, max_size=8))
-def test_state_after_rounds_equals_plain_decoding(setup, accepts):
+@given(data=st.data(), drafts=st.integers(1, MAX_DRAFTS))
+def test_state_after_rounds_equals_plain_decoding(setup, data, drafts):
+    """Any sequence of accept lengths 0..K: the committed state equals plain decoding's."""
     cfg, params, prompt, plain = setup
-    v = xla(cfg, params, tp=1)
+    accepts = data.draw(st.lists(st.integers(0, drafts), min_size=1, max_size=5))
+    v = xla(cfg, params, tp=1, drafts=drafts)
     seq, pos = forced_rounds(v, prompt, plain, accepts, cfg.vocab_size)
     assert seq[len(prompt):] == plain[:len(seq) - len(prompt)]
     got = v.committed(pos)

@@ -69,7 +69,7 @@ def test_round_matches_the_reference_round(tiny):
         first, h = v.prefill(PROMPT, max_len=24)
         outs.append((first, v.round(first, h, len(PROMPT))))
     (f0, r0), (f1, r1) = outs
-    assert f0 == f1 and r0.draft == r1.draft and r0.targets == r1.targets
+    assert f0 == f1 and r0.drafts == r1.drafts and r0.targets == r1.targets
     assert torch.isfinite(r1.hidden).all() and r1.hidden.abs().max() > 0.1
     torch.testing.assert_close(r1.hidden.float(), r0.hidden.float(), rtol=0, atol=1e-4)
     p = len(PROMPT)
