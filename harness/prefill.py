@@ -99,15 +99,17 @@ class Costs:
             return _case(mp.moe_prefill, [args], lnc=self.lnc)
         return _traced(("moe", self.key, N), build)
 
-    def norm(self, N):
+    def norm(self, N, layout):
+        """The chunk's RMSNorm with one output: "rows" (token-major) or "xT" (feature-major)."""
         from nki_kernels.common import P
         from nki_kernels.rmsnorm_prefill import rmsnorm_prefill_kernel
         H = self.cfg.hidden_size
 
         def build():
-            args = (self._sd((N, H)), self._sd((P, H // P), "float32"), float(self.cfg.rms_norm_eps))
+            args = (self._sd((N, H)), self._sd((P, H // P), "float32"), float(self.cfg.rms_norm_eps),
+                    layout == "rows", layout == "xT")
             return _case(rmsnorm_prefill_kernel, [args], lnc=self.lnc)
-        return _traced(("norm", self.key, N), build)
+        return _traced(("norm", self.key, N, layout), build)
 
     def allreduce(self, N, per_core):
         from megakernel.prefill import residual_allreduce_stage
@@ -222,7 +224,8 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None):
         before = {k: len(v) for k, v in parts.items()}
         tiles = -(-N // P)
         add("embedding", costs.embed(P) if N >= P else costs.embed(N), tiles)
-        add("rmsnorm", costs.norm(N), 2 * len(plan.layers) + (1 if ch.mtp_rows else 0))
+        add("rmsnorm", costs.norm(N, "xT"), len(plan.layers))
+        add("rmsnorm", costs.norm(N, "rows"), len(plan.layers) + (1 if ch.mtp_rows else 0))
         add("gdn_prefill", costs.gdn(N), n_gdn)
         att, ext = _attention_chunk(costs, N, ch.start, measured)
         if ext:
@@ -235,7 +238,7 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None):
         if ch.mtp_rows:
             m = ch.mtp_rows
             add("embedding", costs.embed(P) if m >= P else costs.embed(m), -(-m // P))
-            add("rmsnorm", costs.norm(m))
+            add("rmsnorm", costs.norm(m, "xT"))
             add("mtp", costs.mtp_fc(m))
             att_m, _ = (_attention_chunk(costs, m, ch.start, {}) if ch.start <= MAX_TRACED_START or m == N
                         else (att, True))
@@ -325,3 +328,46 @@ def cmd(a):
             print(f"  baseline: {r['baseline_source']}")
     print("\nwrote bench/prefill.json")
     return 0
+
+
+# ---- the NKI prefill in a decoder (harness.speculative.Decoder with prefill through the prefill kernels) --------
+PREFILL_MODES = ("nki", "host", "teacher-forced")
+
+
+def _decoder_class():
+    from harness.speculative import Decoder
+
+    class NkiPrefillDecoder(Decoder):
+        """A ``harness.speculative.Decoder`` whose prefill runs the NKI prefill pass (``megakernel.prefill``) on
+        its engine's own weights and decode state, chunk by chunk; rounds and steps are the engine's.
+        ``prefill_info`` describes the last prefill: backend "nki", launches, chunks."""
+
+        def __init__(self, engine, chunk: int | None = None):
+            from megakernel.prefill import CHUNK, prefill_chunks
+            if not hasattr(engine, "states") or engine.name == "xla":
+                raise ValueError(f"prefill: the NKI prefill runs on the layerwise and megakernel engines, not "
+                                 f"{engine.name!r}")
+            super().__init__(engine, reference=None)
+            self.chunk = chunk or CHUNK
+            prefill_chunks(1, self.chunk)                  # refuses a chunk that is not a multiple of 64
+            self.prefill_info = None
+
+        def prefill(self, prompt: list[int], max_len: int):
+            from megakernel.prefill import LayerwisePrefill
+            if not prompt:
+                raise ValueError("prefill: the prompt is empty")
+            self.engine.start(max_len)
+            self.slots.reset()
+            res = LayerwisePrefill(self.engine).run(list(prompt), self.chunk)
+            self.engine.launches += res.launches
+            self.prefill_info = {"backend": "nki", "launches": res.launches, "chunks": res.chunks,
+                                 "chunk": self.chunk}
+            return res.first, res.hidden
+
+    return NkiPrefillDecoder
+
+
+def nki_decoder(name: str, cfg, params, tp: int = 4, lnc: int = 2, chunk: int | None = None):
+    """The ``name`` variant (layerwise | megakernel) with its prefill through the NKI prefill kernels."""
+    from harness.engines import make_engine
+    return _decoder_class()(make_engine(name, cfg, params, tp=tp, lnc=lnc), chunk)

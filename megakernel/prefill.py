@@ -206,11 +206,12 @@ class LayerwisePrefill:
             rows.append(torch.as_tensor(embedding_kernel(table, part.reshape(-1, 1))[0]))
         return torch.cat(rows)
 
-    def norm(self, x, row: int):
-        """(rows [N, H], xT [P, H/P, N]) of norms row ``row``."""
+    def norm(self, x, row: int, layout: str):
+        """The chunk ``x`` normed by norms row ``row``: rows [N, H] (layout "rows") or xT [P, H/P, N] ("xT")."""
         from nki_kernels.rmsnorm_prefill import rmsnorm_prefill_kernel
-        rows, xT = self._one(rmsnorm_prefill_kernel, x, self.e.weights[0]["norms"][row], self.plan.eps)
-        return torch.as_tensor(rows), torch.as_tensor(xT)
+        out = self._one(rmsnorm_prefill_kernel, x, self.e.weights[0]["norms"][row], self.plan.eps,
+                        layout == "rows", layout == "xT")
+        return torch.as_tensor(out[0])
 
     def gdn(self, layer, xT):
         from nki_kernels.gdn_prefill import check_finite, gdn_prefill_kernel
@@ -255,10 +256,10 @@ class LayerwisePrefill:
         return self._sum([torch.as_tensor(o[0])[None] for o in outs])     # rows disjoint per core: one lane
 
     def layer(self, layer, x, start: int):
-        _, xT = self.norm(x, layer.in_norm)
+        xT = self.norm(x, layer.in_norm, "xT")
         mix = self.gdn(layer, xT) if layer.kind == rp.GDN else self.attention(layer, xT, start)
         x = self._add(x, mix)
-        rows, _ = self.norm(x, layer.post_norm)
+        rows = self.norm(x, layer.post_norm, "rows")
         return self._add(x, self.moe(layer, rows))
 
     def mtp(self, prompt, chunk: PrefillChunk, hidden_rows):
@@ -269,7 +270,7 @@ class LayerwisePrefill:
         outs = self._all(mtp_fc_prefill_stage, [(e, h, w["norms"], rows.mtp_emb, rows.mtp_hidden, w["mtp_fc"],
                                                  self.plan.eps) for w in self.e.weights])
         x = torch.cat([torch.as_tensor(o[c]) for o in outs for c in range(self.lnc)], dim=-1).to(self.dtype)
-        _, xT = self.norm(x, self.plan.mtp.in_norm)
+        xT = self.norm(x, self.plan.mtp.in_norm, "xT")
         self.attention(self.plan.mtp, xT, s)             # the MTP KV rows s .. s+m-1; the output is not needed
 
     def head(self, x_last):
@@ -295,14 +296,14 @@ class LayerwisePrefill:
             for layer in self.plan.layers:
                 x = self.layer(layer, x, ch.start)
             if ch.mtp_rows:
-                hidden_rows, _ = self.norm(x, self.plan.norms.final)
+                hidden_rows = self.norm(x, self.plan.norms.final, "rows")
                 self.mtp(prompt, ch, hidden_rows)
         first, hidden = self.head(x[-1:].contiguous())
         return PrefillResult(first, hidden, self.launches, len(self.plan.chunks))
 
 
 # ---- the all-reduce of a chunk's partials (the on-chip composition; costed by harness.prefill) -------------------
-AR_TILE_BYTES = 32 * 1024   # bytes per partition of one collective's fp32 operand (4 tokens x H 2048)
+AR_TILE_BYTES = 16 * 1024   # bytes per partition of one collective's fp32 operand (2 tokens x H 2048)
 
 
 @nki.jit

@@ -10,17 +10,18 @@ Layouts (P = 128, J = H / P)
 * ``x``     HBM ``[N, H]`` activation dtype: the residual of the chunk, token-major.
 * ``w1``    HBM ``[P, J]`` float32, the decode layout (``nki_kernels.rmsnorm.rmsnorm_weight_layout``: element
   (p, j) = 1 + w[j*P + p]); a row of the stacked ``norms`` tensor. It is broadcast over the 128 token
-  partitions by ONE DMA with a stride-0 partition pattern (element (t, j, p) <- w1[p, j]).
+  partitions on chip (:func:`broadcast_weight`).
 * ``rows``  HBM ``[N, H]`` activation dtype (output): the normed rows, token-major -- the MoE prefill's input
   (``nki_kernels.moe_prefill.token_rows`` is a free reshape of it) and the post-final-norm hidden.
 * ``xT``    HBM ``[P, J, N]`` activation dtype (output): the normed chunk feature-major, element (p, j, t) =
   y[t, j*P + p] -- the GDN and attention prefill kernels' input (the decode ``xT`` layout with T = N).
 
 Per 128-token tile (tiles split round-robin over the LNC cores: core c normalises tiles c, c + n, ...; the
-outputs are disjoint, so no core waits for the other): one DMA in; ACT ``square`` (fp32) and a DVE free-axis sum
-(the compiler rejects ``square`` with ``reduce_op``, NCC_IXCG864); ACT ``rsqrt(ss / H + eps)`` (same table group {copy, square, rsqrt} as the
-decode norm: no table switch); DVE ``x * rstd`` (per-partition scalar) and ``* (1 + w)`` rounding to the
-activation dtype; one DMA of the rows out; J PE transposes (matmul of each [tokens, 128] slice against the
+outputs are disjoint, so no core waits for the other): one DMA in; ACT ``square`` (fp32), then an ACT copy
+with its free-axis sum (the compiler rejects ``square`` with ``reduce_op``, NCC_IXCG864), ACT ``rsqrt(ss / H +
+eps)`` and ACT ``x * rstd`` (the per-partition scale operand) -- one table group {copy, square, rsqrt}, as the
+decode norm: no table switch; DVE ``* (1 + w)`` rounding to the activation dtype (ScalarE and VectorE share
+the element work: the DVE-only version was DVE-bound, 337 us at 4K tokens); one DMA of the rows out; J PE transposes (matmul of each [tokens, 128] slice against the
 identity: one non-zero product per output, so exact) into fp32 PSUM, four 128-column transposes per bank, one
 eviction per bank to the activation dtype, one DMA of the tile's xT columns out.
 """
@@ -34,88 +35,137 @@ from nki_kernels.common import P, kernel_assert, program_sharding
 
 F32 = nl.float32
 BANK_COLS = 512        # fp32 columns of one PSUM bank: four 128-column transposes
+GROUP = 4              # 128-token tiles per xT write (runs of 512 tokens = 1 KB bf16 per partition and hidden tile)
+RING = 2               # depth of every work-tile ring
 
 
 def broadcast_weight(w1, H):
     """The norm weight ``w1 [P, J]`` (HBM float32) as an SBUF ``[P, H]`` float32 tile, every partition holding
-    ``1 + w`` in hidden order (one DMA, stride-0 over the partitions)."""
+    ``1 + w`` in hidden order: one DMA of the H weights into one partition in hidden order (element h = j*P + p
+    <- w1[p, j]), then a ones-stationary fp32 matmul per 512 columns broadcasts the row over the partitions
+    (products by 1.0: exact, the assumption ``nki_kernels.gdn_prefill`` states). A stride-0 partition DMA of the
+    whole [P, H] tile would move H 4-byte runs per partition (predicted 83 us at H = 2048, vs ~1 us here)."""
     J = H // P
     kernel_assert(tuple(w1.shape) == (P, J) and w1.dtype == F32,
                   f"rmsnorm_prefill: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
                   f"{w1.dtype}{list(w1.shape)}")
+    row = nl.ndarray((1, H), F32, buffer=nl.sbuf, name="rmsp_w_row")
+    nisa.dma_copy(dst=row, src=w1.ap(pattern=[[0, 1], [1, J], [J, P]]))   # offset: the view's (a norms row)
+    ones = nl.ndarray((1, P), F32, buffer=nl.sbuf, name="rmsp_ones")
+    nisa.memset(dst=ones, value=1.0)
     wb = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_w")
-    nisa.dma_copy(dst=wb, src=w1.ap(pattern=[[0, P], [1, J], [J, P]]))   # offset: the view's (a norms row)
+    for n0 in range(0, H, BANK_COLS):
+        n1 = min(H, n0 + BANK_COLS)
+        ps = nl.ndarray((P, n1 - n0), F32, buffer=nl.psum, name="rmsp_w_ps")
+        nisa.nc_matmul(dst=ps, stationary=ones, moving=row[:, n0:n1], accumulate=False)
+        nisa.tensor_copy(dst=wb[:, n0:n1], src=ps)
     return wb
 
 
-def rmsnorm_rows_tile(xs, wb, nt, eps):
+def _ring(shape, dtype, name, depth=RING):
+    out = []
+    for i in range(depth):
+        out.append(nl.ndarray(shape, dtype, buffer=nl.sbuf, name=name))
+    return out
+
+
+def rmsnorm_rows_tile(xs, wb, nt, eps, sq=None, y=None, out=None):
     """Residual rows ``xs [P, H]`` SBUF (rows 0..nt-1 valid, activation dtype) -> normed rows ``[P, H]`` SBUF,
-    same dtype (rows 0..nt-1 written)."""
+    same dtype (rows 0..nt-1 written). ``sq``, ``y`` ([P, H] float32) and ``out`` ([P, H] activation dtype) are
+    the work tiles (allocated when not given: a caller pipelining tiles passes ring buffers)."""
     H = xs.shape[1]
-    sq = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_sq")
-    ss = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_ss")
+    if sq == None:
+        sq = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_sq")
+    if y == None:
+        y = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_y")
+    if out == None:
+        out = nl.ndarray((P, H), xs.dtype, buffer=nl.sbuf, name="rmsp_rows")
     nisa.activation(dst=sq[0:nt, :], op=nl.square, data=xs[0:nt, :])
-    nisa.tensor_reduce(dst=ss[0:nt, :], op=nl.add, data=sq[0:nt, :], axis=1)
+    ss = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_ss")
+    nisa.activation_reduce(dst=sq[0:nt, :], op=nl.copy, data=sq[0:nt, :], reduce_op=nl.add, reduce_res=ss[0:nt, :])
     rstd = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_rstd")
     nisa.activation(dst=rstd[0:nt, :], op=nl.rsqrt, data=ss[0:nt, :], scale=1.0 / H, bias=float(eps))
-    y = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_y")
-    nisa.tensor_scalar(dst=y[0:nt, :], data=xs[0:nt, :], op0=nl.multiply, operand0=rstd[0:nt, :])
-    out = nl.ndarray((P, H), xs.dtype, buffer=nl.sbuf, name="rmsp_rows")
+    nisa.activation(dst=y[0:nt, :], op=nl.copy, data=xs[0:nt, :], scale=rstd[0:nt, :])
     nisa.tensor_tensor(dst=out[0:nt, :], data1=y[0:nt, :], data2=wb[0:nt, :], op=nl.multiply)
     return out
 
 
-def feature_major_tile(rows, nt, ident):
-    """Normed rows ``rows [P, H]`` SBUF (rows 0..nt-1) -> ``xT [P, J, P]`` SBUF, same dtype, columns 0..nt-1 =
-    the tile's tokens (exact PE transposes against ``ident`` [P, P])."""
+def feature_major_tile(rows, nt, ident, xt=None, col=0):
+    """Normed rows ``rows [P, H]`` SBUF (rows 0..nt-1) -> their feature-major columns ``col .. col+nt-1`` of
+    ``xt [P, J, C]`` SBUF, same dtype (allocated ``[P, J, P]`` when not given); exact PE transposes against
+    ``ident`` [P, P], four per PSUM bank, one eviction per bank. Returns ``xt``."""
     H = rows.shape[1]
     J = H // P
     per_bank = BANK_COLS // P
-    xt = nl.ndarray((P, J, P), rows.dtype, buffer=nl.sbuf, name="rmsp_xT")
+    if xt == None:
+        xt = nl.ndarray((P, J, P), rows.dtype, buffer=nl.sbuf, name="rmsp_xT")
     for j0 in range(0, J, per_bank):
         j1 = min(J, j0 + per_bank)
         ps = nl.ndarray((P, j1 - j0, P), F32, buffer=nl.psum, name="rmsp_tp")
         for j in range(j0, j1):
             nisa.nc_matmul(dst=ps[:, j - j0, 0:nt], stationary=rows[0:nt, j * P:(j + 1) * P],
                            moving=ident[0:nt, 0:nt], accumulate=False)
-        nisa.tensor_copy(dst=xt[:, j0:j1, 0:nt], src=ps[:, :, 0:nt])
+        nisa.tensor_copy(dst=xt[:, j0:j1, col:col + nt], src=ps[:, :, 0:nt])
     return xt
 
 
 def rmsnorm_prefill_body(x, w1, eps, rows_out=None, xT_out=None):
     """Body: residual chunk ``x [N, H]`` (HBM) -> normed ``rows_out [N, H]`` and/or ``xT_out [P, H/P, N]`` (HBM,
-    activation dtype; module docstring). This core normalises the 128-token tiles c, c + n_cores, ...; both
-    outputs are written by the tile's core only."""
+    activation dtype; module docstring). This core normalises the groups of :data:`GROUP` 128-token tiles c,
+    c + n_cores, ... (so each xT write moves runs of GROUP x 128 tokens per partition and hidden tile); every
+    work tile is a :data:`RING`-deep ring, so the DMA, ACT, DVE and PE work of consecutive tiles overlaps."""
     N, H = x.shape
+    J = H // P
     kernel_assert(H % P == 0, f"rmsnorm_prefill: hidden size {H} is not a multiple of {P}")
     kernel_assert(N * H < 2 ** 31, f"rmsnorm_prefill: x [{N}, {H}] has element offsets beyond int32")
     if rows_out != None:
         kernel_assert(tuple(rows_out.shape) == (N, H), f"rmsnorm_prefill: rows_out has shape "
                                                       f"{list(rows_out.shape)}, expected [{N}, {H}]")
     if xT_out != None:
-        kernel_assert(tuple(xT_out.shape) == (P, H // P, N), f"rmsnorm_prefill: xT_out has shape "
-                                                            f"{list(xT_out.shape)}, expected [{P}, {H // P}, {N}]")
+        kernel_assert(tuple(xT_out.shape) == (P, J, N), f"rmsnorm_prefill: xT_out has shape "
+                                                       f"{list(xT_out.shape)}, expected [{P}, {J}, {N}]")
     n_cores, core = program_sharding()
+    adt = x.dtype
     wb = broadcast_weight(w1, H)
-    ident = nl.shared_identity_matrix(n=P, dtype=x.dtype)
-    for t0 in range(core * P, N, n_cores * P):
-        nt = min(P, N - t0)
-        xs = nl.ndarray((P, H), x.dtype, buffer=nl.sbuf, name="rmsp_x")
-        nisa.dma_copy(dst=xs[0:nt, :], src=x[t0:t0 + nt, :])
-        rows = rmsnorm_rows_tile(xs, wb, nt, eps)
-        if rows_out != None:
-            nisa.dma_copy(dst=rows_out[t0:t0 + nt, :], src=rows[0:nt, :])
+    ident = nl.shared_identity_matrix(n=P, dtype=adt)
+    xs_r, sq_r = _ring((P, H), adt, "rmsp_x"), _ring((P, H), F32, "rmsp_sq")
+    y_r, out_r = _ring((P, H), F32, "rmsp_y"), _ring((P, H), adt, "rmsp_rows")
+    xt_r = _ring((P, J, GROUP * P), adt, "rmsp_xT")
+    k = 0
+    gi = 0
+    for g0 in range(core * GROUP * P, N, n_cores * GROUP * P):
+        gn = min(GROUP * P, N - g0)
+        xt = xt_r[gi % RING]
+        gi = gi + 1
+        for t0 in range(g0, g0 + gn, P):
+            nt = min(P, N - t0)
+            xs = xs_r[k % RING]
+            nisa.dma_copy(dst=xs[0:nt, :], src=x[t0:t0 + nt, :])
+            rows = rmsnorm_rows_tile(xs, wb, nt, eps, sq_r[k % RING], y_r[k % RING], out_r[k % RING])
+            k = k + 1
+            if rows_out != None:
+                nisa.dma_copy(dst=rows_out[t0:t0 + nt, :], src=rows[0:nt, :])
+            if xT_out != None:
+                feature_major_tile(rows, nt, ident, xt, t0 - g0)
         if xT_out != None:
-            xt = feature_major_tile(rows, nt, ident)
-            nisa.dma_copy(dst=xT_out[:, :, t0:t0 + nt], src=xt[:, :, 0:nt])
+            nisa.dma_copy(dst=xT_out[:, :, g0:g0 + gn], src=xt[:, :, 0:gn])
 
 
 @nki.jit
-def rmsnorm_prefill_kernel(x, w1, eps):
-    """HBM wrapper: ``x [N, H]`` activation dtype, ``w1 [P, H/P]`` float32 (one row of ``norms``) -> (``rows
-    [N, H]``, ``xT [P, H/P, N]``), both activation dtype (each tile written by the core that normalised it)."""
+def rmsnorm_prefill_kernel(x, w1, eps, rows=True, xT=True):
+    """HBM wrapper: ``x [N, H]`` activation dtype, ``w1 [P, H/P]`` float32 (one row of ``norms``) -> the requested
+    outputs in this order: ``rows [N, H]`` (``rows``), ``xT [P, H/P, N]`` (``xT``), both activation dtype (each
+    tile written by the core that normalised it). The mixers read xT only, the MoE and the MTP head rows only."""
     N, H = x.shape
-    rows = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="rmsp_rows_out")
-    xT = nl.ndarray((P, H // P, N), x.dtype, buffer=nl.shared_hbm, name="rmsp_xT_out")
-    rmsnorm_prefill_body(x, w1, eps, rows_out=rows, xT_out=xT)
-    return rows, xT
+    kernel_assert(rows or xT, "rmsnorm_prefill: ask for rows, xT or both")
+    outs = ()
+    rows_out = None
+    xT_out = None
+    if rows:
+        rows_out = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="rmsp_rows_out")
+        outs = outs + (rows_out,)
+    if xT:
+        xT_out = nl.ndarray((P, H // P, N), x.dtype, buffer=nl.shared_hbm, name="rmsp_xT_out")
+        outs = outs + (xT_out,)
+    rmsnorm_prefill_body(x, w1, eps, rows_out=rows_out, xT_out=xT_out)
+    return outs
