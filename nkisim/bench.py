@@ -1,12 +1,12 @@
 """Speed benchmark of the interpreter itself (not a test; timings are never asserted).
 
-    python -m nkisim.bench [--quick] [--no-model] [--out bench/nkisim_speed.json]
+    python -m nkisim.bench [--quick] [--out FILE.json]
 
 Measures (1) instructions executed per second on a stream of small DVE/ACT instructions, with and without
 tracing, (2) wall time of a tiled 2048^3 bf16 matmul kernel (numerics on), (3) shape-only trace time and
-rate of a big synthetic kernel (a 4096 x 4096 x 8192 bf16 tiled matmul plus an eviction epilogue), (4) the
-time to trace one full-size Qwen3.6-35B-A3B megakernel decode round (TP=4 x LNC=2, context 4096) in
-shape-only mode, when the project's ``megakernel`` package is importable, and writes the figures to JSON.
+rate of a big synthetic kernel (a 4096 x 4096 x 8192 bf16 tiled matmul plus an eviction epilogue); prints the
+figures (and writes them to ``--out``). The time to trace the project's full-size decode round is the application's
+to measure: ``python -m harness.bench nkisim-speed`` adds it and writes bench/nkisim_speed.json.
 """
 import argparse
 import json
@@ -62,25 +62,7 @@ def _kernels():
     return small_ops, tiled_matmul
 
 
-def _model_round(res):
-    """(4): per-rank argument shapes from meta tensors, then the 8-instance shape-only launch."""
-    import nkisim
-    import megakernel
-    from model.config import preset
-    t0 = time.perf_counter()
-    kernel, args = megakernel.demo_args(preset("qwen3.6-35b-a3b"))
-    t1, c1 = time.perf_counter(), time.process_time()
-    with nkisim.trace.capture() as tr:
-        nkisim.launch(kernel, args, tp=len(args), lnc=2)
-    dt, dc = time.perf_counter() - t1, time.process_time() - c1
-    res["model_round"] = "qwen3.6-35b-a3b megakernel round, TP=4 x LNC=2, T=2, context 4096, shape-only"
-    res["model_round_args_s"] = round(t1 - t0, 2)
-    res["model_round_instructions"] = len(tr.instructions)
-    res["model_round_trace_s"] = round(dt, 2)
-    res["model_round_trace_cpu_s"] = round(dc, 2)
-
-
-def run(quick=False, model=True):
+def run(quick=False):
     import ml_dtypes
     import nkisim
     nkisim.install()
@@ -134,21 +116,22 @@ def run(quick=False, model=True):
     res["shape_only_trace_cpu_s"] = round(dc, 3)
     res["shape_only_instr_per_s"] = round(len(tr.instructions) / dt)
     res["shape_only_instr_per_s_cpu"] = round(len(tr.instructions) / dc)
-    if model and not quick:
-        _model_round(res)
     return res
+
+
+def print_figures(res):
+    w = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k.ljust(w)}  {v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else f"{k.ljust(w)}  {v}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m nkisim.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (CI smoke run)")
-    ap.add_argument("--no-model", action="store_true", help="skip (4), the full-size model round (~15-45 s)")
-    ap.add_argument("--out", default=os.path.join("bench", "nkisim_speed.json"), help="JSON output path")
+    ap.add_argument("--out", help="also write the figures to this JSON file")
     a = ap.parse_args(argv)
-    res = run(quick=a.quick, model=not a.no_model)
-    w = max(len(k) for k in res)
-    for k, v in res.items():
-        print(f"{k.ljust(w)}  {v:,}" if isinstance(v, (int, float)) and not isinstance(v, bool) else f"{k.ljust(w)}  {v}")
+    res = run(quick=a.quick)
+    print_figures(res)
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:

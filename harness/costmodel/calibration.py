@@ -296,7 +296,7 @@ def _seed_context(roots):
     import importlib
     jit = importlib.import_module("nkisim.jit")      # the module (nkisim.jit the attribute is the decorator)
     nkl = roots.get("nki-library")
-    path_before = list(sys.path)        # the package root, and the layer's own directory (bench._import_file)
+    path_before = list(sys.path)        # the package root, and the layer's own directory (kernel_loading._import_file)
     if nkl is not None:
         sys.path.insert(0, os.path.join(os.path.abspath(nkl), "src", "nkilib_src"))
     saved, jit.NESTED_JIT = jit.NESTED_JIT, "warn"
@@ -348,7 +348,7 @@ def kernel_rows(roots, progress=None):
             continue
         if progress:
             progress(k.label)
-        from harness.bench import BadInput, trace_kernel
+        from harness.kernel_loading import BadInput, trace_kernel
         context = _seed_context(roots) if k.repo == "seed" else contextlib.nullcontext()
         try:
             with context:

@@ -174,3 +174,13 @@ def test_predict_on_a_saved_trace_and_calibrate(tmp_path, monkeypatch, capsys):
     assert code == 0, err
     md = (tmp_path / "costmodel_calibration.md").read_text()
     assert "ACT_TABLE_LOAD" in md and "13,331 ns" in md and "not run: no --sdk checkout given" in md
+
+
+def test_nkisim_speed_quick_writes_only_where_asked(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    code, text, _ = run(capsys, "nkisim-speed", "--quick", "--out", out)
+    d = json.loads(out.read_text())
+    assert code == 0 and d["instr_per_s"] > 0 and d["shape_only_instructions"] > 0 and "model_round" not in d
+    assert "instr_per_s_traced" in text
+    code, _, err = run(capsys, "nkisim-speed", "--context", "0")
+    assert code == 2 and err.startswith("error: nkisim-speed: --context")
