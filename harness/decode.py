@@ -3,9 +3,12 @@
     python harness/decode.py                              # embedded tiny model, every variant
     python harness/decode.py --prompt "def main(" --max-new-tokens 48 --variant xla
     python harness/decode.py --model-path DIR --prompt-ids 1,2,3 --json
+    python harness/decode.py --num-draft-tokens 3 --variant megakernel
 
-Each round drafts one token with the MTP head, verifies [pending, draft] with the
-trunk and keeps 1 or 2 tokens; the output equals plain greedy decoding (--no-spec).
+Each round drafts K tokens with the MTP head (--num-draft-tokens, chained: each
+draft runs on the previous one and the head's own hidden), verifies [pending,
+d_1 .. d_K] with the trunk and keeps the longest matching prefix plus one token
+(1 .. K + 1 tokens); the output equals plain greedy decoding (--no-spec).
 Bad input prints one line to stderr and exits with status 2.
 """
 
@@ -30,6 +33,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.engines import ENGINE_NAMES as VARIANT_NAMES  # noqa: E402
 from harness.speculative import DecodeResult, generate, make_decoder  # noqa: E402
+from megakernel.plan import DEFAULT_DRAFTS, MAX_DRAFTS  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "embedded" / "tiny"
@@ -62,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="simulated tensor-parallel degree of every variant (LNC=2 cores per rank; "
                          "default 4 = one trn2 chip)")
     ap.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
+    ap.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
+                    help=f"chained MTP drafts per round, 1..{MAX_DRAFTS} (default {DEFAULT_DRAFTS}); the verify runs "
+                         f"K + 1 tokens")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight/activation dtype")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap.parse_args(argv)
@@ -112,7 +119,7 @@ def build_variants(names, cfg, params, args) -> dict:
     out = {}
     for name in names:
         try:
-            out[name] = make_decoder(name, cfg, params, tp=args.tp)
+            out[name] = make_decoder(name, cfg, params, tp=args.tp, drafts=args.num_draft_tokens)
         except ValueError as e:
             raise UsageError(f"--variant {name}: {e} (every variant is sharded over --tp {args.tp} ranks x 2 "
                              f"cores; try a smaller --tp)") from None
@@ -130,9 +137,16 @@ def run_variant(name, variant, ids, args, cfg) -> tuple[DecodeResult, float, int
     return res, time.perf_counter() - t0, variant.launches
 
 
+def check_args(args) -> None:
+    """Flag values that need no checkpoint (one-line errors, nothing run)."""
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFTS:
+        raise UsageError(f"--num-draft-tokens must be in 1..{MAX_DRAFTS}, found {args.num_draft_tokens}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_args(args)
         from model.weights import CheckpointError, load_checkpoint
         if not args.model_path.is_dir():
             raise UsageError(f"--model-path {args.model_path}: no such directory")
@@ -165,19 +179,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
 
-    mode = "plain greedy" if args.no_spec else "MTP speculation, 1 draft token per round"
+    K = args.num_draft_tokens
+    mode = "plain greedy" if args.no_spec else f"MTP speculation, {K} draft token{'s' if K > 1 else ''} per round"
     print(f"model: {args.model_path}  dtype: {args.dtype}  prompt: {len(ids)} tokens  ({mode})")
     if tokenizer is not None:
         print(f"\n{tokenizer.decode(ids)}\033[1m{tokenizer.decode(first.tokens)}\033[0m\n"
               if sys.stdout.isatty() else f"\n{tokenizer.decode(ids)}{tokenizer.decode(first.tokens)}\n")
     else:
         print(f"tokens: {first.tokens}")
-    print(f"{'variant':<12}{'tokens':>8}{'rounds':>8}{'accept':>9}{'tok/round':>11}{'launches':>10}{'seconds':>9}")
+    pos_cols = "" if args.no_spec else "".join(f"{f'acc d{i + 1}':>9}" for i in range(K))
+    print(f"{'variant':<12}{'tokens':>8}{'rounds':>8}{'accept':>9}{pos_cols}{'tok/round':>11}{'launches':>10}"
+          f"{'seconds':>9}{'round ms p50/p90/p99':>23}")
     for n, (r, s, k) in results.items():
         acc = "-" if args.no_spec else f"{100 * r.acceptance_rate:.1f}%"
+        per = "" if args.no_spec else "".join(f"{100 * a:>8.1f}%" for a in r.acceptance_per_position)
         tpr = "-" if args.no_spec else f"{r.tokens_per_round:.2f}"
         launches = "-" if k is None else str(k)
-        print(f"{n:<12}{len(r.tokens):>8}{r.rounds:>8}{acc:>9}{tpr:>11}{launches:>10}{s:>9.2f}")
+        pct = r.round_time_percentiles()
+        ms = "/".join(f"{pct[q]:.0f}" for q in ("p50", "p90", "p99")) if pct else "-"
+        print(f"{n:<12}{len(r.tokens):>8}{r.rounds:>8}{acc:>9}{per}{tpr:>11}{launches:>10}{s:>9.2f}{ms:>23}")
     if len(results) > 1:
         print("all variants produced identical tokens" if identical else "WARNING: variants disagree")
     return 0 if identical else 1
