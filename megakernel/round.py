@@ -34,7 +34,7 @@ from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
-from nki_kernels.gdn import gdn_body
+from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body
@@ -169,13 +169,18 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
     """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
     all-reduced over the TP x LNC cores."""
+    g = t.gdn
+    wg = None
+    if layer.kind != ATTENTION:     # GDN weights into the launch's arena, issued before the norm: the stream
+        if regs.gdn == None:        # overlaps the previous layer's all-reduce (issue 15)
+            regs.gdn = gdn_weight_tiles(g[0], g[5])
+        wg = gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
     xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs)
     else:
-        g = t.gdn
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
-                     layer=layer.mixer)
+                     layer=layer.mixer, weights=wg)
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs), rg))
@@ -263,10 +268,13 @@ def _forced(best, force):
 
 class Registers(nl.NKIObject):
     """One register pool per launch, reused by every layer's bodies (registers are a per-engine resource: 64 per
-    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's."""
+    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's; and the launch's SBUF arena of
+    GDN weights (``gdn``: ``nki_kernels.gdn.gdn_weight_tiles``, allocated by the first GDN layer, then reused by
+    every GDN layer so its weight DMA waits only for the previous GDN layer's reads)."""
 
     def __init__(self, moe, attention):
         self.moe, self.attention = moe, attention
+        self.gdn = None
 
 
 def _allocate(n):
