@@ -1,5 +1,5 @@
 """NKI dict keys must be strings (SDK nki-language-guide.rst "NKI Values": "Dictionaries with string-value keys",
-"the keys must be string values"). Literal keys are checked in the source (test_strict_rules.py); these tests cover
+"the keys must be string values"). Literal keys are checked in the source (test_kernel_rules.py); these tests cover
 dicts built at run time: seen in the locals of traced functions at ISA calls (passed to a helper, built in it, handed
 back to a caller that calls on), inside NKIObject arguments, and in the kernel's return value. Module-global dicts with
 non-string keys are warned (AWS's nki-library reads enum-keyed global dicts in traced helpers)."""

@@ -1,5 +1,6 @@
-"""Rules and fixes found by the public-kernel sweep (python -m nkisim.public_kernels): refusals that had no test,
-a refused kernel staying refused on every launch, and a DMA self-copy of partly written HBM."""
+"""Engine and operand rules (found by the public-kernel sweep, python -m nkisim.public_kernels): DMA and matmul
+destinations, the matmul contraction dim, GpSimd's reach; a refused kernel stays refused on every launch; a DMA
+self-copy of partly written HBM is not a read of garbage."""
 import warnings
 
 import numpy as np

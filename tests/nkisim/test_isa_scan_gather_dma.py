@@ -1,6 +1,7 @@
-"""Phase-2 ISA ops vs numpy, with a refusal test for every documented constraint: tensor_tensor_scan,
-tensor_scalar_cumulative, tensor_scalar_reduce, range_select, bn_stats/bn_aggr, local_gather, nc_n_gather,
-nc_stream_shuffle, topk, nonzero_with_count, dma_transpose, dma_compute, nc_matmul(is_transpose / double_row)."""
+"""ISA scans, statistics, gathers, top-k, DMA transpose / compute and matmul modes vs numpy, with a refusal test for
+every documented constraint: tensor_tensor_scan, tensor_scalar_cumulative, tensor_scalar_reduce, range_select,
+bn_stats/bn_aggr, local_gather, nc_n_gather, nc_stream_shuffle, topk, nonzero_with_count, dma_transpose,
+dma_compute, nc_matmul(is_transpose / double_row)."""
 import ml_dtypes
 import numpy as np
 import pytest

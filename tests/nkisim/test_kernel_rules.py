@@ -21,7 +21,7 @@ from nkisim.frontend import NkiFrontendWarning
 
 F32 = np.float32
 I32 = np.int32
-HERE = "test_strict_rules.py"
+HERE = "test_kernel_rules.py"
 
 
 def _line(fn, text):
@@ -429,7 +429,7 @@ def _frozen_kernel():
 ])
 def test_class_rule_for_arguments(obj, why):
     x = np.zeros((2, 4), F32)
-    msg = _refused(r"NKI classes: class \w+ \(test_strict_rules.py:\d+\) reaches traced code \(argument #1 of kernel "
+    msg = _refused(r"NKI classes: class \w+ \(test_kernel_rules.py:\d+\) reaches traced code \(argument #1 of kernel "
                    r"k.*'Class Support'", _scale_kernel(), x, obj, Op.skip)
     assert re.search(why, msg), msg
 

@@ -1,5 +1,6 @@
-"""Fixes found by the second public-kernel sweep (nki-library foreach norms, trnsci/trnblas GEMM / SYRK):
-nl.max / nl.min as reduction operators, and nl.load_transpose2d of more than 128 source rows for 4-byte dtypes."""
+"""nl.max / nl.min as reduction operators (and, with a fidelity warning, element-wise ones), and nl.load_transpose2d of
+more than 128 source rows for 4-byte dtypes: fixes found by the second public-kernel sweep (nki-library foreach
+norms, trnsci/trnblas GEMM / SYRK)."""
 import warnings
 
 import numpy as np
