@@ -141,17 +141,3 @@ def pattern_table(V: int, H: int, dtype: str = "bfloat16", period: int = 257, se
     from nkisim import dtypes as _dt
     small = np.random.default_rng(seed).standard_normal((min(period, V), H)).astype(np.float32)
     return np.take(small.astype(_dt.storage(dtype)), np.arange(V) % small.shape[0], axis=0)
-
-
-def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only: bool = False):
-    """(kernel, args) for one rank at the config's shapes: ``embedding_kernel[2]`` over the full
-    (replicated) table ``[V, H]`` and T token ids (0 and V-1 among them). ``tp`` does not change a
-    rank's embedding work (the table is replicated); it is accepted for a uniform trace-report API."""
-    import nkisim
-    V, H = cfg.vocab_size, cfg.hidden_size
-    if shape_only:
-        return embedding_kernel[2], (nkisim.ShapeDtype((V, H), dtype), nkisim.ShapeDtype((T,), "int32"))
-    table = pattern_table(V, H, dtype)
-    ids = (np.arange(T, dtype=np.int64) * 7919 % V).astype(np.int32)
-    ids[0], ids[-1] = 0, V - 1
-    return embedding_kernel[2], (table, ids)

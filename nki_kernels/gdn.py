@@ -82,8 +82,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -608,30 +606,3 @@ def kernel_shapes(cfg, tp=4, T=2, lnc=2, dtype="bfloat16", slots=None):
         "state": ((slots, hv_r, D, D), "float32"),
         "read_slot": ((1, 1), "int32"),
     }
-
-
-def demo_args(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False):
-    """(kernel, args) of one rank's GDN mixer at the config's real shapes, launched LNC=2
-    (``kernel(*args)`` runs it). shape_only: ``nkisim.ShapeDtype`` tensor arguments (trace without data);
-    otherwise seeded random arrays of moderate scale in the kernel layout, read_slot = 1."""
-    shapes = kernel_shapes(cfg, tp=tp, T=T, lnc=2, dtype=dtype)
-    if shape_only:
-        import nkisim
-        args = [nkisim.ShapeDtype(s, d) for s, d in shapes.values()]
-    else:
-        import ml_dtypes
-        rng = np.random.default_rng(0)
-        H = cfg.hidden_size
-        scale = {"x": 1.0, "w_in": H ** -0.5, "conv_w": 0.5, "A_log": 1.0, "dt_bias": 1.0, "norm_w": 1.0,
-                 "w_out": (cfg.linear_num_value_heads // tp * cfg.linear_value_head_dim) ** -0.5, "window": 1.0,
-                 "state": 0.1}
-        args = []
-        for name, (shp, dt) in shapes.items():
-            if name == "read_slot":
-                args.append(np.ones(shp, np.int32))
-                continue
-            a = (rng.standard_normal(shp) * scale[name]).astype(np.float32)
-            if name == "norm_w":
-                a = 1.0 + 0.1 * a
-            args.append(a.astype(ml_dtypes.bfloat16) if dt == "bfloat16" else a)
-    return gdn_kernel[2], tuple(args) + (float(cfg.rms_norm_eps),)

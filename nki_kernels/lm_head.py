@@ -57,14 +57,13 @@ streaming the weight as the moving operand (the weight-stationary alternative ne
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import MOVING_MAX, P, program_sharding
-from nki_kernels.host import as_torch, feature_major
+from nki_kernels.host import as_torch
 
 NB = MOVING_MAX          # vocab columns per matmul: the moving free size = one PSUM bank of fp32
 W_BUFS = 2               # weight-block ring depth (16 KiB per partition each at H = 2048, bf16); see module doc
@@ -253,25 +252,3 @@ def lm_head_layout(w_shard) -> torch.Tensor:
 def rank_lm_head_layout(shards) -> torch.Tensor:
     """Tuple of a rank's per-core shards ``[Vc, H]`` -> ``[n_cores, P, KT*Vc]`` (the wrapper's ``w``)."""
     return torch.stack([lm_head_layout(s) for s in shards])
-
-
-def demo_args(cfg, tp: int = 4, T: int = 2, dtype: str = "bfloat16", shape_only: bool = False):
-    """(kernel, args) for one rank at the config's shapes: ``lm_head_argmax_kernel[2]`` with the rank's
-    two shards ``[2, P, KT*Vc]`` (Vc = V / (2*tp)) and xT ``[P, KT, T]``."""
-    import nkisim
-    H = cfg.hidden_size
-    n_cores = 2 * tp
-    if cfg.vocab_size % n_cores:
-        raise ValueError(f"lm_head: vocab {cfg.vocab_size} does not split over {n_cores} cores")
-    vc = cfg.vocab_size // n_cores
-    KT = H // P
-    if shape_only:
-        return lm_head_argmax_kernel[2], (nkisim.ShapeDtype((P, KT, T), dtype),
-                                          nkisim.ShapeDtype((2, P, KT * vc), dtype))
-    from nkisim import dtypes as _dt
-    rng = np.random.default_rng(0)
-    st = _dt.storage(dtype)
-    h = rng.standard_normal((T, H)).astype(np.float32)
-    base = (rng.standard_normal((1021, H)) / np.sqrt(H)).astype(np.float32)
-    w = np.take(base, np.arange(2 * vc) * 7 % base.shape[0], axis=0).astype(st)
-    return lm_head_argmax_kernel[2], (feature_major(h.astype(st)), rank_lm_head_layout((w[:vc], w[vc:])))

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import nkisim
+from compare import assert_close
 from model.config import LINEAR, preset
 from model.params import random_params
 from model.tp.gdn import GdnDims, gdn_rank, shard_gdn
@@ -119,15 +120,16 @@ def check(r):
     assert torch.equal(r["state_out"], r["state"]) and torch.equal(r["window_out"], r["window"])
     # untouched slots
     assert torch.equal(r["state"][T:], r["state0"][T:]) and torch.equal(r["window"][T:], r["window0"][T:])
-    ey, es = _nmax(ysum, part), _nmax(r["state"][:T], r["sts"])
+    bf16 = dtype == torch.bfloat16
+    ey = assert_close(ysum, part, rel=3e-2 if bf16 else 1e-4, name="y vs twin")
+    es = assert_close(r["state"][:T], r["sts"], rel=5e-3 if bf16 else 1e-4, name="state vs twin")
     rmse = ((ysum - part).norm() / part.norm()).item()
     kw, rw = r["window"][:T].float(), r["wins"].float()
     dw = (kw - rw).abs()
-    if dtype == torch.float32:
-        assert ey <= 1e-4 and es <= 1e-4, (ey, es)
+    if not bf16:
         assert _nmax(kw, rw) <= 1e-5
     else:
-        assert ey <= 3e-2 and rmse <= 1e-2 and es <= 5e-3, (ey, rmse, es)
+        assert rmse <= 1e-2, rmse
         assert (dw <= 2.0 ** -7 * rw.abs() + 1e-5 * rw.abs().max()).all()
         assert (dw > 0).float().mean() <= 0.01
     return ey, es
@@ -203,8 +205,14 @@ def test_read_slot_is_runtime_data():
 # trace at real shapes: bytes moved, LNC split, read/write protocol
 # ---------------------------------------------------------------------------------------------
 
+def shape_only_launch(cfg, tp=4, T=2, dtype="bfloat16"):
+    """(kernel, args) of one rank's GDN mixer at the config's shapes, LNC=2, ``nkisim.ShapeDtype`` tensors."""
+    shapes = kg.kernel_shapes(cfg, tp=tp, T=T, lnc=2, dtype=dtype)
+    return kg.gdn_kernel[2], tuple(nkisim.ShapeDtype(s, d) for s, d in shapes.values()) + (float(cfg.rms_norm_eps),)
+
+
 def _trace(T, dtype="bfloat16"):
-    kern, args = kg.demo_args(real_cfg(), tp=4, T=T, dtype=dtype, shape_only=True)
+    kern, args = shape_only_launch(real_cfg(), tp=4, T=T, dtype=dtype)
     with nkisim.trace.capture() as tr:
         kern(*args)
     return tr, dict(zip(ARG, args))
@@ -272,7 +280,7 @@ def test_shared_key_head_uses_barrier_and_single_writer():
     """Tiny TP=4: one key head per rank, shared by both cores. Both compute it, only core 0 writes its
     window columns, and a core_barrier separates the reads from the checkpoint writes."""
     cfg, _ = layer_params("tiny")
-    kern, args = kg.demo_args(cfg, tp=4, T=2, dtype="float32", shape_only=True)
+    kern, args = shape_only_launch(cfg, tp=4, T=2, dtype="float32")
     with nkisim.trace.capture() as tr:
         kern(*args)
     assert sum(1 for r in tr.instructions if r["op"] == "core_barrier") == 2
