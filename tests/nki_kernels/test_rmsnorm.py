@@ -108,8 +108,8 @@ def shape_only_launch(cfg, T=2, dtype="bfloat16"):
 
 
 def test_trace_real_shapes():
-    """Per core at H=2048: 17 PE (16 transposes + 1 partition sum), 2 ACT in one table group, 3 DVE compute
-    ops; HBM: x read (the wrapper's), 8 KiB of weight, xT written -- independent of T except x/xT."""
+    """Per core at H=2048: 17 PE (16 transposes + 1 partition sum), 3 ACT in one table group (the first warms
+    the table from a GpSimd memset, independent of x), 3 DVE compute ops; HBM: x read (the wrapper's), 8 KiB of weight, xT written -- independent of T except x/xT."""
     cfg = preset("qwen3.6-35b-a3b")
     for T in (1, 4):
         kern, args = shape_only_launch(cfg, T=T)
@@ -119,7 +119,10 @@ def test_trace_real_shapes():
         count = lambda e, op: sum(1 for r in core0 if r["engine"] == e and r["op"] == op)  # noqa: E731
         assert count("PE", "nc_matmul") == 17
         acts = [r["func"] for r in core0 if r["engine"] == "ACT"]
-        assert acts == ["square", "rsqrt"]
+        assert acts == ["rsqrt", "square", "rsqrt"]
+        warm = [r for r in core0 if r["engine"] == "ACT"][0]
+        assert [r["name"] for r in warm["reads"]] == ["rms_act_warm"]     # reads nothing derived from x
+        assert count("POOL", "memset") == 1
         assert count("DVE", "tensor_tensor") == 2 and count("DVE", "tensor_reduce") == 1
         w_bytes = sum(r["bytes"]["shared_hbm"]["read"] for r in core0
                       if r["op"] == "dma_copy" and r["reads"][0]["name"] == "arg1")
