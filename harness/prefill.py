@@ -188,20 +188,20 @@ def floor_us(cfg, plan, tp=4, lnc=2, dtype="bfloat16"):
     return total / 1e3
 
 
-def baseline_us(n):
-    """Teacher-forced prefill through the decode launches: (band us, launches, source) or None without a stored
-    round prediction."""
+def baseline_us(n, model):
+    """Teacher-forced prefill through the decode launches: (band us, launches, source); band and source None
+    without a stored round prediction of ``model``."""
     path = BENCH / "costmodel_predict.json"
     launches = 1 + math.ceil((n - 1) / 2)
-    if not path.exists():
+    d = json.loads(path.read_text()) if path.exists() else {}
+    if d.get("model") != model:
         return None, launches, None
-    d = json.loads(path.read_text())
     return (_scale(d["round_us"], launches), launches,
             f"{launches} launches x the round at context {d['context']} (bench/costmodel_predict.json, "
             f"{d.get('measured_commit')}); a lower bound: rounds at longer contexts cost more")
 
 
-def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None):
+def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, model=None):
     """The time-to-first-token prediction of an n-token prompt (module docstring) as a dict."""
     from harness.costmodel import constants as C
     from megakernel.prefill import CHUNK, prefill_plan
@@ -252,13 +252,13 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None):
         chunk_band = _band_sum([b for key, v in parts.items() for b in v[before.get(key, 0):]])
         chunks.append({"start": ch.start, "tokens": N, "us": chunk_band})
     ttft = _band_sum([c["us"] for c in chunks])
-    base, base_launches, base_src = baseline_us(n)
+    base, base_launches, base_src = baseline_us(n, model)
     return {"context": n, "chunk": chunk, "chunks": len(plan.chunks), "ttft_us": ttft,
             "parts_us": {k: _band_sum(v) for k, v in parts.items()}, "per_chunk_us": chunks,
             "launches": launches, "extrapolated_starts": extrapolated,
             "baseline_us": base, "baseline_launches": base_launches, "baseline_source": base_src,
             "floor_us": floor_us(cfg, plan, tp, lnc, dtype), "tp": tp, "lnc": lnc, "dtype": dtype,
-            "model": getattr(cfg, "name", None)}
+            "model": model}
 
 
 # ---- the bench subcommand ---------------------------------------------------------------------------------------
@@ -268,7 +268,8 @@ def add_arguments(p):
     p.add_argument("--chunk", type=int, default=None, help="prompt tokens per prefill chunk (default 4096; a "
                                                             "multiple of 64); a shorter prompt is one chunk")
     p.add_argument("--model", default="qwen3.6-35b-a3b", help="model.config preset (default qwen3.6-35b-a3b)")
-    p.add_argument("--json", action="store_true", help="print the JSON (also written to bench/prefill.json)")
+    p.add_argument("--json", action="store_true", help="print the JSON (also written to --output)")
+    p.add_argument("--output", type=Path, default=BENCH / "prefill.json", help="JSON file (default bench/prefill.json)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -311,9 +312,9 @@ def cmd(a):
     for n in a.context:
         if progress:
             progress(f"context {n:,}")
-        rows.append(predict(cfg, n, a.chunk, progress=progress))
-    BENCH.mkdir(exist_ok=True)
-    (BENCH / "prefill.json").write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
+        rows.append(predict(cfg, n, a.chunk, progress=progress, model=a.model))
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+    a.output.write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
     if a.json:
         print(json.dumps(rows if len(rows) > 1 else rows[0], indent=1))
         return 0
@@ -326,7 +327,7 @@ def cmd(a):
                   f"{MAX_TRACED_START:,}) from the traced chunks, linear in the start")
         if r["baseline_source"]:
             print(f"  baseline: {r['baseline_source']}")
-    print("\nwrote bench/prefill.json")
+    print(f"\nwrote {a.output}")
     return 0
 
 
