@@ -38,8 +38,6 @@ Under LNC=2 both physical cores normalise the same residual (each needs the whol
 
 from __future__ import annotations
 
-import numpy as np
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -130,26 +128,3 @@ def rmsnorm_kernel(x, w1, eps):
     xT = rmsnorm_body(x_sb, w1, eps)
     nisa.dma_copy(dst=out[c], src=xT)
     return out
-
-
-def demo_args(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False):
-    """(kernel, args) of one rank's input RMSNorm at the config's real shapes, launched LNC=2.
-
-    The norm is replicated on every rank and core, so ``tp`` does not change the shapes.
-    With shape_only the tensor arguments are ``nkisim.ShapeDtype`` (trace without data).
-    """
-    H = cfg.hidden_size
-    shapes = {"x": ((T, H), dtype), "w1": ((P, H // P), "float32")}
-    if shape_only:
-        import nkisim
-        args = [nkisim.ShapeDtype(s, d) for s, d in shapes.values()]
-    else:
-        rng = np.random.default_rng(0)
-        args = [_np_random(rng, s, d) for s, d in shapes.values()]
-    return rmsnorm_kernel[2], tuple(args) + (float(cfg.rms_norm_eps),)
-
-
-def _np_random(rng, shape, dtype, scale=1.0):
-    import ml_dtypes
-    a = (rng.standard_normal(shape) * scale).astype(np.float32)
-    return a.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else a
