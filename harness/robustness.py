@@ -256,15 +256,15 @@ def _cmd(a) -> int:
     out_path = Path(a.out) if a.out else root / "bench" / "robustness.json"
     bar = tqdm(total=len(models) * len(variants) * a.prompts, desc="robustness", unit="prompt", file=sys.stderr,
                disable=a.quiet or a.json)
-    t0 = time.time()
-    report = run(load_models(models, a.prompts), variants, a.tokens, setting.to_dict(), tp=a.tp,
-                 progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
-    bar.close()
-    try:
+    try:        # read before the run: the code measured is the checkout's when it starts
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
+    t0 = time.time()
+    report = run(load_models(models, a.prompts), variants, a.tokens, setting.to_dict(), tp=a.tp,
+                 progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+    bar.close()
     doc = {"command": "python -m harness.bench robustness " + " ".join(getattr(a, "argv", []) or []),
            "commit": commit, "numerics": setting.to_dict(), "tp": a.tp, "lnc": 2, "tokens": a.tokens,
            "seconds": round(time.time() - t0, 1), "models": report}
