@@ -32,7 +32,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from harness.engines import ENGINE_NAMES as VARIANT_NAMES  # noqa: E402
-from harness.speculative import DecodeResult, generate, make_decoder  # noqa: E402
+from harness import prefill  # noqa: E402
+from harness.speculative import DecodeResult, generate  # noqa: E402
 from megakernel.plan import DEFAULT_DRAFTS, MAX_DRAFTS  # noqa: E402
 from model.config import ConfigError  # noqa: E402
 
@@ -70,7 +71,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"chained MTP drafts per round, 1..{MAX_DRAFTS} (default {DEFAULT_DRAFTS}); the verify runs "
                          f"K + 1 tokens")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight/activation dtype")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--prefill", default="auto", choices=["auto", "nki", "host", "teacher-forced"],
+                    help="how the prompt is encoded: nki = the NKI prefill kernels, chunk by chunk (harness/prefill.py); "
+                         "host = the PyTorch model on the host hands its state over; teacher-forced = through the "
+                         "decode launches; auto (default) = nki for layerwise / megakernel, host for xla")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens per NKI prefill chunk (a multiple of 64; default 4096)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text (with the prefill's "
+                                                        "predicted trn2 time: a few shape-only traces)")
     return ap.parse_args(argv)
 
 
@@ -119,8 +127,11 @@ def build_variants(names, cfg, params, args) -> dict:
     out = {}
     for name in names:
         try:
-            out[name] = make_decoder(name, cfg, params, tp=args.tp, drafts=args.num_draft_tokens)
+            out[name] = prefill.make_variant(name, cfg, params, args.tp, args.prefill, args.prefill_chunk,
+                                             drafts=args.num_draft_tokens)
         except ValueError as e:
+            if str(e).startswith(("--prefill", "prefill:")):
+                raise UsageError(str(e)) from None
             raise UsageError(f"--variant {name}: {e} (every variant is sharded over --tp {args.tp} ranks x 2 "
                              f"cores; try a smaller --tp)") from None
     return out
@@ -141,6 +152,22 @@ def check_args(args) -> None:
     """Flag values that need no checkpoint (one-line errors, nothing run)."""
     if not 1 <= args.num_draft_tokens <= MAX_DRAFTS:
         raise UsageError(f"--num-draft-tokens must be in 1..{MAX_DRAFTS}, found {args.num_draft_tokens}")
+
+
+def predicted_prefill(cfg, ids, args, variants) -> dict:
+    """{variant: predicted trn2 prefill band (us)} of the variants that prefill on the device: the NKI pass from
+    shape-only traces at this checkpoint's shapes (``harness.prefill.predict``), or the teacher-forced rounds."""
+    out = {}
+    for name, v in variants.items():
+        backend = prefill.backend_of(name, args.prefill)
+        if backend == "nki":
+            try:
+                out[name] = prefill.predict(cfg, len(ids), args.prefill_chunk, tp=args.tp)["ttft_us"]
+            except ValueError:      # a kernel's demo shapes do not exist at this --tp: no prediction
+                out[name] = None
+        elif backend == "teacher-forced":
+            out[name] = prefill.baseline_us(len(ids), None)[0]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         out = first.to_dict()
         out["variant"] = names[0]
-        out["variants"] = {n: {**r.to_dict(), "seconds": round(s, 3), "launches": k}
+        predicted = predicted_prefill(cfg, ids, args, variants)
+        out["variants"] = {n: {**r.to_dict(), "seconds": round(s, 3), "launches": k,
+                               "prefill": prefill.report(variants[n], len(ids), predicted.get(n))}
                            for n, (r, s, k) in results.items()}
         out["identical_tokens"] = identical
         if tokenizer is not None:

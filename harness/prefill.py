@@ -368,7 +368,43 @@ def _decoder_class():
     return NkiPrefillDecoder
 
 
-def nki_decoder(name: str, cfg, params, tp: int = 4, lnc: int = 2, chunk: int | None = None):
-    """The ``name`` variant (layerwise | megakernel) with its prefill through the NKI prefill kernels."""
+def nki_decoder(name: str, cfg, params, tp: int = 4, lnc: int = 2, chunk: int | None = None, **engine_kw):
+    """The ``name`` variant (layerwise | megakernel) with its prefill through the NKI prefill kernels
+    (``engine_kw``: further ``harness.engines.make_engine`` options, e.g. ``drafts``)."""
     from harness.engines import make_engine
-    return _decoder_class()(make_engine(name, cfg, params, tp=tp, lnc=lnc), chunk)
+    return _decoder_class()(make_engine(name, cfg, params, tp=tp, lnc=lnc, **engine_kw), chunk)
+
+
+def backend_of(variant: str, mode: str) -> str:
+    """The prefill backend a decode.py variant uses for ``--prefill mode`` (auto: the NKI prefill kernels for the
+    kernel variants, the host PyTorch model -- "xla" -- for the xla variant)."""
+    if mode == "auto":
+        return "xla" if variant == "xla" else "nki"
+    if mode == "nki" and variant == "xla":
+        raise ValueError("--prefill nki: the xla variant has no NKI kernels (use auto, host or teacher-forced)")
+    return "xla" if mode == "host" else mode
+
+
+def make_variant(variant: str, cfg, params, tp: int, mode: str = "auto", chunk: int | None = None, **engine_kw):
+    """A decode.py variant with the prefill of ``--prefill mode`` (:func:`backend_of`); ``engine_kw`` go to the
+    engine (e.g. ``drafts``)."""
+    from harness.speculative import make_decoder
+    backend = backend_of(variant, mode)
+    if backend == "nki":
+        return nki_decoder(variant, cfg, params, tp=tp, chunk=chunk, **engine_kw)
+    v = make_decoder(variant, cfg, params, tp=tp, **engine_kw)
+    if backend == "teacher-forced":
+        v.reference = None
+    return v
+
+
+def report(decoder, n: int, predicted=None) -> dict:
+    """decode.py's ``prefill`` JSON object of a decoder after a run on an n-token prompt: backend, launches (NKI
+    kernel launches; teacher-forced: decode launches; host: 0), chunks, predicted_us (trn2 band or None)."""
+    from megakernel.plan import teacher_forced_launches
+    info = getattr(decoder, "prefill_info", None)
+    if info is not None:
+        return {**info, "predicted_us": predicted}
+    if decoder.reference is None:
+        return {"backend": "teacher-forced", "launches": len(teacher_forced_launches(n)), "predicted_us": predicted}
+    return {"backend": "xla", "launches": 0, "predicted_us": None}
