@@ -9,6 +9,12 @@ Each round drafts K tokens with the MTP head (--num-draft-tokens, chained: each
 draft runs on the previous one and the head's own hidden), verifies [pending,
 d_1 .. d_K] with the trunk and keeps the longest matching prefix plus one token
 (1 .. K + 1 tokens); the output equals plain greedy decoding (--no-spec).
+
+    python harness/decode.py --variant xla --temperature 0.7 --top-k 20 --top-p 0.9 --seed 1 --num-samples 4
+
+Sampling (xla variant): the drafts are sampled from the MTP head and the standard
+speculative rejection rule keeps the committed tokens distributed exactly as plain
+sampling from the model (harness/sampling.py); the same --seed gives the same tokens.
 Bad input prints one line to stderr and exits with status 2.
 """
 
@@ -33,6 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 from harness.engines import ENGINE_NAMES as VARIANT_NAMES  # noqa: E402
 from harness import prefill  # noqa: E402
+from harness.sampling import Sampling  # noqa: E402
 from harness.speculative import DecodeResult, generate  # noqa: E402
 from megakernel.plan import DEFAULT_DRAFTS, MAX_DRAFTS  # noqa: E402
 from model.config import ConfigError  # noqa: E402
@@ -70,6 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
                     help=f"chained MTP drafts per round, 1..{MAX_DRAFTS} (default {DEFAULT_DRAFTS}); the verify runs "
                          f"K + 1 tokens")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (default 0: greedy); > 0 samples (xla variant)")
+    ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (>= 1)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0); sample i uses seed + i")
+    ap.add_argument("--num-samples", type=int, default=1, metavar="N",
+                    help="independent sampled sequences from the same prompt (default 1; --json: 'samples')")
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight/activation dtype")
     ap.add_argument("--prefill", default="auto", choices=["auto", "nki", "host", "teacher-forced"],
                     help="how the prompt is encoded: nki = the NKI prefill kernels, chunk by chunk (harness/prefill.py); "
@@ -137,21 +151,42 @@ def build_variants(names, cfg, params, args) -> dict:
     return out
 
 
-def run_variant(name, variant, ids, args, cfg) -> tuple[DecodeResult, float, int | None]:
+def run_variant(name, variant, ids, args, cfg, sampling=None, sample: int = 0
+                ) -> tuple[DecodeResult, float, int | None]:
     """Decode with one variant: (result, seconds, launches: NKI kernel launches, or XLA graphs for xla)."""
     bar = tqdm(total=args.max_new_tokens, desc=f"{name:>10}", unit="tok", leave=False,
                disable=args.json or not sys.stderr.isatty())
-    t0 = time.perf_counter()
+    t0, launches0 = time.perf_counter(), variant.launches
     res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec,
-                   on_tokens=lambda toks: bar.update(len(toks)))
+                   on_tokens=lambda toks: bar.update(len(toks)), sampling=sampling, sample=sample)
     bar.close()
-    return res, time.perf_counter() - t0, variant.launches
+    return res, time.perf_counter() - t0, variant.launches - launches0
 
 
-def check_args(args) -> None:
-    """Flag values that need no checkpoint (one-line errors, nothing run)."""
+SAMPLING_VARIANTS = ("xla",)
+
+
+def check_args(args) -> Sampling | None:
+    """Flag values that need no checkpoint (one-line errors, nothing run) -> the sampling settings (None: greedy)."""
     if not 1 <= args.num_draft_tokens <= MAX_DRAFTS:
         raise UsageError(f"--num-draft-tokens must be in 1..{MAX_DRAFTS}, found {args.num_draft_tokens}")
+    if not args.temperature >= 0:
+        raise UsageError(f"--temperature must be >= 0, found {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, found {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], found {args.top_p}")
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, found {args.num_samples}")
+    sampling_flags = args.top_k is not None or args.top_p != 1 or args.num_samples > 1
+    if args.temperature == 0:
+        if sampling_flags:
+            raise UsageError("--top-k / --top-p / --num-samples need --temperature > 0 (temperature 0 is greedy)")
+        return None
+    if args.variant not in SAMPLING_VARIANTS:
+        raise UsageError(f"sampling (--temperature > 0) runs on --variant {' / '.join(SAMPLING_VARIANTS)} only; the "
+                         f"kernel variants decode greedily (got --variant {args.variant})")
+    return Sampling(args.temperature, args.top_k or 0, args.top_p, args.seed)
 
 
 def predicted_prefill(cfg, ids, args, variants) -> dict:
@@ -173,7 +208,7 @@ def predicted_prefill(cfg, ids, args, variants) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        check_args(args)
+        sampling = check_args(args)
         from model.weights import CheckpointError, load_checkpoint
         if not args.model_path.is_dir():
             raise UsageError(f"--model-path {args.model_path}: no such directory")
@@ -191,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode.py: error: {e}", file=sys.stderr)
         return 2
 
-    results = {name: run_variant(name, v, ids, args, cfg) for name, v in variants.items()}
+    results = {name: run_variant(name, v, ids, args, cfg, sampling) for name, v in variants.items()}
     first = results[names[0]][0]
+    samples = [first.tokens]
+    for i in range(1, args.num_samples):
+        samples.append(run_variant(names[0], variants[names[0]], ids, args, cfg, sampling, i)[0].tokens)
     identical = all(r.tokens == first.tokens for r, _, _ in results.values())
 
     if args.json:
@@ -203,19 +241,27 @@ def main(argv: list[str] | None = None) -> int:
                                "prefill": prefill.report(variants[n], len(ids), predicted.get(n))}
                            for n, (r, s, k) in results.items()}
         out["identical_tokens"] = identical
+        if sampling is not None:
+            out["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k or None,
+                               "top_p": sampling.top_p, "seed": sampling.seed}
+            out["samples"] = samples
         if tokenizer is not None:
             out["text"] = tokenizer.decode(first.tokens)
         print(json.dumps(out))
         return 0
 
     K = args.num_draft_tokens
-    mode = "plain greedy" if args.no_spec else f"MTP speculation, {K} draft token{'s' if K > 1 else ''} per round"
+    mode = "plain" if args.no_spec else f"MTP speculation, {K} draft token{'s' if K > 1 else ''} per round"
+    mode += ", greedy" if sampling is None else (f", sampling T={sampling.temperature} top-k={sampling.top_k or '-'} "
+                                                 f"top-p={sampling.top_p} seed={sampling.seed}")
     print(f"model: {args.model_path}  dtype: {args.dtype}  prompt: {len(ids)} tokens  ({mode})")
     if tokenizer is not None:
         print(f"\n{tokenizer.decode(ids)}\033[1m{tokenizer.decode(first.tokens)}\033[0m\n"
               if sys.stdout.isatty() else f"\n{tokenizer.decode(ids)}{tokenizer.decode(first.tokens)}\n")
     else:
         print(f"tokens: {first.tokens}")
+    for i, toks in enumerate(samples[1:], start=1):
+        print(f"sample {i} (seed {sampling.seed + i}): " + (repr(tokenizer.decode(toks)) if tokenizer else str(toks)))
     pos_cols = "" if args.no_spec else "".join(f"{f'acc d{i + 1}':>9}" for i in range(K))
     print(f"{'variant':<12}{'tokens':>8}{'rounds':>8}{'accept':>9}{pos_cols}{'tok/round':>11}{'launches':>10}"
           f"{'seconds':>9}{'round ms p50/p90/p99':>23}")

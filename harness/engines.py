@@ -18,6 +18,7 @@ invariant tests).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,10 @@ class LaunchResult:
     drafts: list[int]     # the K drafts (round; forced ones as forced) or [pending token] (step)
     targets: list[int]    # greedy token after each verified token (K + 1 for a round, 1 for a step)
     hidden: torch.Tensor  # [T, H] post-final-norm trunk hidden of the verified tokens
+    # sampled launches only (an engine with ``sampling``; harness.sampling): the drafts' processed distributions
+    # [K, V] float64 they were drawn from, and the verify's logits [T, V] float32
+    draft_probs: torch.Tensor | None = None
+    target_logits: torch.Tensor | None = None
 
 
 def read_outputs(drafts, targets, hidden) -> LaunchResult:
@@ -115,11 +120,18 @@ class HostEngine:
 
     def run(self, mode: str, inputs: dict) -> LaunchResult:
         plan = self.plan(mode)
+        inputs = dict(inputs)
+        noise = inputs.pop("draft_noise", None)
+        if (noise is not None) != (getattr(self, "sampling", None) is not None and mode == "round"):
+            raise ValueError(f"{self.name}: draft_noise goes with sampled rounds (engine sampling "
+                             f"{getattr(self, 'sampling', None)}, mode {mode})")
         if set(inputs) != set(rp.input_names(mode)):
             raise ValueError(f"{self.name}: {mode} inputs {sorted(inputs)} differ from {sorted(rp.input_names(mode))}")
         if mode == "round" and inputs["force"].shape[0] != plan.drafts:
             raise ValueError(f"{self.name}: round inputs for {inputs['force'].shape[0]} drafts, the engine runs "
                              f"{plan.drafts}")
+        if noise is not None:
+            inputs["draft_noise"] = noise
         return self._run(plan, inputs)
 
 
@@ -140,9 +152,12 @@ class MegakernelEngine(HostEngine):
 
 
 class XlaEngine(HostEngine):
-    """The plan as plain PyTorch (``harness.xla.forward``), one thread per rank, no custom kernels."""
+    """The plan as plain PyTorch (``harness.xla.forward``), one thread per rank, no custom kernels. The one variant
+    that samples (``sampling``: a ``harness.sampling.Sampling``, set by the host; rounds then take ``draft_noise``
+    [K, V] float64 and return the distributions ``harness.sampling.accept`` needs)."""
 
     name = "xla"
+    sampling = None
 
     def rank_weights(self, params, rank):
         from harness import xla
@@ -152,15 +167,19 @@ class XlaEngine(HostEngine):
         from harness import xla
         rt = {k: as_torch(v) for k, v in inputs.items()}
         world = xla.ThreadWorld(self.tp)
+        sampling = self.sampling
 
         def rank(r, coll, w, st):
-            return xla.forward(self.cfg, plan, w, st, rt, coll)
+            return xla.forward(self.cfg, plan, w, st, rt, coll, sampling)
 
         self.launches += 1                  # one graph per launch (as the NxDI xla backend runs it)
         outs = world.run(rank, [(w, st) for w, st in zip(self.weights, self.states)])
         for st, out in zip(self.states, outs):
             st.update(out[3])
-        return read_outputs(*outs[0][:3])
+        res = read_outputs(*outs[0][:3])
+        if sampling is None:
+            return res
+        return dataclasses.replace(res, draft_probs=outs[0][4], target_logits=outs[0][5])
 
 
 class LayerwiseEngine(HostEngine):

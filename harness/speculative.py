@@ -5,6 +5,11 @@ round of K chained drafts d_1 .. d_K verifies [x, d_1 .. d_K] and gets the targe
 greedy token after the first j + 1 of them). It emits y_0 (always right) and, for the longest prefix of drafts
 with d_j = y_{j-1} (n of them), y_1 .. y_n as well: n + 1 tokens, the last one the bonus / correction token.
 
+Sampling (``generate(..., sampling=Sampling(temperature > 0, ...))``, the xla variant): the drafts are drawn from
+the MTP head's processed distributions inside the launch and the host applies the standard speculative rejection
+rule to the verify's distributions (``harness.sampling``): the committed tokens are distributed exactly as plain
+sampling from the target model.
+
 :class:`Decoder` is the one host side of every variant: the slot bookkeeping (:class:`SlotBook`), the accept rule
 (:func:`accepted_count`), the run-time inputs of each launch (``megakernel.plan.round_inputs`` / ``step_inputs``)
 and the prefill: on the host with the reference model when the engine takes a state (``load_state``), otherwise
@@ -20,6 +25,7 @@ from typing import Callable
 import torch
 
 from harness.engines import LaunchResult
+from harness.sampling import Sampling, accept, draw, gumbel, probabilities
 from megakernel import plan as rp
 from model.reference import ReferenceModel
 from model.state import DecodeState
@@ -74,6 +80,14 @@ class Decoder:
         self.drafts = getattr(engine, "drafts", rp.DEFAULT_DRAFTS)
         self.reference = reference if hasattr(engine, "load_state") else None
         self.slots = SlotBook(self.drafts + 1)
+        self.first_logits = None    # logits [V] of the token after the prompt (set by prefill)
+
+    def set_sampling(self, sampling) -> None:
+        """Sampled launches (a ``harness.sampling.Sampling`` with temperature > 0) or greedy ones (None). Only an
+        engine with a ``sampling`` attribute samples (``harness.engines.XlaEngine``)."""
+        if not hasattr(self.engine, "sampling"):
+            raise ValueError(f"variant {self.name} decodes greedily only (sampling: --variant xla)")
+        self.engine.sampling = sampling
 
     @property
     def launches(self) -> int:
@@ -92,7 +106,8 @@ class Decoder:
         state = DecodeState.empty(cfg, max_len, slots=self.slots.slots, dtype=ref.dtype)
         ids = torch.tensor(prompt, dtype=torch.long)
         h = ref.trunk(ids, state, 0, chunked=True)
-        first = int(torch.argmax(ref.logits(h[-1:]), dim=-1))
+        self.first_logits = ref.logits(h[-1:])[0]
+        first = int(torch.argmax(self.first_logits))
         if cfg.mtp_num_hidden_layers and len(prompt) > 1:
             ref.mtp(ids[1:], h[:-1], state, 0)
         self.engine.load_state(state)
@@ -105,16 +120,24 @@ class Decoder:
                 out = self._launch_step(prompt[launch.pos], launch.pos)
             else:
                 forced = None if launch.forced is None else prompt[launch.forced:launch.forced + launch.accepted - 1]
-                out = self.round(prompt[launch.pos], hidden, launch.pos, forced)
+                noise = None    # sampled launches: the unforced drafts are never committed here; no noise
+                if getattr(self.engine, "sampling", None) is not None:
+                    noise = torch.zeros(self.drafts, self.cfg.vocab_size, dtype=torch.float64)
+                out = self.round(prompt[launch.pos], hidden, launch.pos, forced, noise)
             self.slots.commit(launch.accepted)
             hidden, last = out.hidden[launch.accepted - 1], launch.accepted
+        self.first_logits = None if out.target_logits is None else out.target_logits[last - 1]
         return out.targets[last - 1], hidden
 
-    def round(self, pending: int, hidden: torch.Tensor, pos: int, forced_draft=None) -> LaunchResult:
-        """One speculative round (``forced_draft``: ``plan.forced_drafts``); the host then commits 1 .. K + 1
-        tokens (:meth:`commit`)."""
-        return self.engine.run("round", rp.round_inputs(self.cfg, self.engine.dtype, pending, hidden, pos,
-                                                        self.slots.read_slot, forced_draft, self.drafts))
+    def round(self, pending: int, hidden: torch.Tensor, pos: int, forced_draft=None, draft_noise=None
+              ) -> LaunchResult:
+        """One speculative round (``forced_draft``: ``plan.forced_drafts``; ``draft_noise`` [K, V] float64 Gumbel
+        noise of a sampled round); the host then commits 1 .. K + 1 tokens (:meth:`commit`)."""
+        inputs = rp.round_inputs(self.cfg, self.engine.dtype, pending, hidden, pos, self.slots.read_slot,
+                                 forced_draft, self.drafts)
+        if draft_noise is not None:
+            inputs["draft_noise"] = draft_noise
+        return self.engine.run("round", inputs)
 
     def _launch_step(self, token: int, pos: int) -> LaunchResult:
         return self.engine.run("step", rp.step_inputs(self.cfg, token, pos, self.slots.read_slot, self.slots.slots))
@@ -124,6 +147,22 @@ class Decoder:
         out = self._launch_step(token, pos)
         self.slots.commit(1)
         return out.targets[0], out.hidden[0]
+
+    def sampled_step(self, token: int, pos: int, sampling, gen: torch.Generator) -> tuple[int, torch.Tensor]:
+        """Plain sampled decode of one token at ``pos``: (next token drawn from the target, its hidden [H])."""
+        out = self._launch_step(token, pos)
+        self.slots.commit(1)
+        return draw(probabilities(out.target_logits, sampling)[0], gen), out.hidden[0]
+
+    def sampled_round(self, pending: int, hidden: torch.Tensor, pos: int, sampling, gen: torch.Generator
+                      ) -> tuple[list[int], LaunchResult]:
+        """One sampled round: Gumbel noise for the drafts, the launch, the rejection rule, the commit. Returns (the
+        committed tokens, the launch result)."""
+        noise = gumbel(gen, (self.drafts, self.cfg.vocab_size))
+        r = self.round(pending, hidden, pos, None, noise)
+        tokens = accept(r.drafts, r.draft_probs, probabilities(r.target_logits, sampling), gen)
+        self.commit(len(tokens))
+        return tokens, r
 
     def commit(self, accepted: int) -> None:
         """Keep the first ``accepted`` (1 .. K + 1) verified tokens' state."""
@@ -196,20 +235,34 @@ class DecodeResult:
 
 def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = (),
              spec: bool = True, draft_source: DraftSource | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
-    """Greedy decode of up to max_new_tokens after prompt; stops after an EOS token.
+             on_tokens: Callable[[list[int]], None] | None = None, sampling: Sampling | None = None,
+             sample: int = 0) -> DecodeResult:
+    """Decode up to max_new_tokens after prompt (greedy, or sampled with ``sampling``); stops after an EOS token.
 
-    spec=False: plain decoding, one trunk step per token. draft_source (tests): forces the drafts of each round
-    (one token or up to K, ``plan.forced_drafts``). on_tokens, if given, is called with each batch of newly
-    emitted tokens (for progress display).
+    spec=False: plain decoding, one trunk step per token. draft_source (tests, greedy only): forces the drafts of
+    each round (one token or up to K, ``plan.forced_drafts``). on_tokens, if given, is called with each batch of
+    newly emitted tokens (for progress display). sampling: temperature / top-k / top-p / seed
+    (``harness.sampling.Sampling``; temperature 0 = greedy); ``sample`` picks the generator (seed + sample).
     """
     if not prompt:
         raise ValueError("generate: the prompt is empty")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, found {max_new_tokens}")
+    sampled = sampling is not None and not sampling.greedy
+    if sampled and draft_source is not None:
+        raise ValueError("generate: forced drafts are for greedy decoding")
+    if sampled:
+        decoder.set_sampling(sampling)
+    elif hasattr(decoder.engine, "sampling"):
+        decoder.set_sampling(None)
+    gen = sampling.generator(sample) if sampled else None
     K = decoder.drafts
     # The verify of the last round may write K positions past the last emitted token.
     pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + max_new_tokens + K)
+    if sampled:
+        if decoder.first_logits is None:
+            raise ValueError(f"generate: the {decoder.name} prefill gives no logits to sample the first token from")
+        pending = draw(probabilities(decoder.first_logits[None], sampling)[0], gen)
     result = DecodeResult(tokens=[pending], drafts=K)
     if on_tokens:
         on_tokens([pending])
@@ -220,9 +273,20 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
 
     while not finished():
         if not spec:
-            pending, hidden = decoder.step(pending, pos)
+            if sampled:
+                pending, hidden = decoder.sampled_step(pending, pos, sampling, gen)
+            else:
+                pending, hidden = decoder.step(pending, pos)
             pos += 1
             emitted = [pending]
+        elif sampled:
+            t0 = time.perf_counter()
+            emitted, r = decoder.sampled_round(pending, hidden, pos, sampling, gen)
+            result.round_seconds.append(time.perf_counter() - t0)
+            accepted = len(emitted)
+            result.accepted_per_round.append(accepted)
+            pending, hidden = emitted[-1], r.hidden[accepted - 1]
+            pos += accepted
         else:
             forced = draft_source(prompt + result.tokens) if draft_source else None
             t0 = time.perf_counter()

@@ -23,6 +23,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from harness.sampling import probabilities
 from megakernel import plan as rp
 from megakernel.sharded import attention_prefixes, moe_prefixes, norm_names
 from model import functional as fn
@@ -127,22 +128,34 @@ def mtp_head(cfg: ModelConfig, plan, stage, w: dict, st: _State, ids: torch.Tens
     return fn.rms_norm(x, w["norms"][rows.mtp_final], eps)
 
 
-def forward(cfg: ModelConfig, plan, w: dict, st: dict, rt: dict, coll: Collectives):
+def forward(cfg: ModelConfig, plan, w: dict, st: dict, rt: dict, coll: Collectives, sampling=None):
     """One rank's launch of ``plan`` (a round or a step). w: :func:`rank_weights`; st: the rank's decode state
     (``plan.STATE``, not modified); rt: the run-time inputs as torch tensors (``plan.input_specs``).
     Returns (drafts int32 [K, 1] (the pending token [1, 1] in a step), targets int32 [T, 1], hidden [T, H]
-    activation dtype, new state {name: tensor} of ``plan.STATE``) -- the kernel's outputs, in its order."""
+    activation dtype, new state {name: tensor} of ``plan.STATE``) -- the kernel's outputs, in its order.
+
+    ``sampling`` (a ``harness.sampling.Sampling``, in-process engine only; None: greedy, the traced graph): draft i
+    is drawn from the draft's processed distribution q_i as argmax(log q_i + rt["draft_noise"][i]) (Gumbel noise
+    [K, V] from the host: an exact sample); two more outputs follow the state: q [K, V] float64 and the verify's
+    full logits [T, V] float32 (for the host's rejection rule, ``harness.sampling.accept``)."""
     state = _State(st)
     pending = rt["pending"].reshape(-1)[:1].long()
     drafts, ids = [], pending
     chain_ids, chain_h = pending, None
+    draft_probs = []
     targets = hidden = None
     for stage in plan.stages:
         if stage.kind == rp.DRAFT:
             h = rt["hidden"].reshape(1, -1) if stage.draft == 0 else chain_h
             chain_h = mtp_head(cfg, plan, stage, w, state, chain_ids, h, rt, coll)
             force = rt["force"][stage.draft].long()
-            chain_ids = torch.where(force[0] == 1, force[1:2], greedy_rank(w["lm_head"], chain_h, coll))
+            if sampling is None:
+                choice = greedy_rank(w["lm_head"], chain_h, coll)
+            else:
+                q = probabilities(coll.gather_last(F.linear(chain_h, w["lm_head"]).float()), sampling)
+                choice = torch.argmax(torch.log(q) + rt["draft_noise"][stage.draft:stage.draft + 1].double(), dim=-1)
+                draft_probs.append(q)
+            chain_ids = torch.where(force[0] == 1, force[1:2], choice)
             drafts.append(chain_ids)
             ids = torch.cat([pending] + drafts)
         elif stage.kind == rp.VERIFY:
@@ -156,7 +169,11 @@ def forward(cfg: ModelConfig, plan, w: dict, st: dict, rt: dict, coll: Collectiv
             K = len(drafts)
             mtp_head(cfg, plan, stage, w, state, ids[1:], hidden[0:K], rt, coll)
     out = ids[1:] if drafts else pending
-    return (out.reshape(-1, 1).to(torch.int32), targets.reshape(-1, 1).to(torch.int32), hidden, state.stacked())
+    result = (out.reshape(-1, 1).to(torch.int32), targets.reshape(-1, 1).to(torch.int32), hidden, state.stacked())
+    if sampling is None:
+        return result
+    q = torch.cat(draft_probs) if draft_probs else None
+    return result + (q, coll.gather_last(F.linear(hidden, w["lm_head"]).float()))
 
 
 # ---- one thread per rank on CPU --------------------------------------------------------------------------------

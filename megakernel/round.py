@@ -34,7 +34,7 @@ from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
-from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
+from nki_kernels.gdn import gdn_body
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body
@@ -169,18 +169,13 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
     """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
     all-reduced over the TP x LNC cores."""
-    g = t.gdn
-    wg = None
-    if layer.kind != ATTENTION:     # GDN weights into the launch's arena, issued before the norm: the stream
-        if regs.gdn == None:        # overlaps the previous layer's all-reduce (issue 15)
-            regs.gdn = gdn_weight_tiles(g[0], g[5])
-        wg = gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
     xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs)
     else:
+        g = t.gdn
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
-                     layer=layer.mixer, weights=wg)
+                     layer=layer.mixer)
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs), rg))
@@ -211,11 +206,21 @@ def _stage_inputs(stage, t):
     if stage.inputs == "d1":
         if t.pos_d1.shape[0] == 1:
             return t.pos_d1, t.cos_d1, t.sin_d1
+        # the attention body addresses pos / cos / sin with access patterns from their first element (``.ap``), so
+        # draft i's rows get tensors of their own (three small HBM -> HBM copies)
         r = stage.rope_row
-        return t.pos_d1[r:r + 1, :], t.cos_d1[r:r + 1, :], t.sin_d1[r:r + 1, :]
+        pos = nl.ndarray((1, 1), nl.int32, buffer=nl.private_hbm, name="draft_pos")
+        cos = nl.ndarray((1, t.cos_d1.shape[1]), nl.float32, buffer=nl.private_hbm, name="draft_cos")
+        sin = nl.ndarray((1, t.sin_d1.shape[1]), nl.float32, buffer=nl.private_hbm, name="draft_sin")
+        nisa.dma_copy(dst=pos, src=t.pos_d1[r:r + 1, :])
+        nisa.dma_copy(dst=cos, src=t.cos_d1[r:r + 1, :])
+        nisa.dma_copy(dst=sin, src=t.sin_d1[r:r + 1, :])
+        return pos, cos, sin
     if stage.rope_row == 0 and stage.tokens == t.cos_v.shape[0]:
         return t.pos, t.cos_v, t.sin_v
     r0, r1 = stage.rope_row, stage.rope_row + stage.tokens
+    kernel_assert(r0 == 0, f"megakernel: stage {stage.name} reads RoPE rows from {r0}; the attention body addresses "
+                           f"them from the tensor's first row")
     return t.pos, t.cos_v[r0:r1, :], t.sin_v[r0:r1, :]
 
 
@@ -268,13 +273,10 @@ def _forced(best, force):
 
 class Registers(nl.NKIObject):
     """One register pool per launch, reused by every layer's bodies (registers are a per-engine resource: 64 per
-    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's; and the launch's SBUF arena of
-    GDN weights (``gdn``: ``nki_kernels.gdn.gdn_weight_tiles``, allocated by the first GDN layer, then reused by
-    every GDN layer so its weight DMA waits only for the previous GDN layer's reads)."""
+    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's."""
 
     def __init__(self, moe, attention):
         self.moe, self.attention = moe, attention
-        self.gdn = None
 
 
 def _allocate(n):
