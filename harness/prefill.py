@@ -31,7 +31,6 @@ the fast end of the HBM band) and the chunk's FLOPs at the PE's measured peak (1
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from pathlib import Path
@@ -51,12 +50,16 @@ def _scale(b, k):
     return {e: b[e] * k for e in ENDS}
 
 
-@functools.lru_cache(maxsize=None)
+_PREDICTED = {}
+
+
 def _traced(name, builder):
-    """{low, central, high} us of one traced launch (memoised per process: the same kernel at the same shapes)."""
+    """{low, central, high} us of one traced launch, memoised per process by ``name`` (the same kernel at the
+    same shapes is traced once)."""
     from harness.costmodel import predict_band
-    case = builder()
-    return predict_band(case.trace(), stages="function", name=name).time_us()
+    if name not in _PREDICTED:
+        _PREDICTED[name] = predict_band(builder().trace(), stages="function", name=str(name[0])).time_us()
+    return _PREDICTED[name]
 
 
 def _case(kernel, per_rank, tp=1, lnc=2, name="kernel"):
