@@ -77,52 +77,62 @@ class Routing:
 class MoERouting:
     """Values of the MoE body's ``register_load``s under a :class:`Routing`.
 
-    The body loads, per slot s of S = min(T k, E): the expert id ``ids[s]`` and, for s >= k, the slot flag
-    ``flags[s]`` right after it (nki_kernels/moe.py "Run-time addressing"). A call starts with ids[0] from a
-    tensor not seen before. Multi-token calls (those loading a slot >= k) take their distinct count from the
-    routing pattern in order; ``distinct`` overrides it for every call. Expert ids are a seeded sample
-    (ascending, as the kernel produces them); slots past the distinct ones get id E and flag 0, as the kernel's
-    own arithmetic gives for an empty slot."""
+    The body (nki_kernels/moe.py "Run-time addressing") loads the expert id ``ids[s]`` of every slot it runs:
+    the k always-valid slots first (a call starts with ids[0] from a tensor not seen before); then, when the
+    call has conditional slots (S = min(T k, E) > k), the trip counts of its nested 0/1-trip loops from the
+    tensor named ``nki_kernels.moe.TRIPS_NAME`` -- per level q of L = ``nki_kernels.moe.LEVEL`` slots from
+    s = k + qL: trips[qL] = 1 iff slot s+L-1 is used (the whole level runs), trips[qL + r] = 1 iff s+r-1 is the
+    last used slot (the remainder of r slots runs) -- and the ids of the conditional slots inside the loops
+    that run. Multi-token calls
+    (those with conditional slots) take their distinct count n from the routing pattern in order; ``distinct``
+    overrides it for every call. Expert ids are a seeded sample (ascending, as the kernel produces them); a load
+    of an unused slot's id is refused (the kernel never runs an unused slot)."""
 
     def __init__(self, routing: Routing, distinct: int | None = None, seed: int = 0):
         self.routing, self.fixed, self.seed = routing, distinct, seed
         self.state = {}                 # (rank, core) -> per-core state
         self.log = []                   # distinct experts of every multi-token call (core 0 of rank 0)
 
+    def _multi(self, st, key):
+        st["multi"] += 1
+        st["n"] = self.fixed if self.fixed is not None else self.routing.distinct(st["multi"])
+        if key == (0, 0):
+            self.log.append(st["n"])
+
     def __call__(self, q):
         if not _in(q, MOE_BODY):
             return None
+        from nki_kernels.moe import LEVEL, TRIPS_NAME
         key = (q.rank, q.core)
-        st = self.state.setdefault(key, {"calls": -1, "multi": -1, "ids": None, "flags": None, "n": None,
+        st = self.state.setdefault(key, {"calls": -1, "multi": -1, "ids": None, "trips": None, "n": None,
                                          "experts": None})
         k, E = self.routing.top_k, self.routing.experts
-        if q.index == 0 and q.tensor_id != st["ids"] and q.tensor_id != st["flags"]:
+        if q.index == 0 and q.tensor_id != st["ids"] and q.tensor_id != st["trips"] and q.tensor != TRIPS_NAME:
             st["calls"] += 1
-            st["ids"], st["flags"], st["n"] = q.tensor_id, None, None
+            st["ids"], st["trips"], st["n"] = q.tensor_id, None, None
             rng = np.random.default_rng((self.seed, st["calls"]))
             size = min(E, self.routing.tokens * k)
             st["experts"] = np.sort(rng.choice(E, size=size, replace=False))
         if q.tensor_id == st["ids"]:
             s = q.index
             if s >= k and st["n"] is None:
-                st["multi"] += 1
-                st["n"] = self.fixed if self.fixed is not None else self.routing.distinct(st["multi"])
-                if key == (0, 0):
-                    self.log.append(st["n"])
+                self._multi(st, key)
             n = st["n"] if st["n"] is not None else k
-            if s >= len(st["experts"]):
-                raise ValueError(f"MoERouting: slot {s} beyond the {len(st['experts'])} slots the routing models "
+            if s >= n:
+                raise ValueError(f"MoERouting: the id of slot {s} is loaded but the call uses {n} slots "
                                  f"(tokens={self.routing.tokens}, top_k={k}) at {q.loc}")
-            return int(st["experts"][s]) if s < n else E
-        if st["flags"] is None and st["n"] is not None:
-            st["flags"] = q.tensor_id
-        if q.tensor_id == st["flags"]:
-            if q.index < k:
-                raise ValueError(f"MoERouting: a slot flag for slot {q.index} < top_k at {q.loc}; the model expects "
-                                 f"flags only for slots >= top_k (nki_kernels/moe.py changed?)")
-            return 1 if q.index < st["n"] else 0
+            return int(st["experts"][s])
+        if q.tensor == TRIPS_NAME and st["ids"] is not None and st["trips"] in (None, q.tensor_id):
+            if st["trips"] is None:
+                st["trips"] = q.tensor_id
+                if st["n"] is None:
+                    self._multi(st, key)
+            L = LEVEL
+            s, r = k + L * (q.index // L), q.index % L
+            return int(st["n"] >= s + L) if r == 0 else int(st["n"] == s + r)
         raise ValueError(f"MoERouting: register_load of {q.tensor}[{q.index}] at {q.loc} is neither the expert ids "
-                         f"nor the slot flags of the current MoE call (nki_kernels/moe.py changed?)")
+                         f"nor the slot flags (conditional-slot trip counts) of the current MoE call "
+                         f"(nki_kernels/moe.py changed?)")
 
 
 def tiny_attention_args(position: int, tokens: int, lnc: int = 2) -> tuple:

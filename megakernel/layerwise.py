@@ -19,7 +19,7 @@ from nki_kernels.common import program_sharding
 from nki_kernels.gdn import gdn_body
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
-from nki_kernels.moe import moe_tkg_body
+from nki_kernels.moe import moe_tkg_body, moe_weights
 from nki_kernels.rmsnorm import rmsnorm_body
 
 
@@ -67,8 +67,9 @@ def moe_stage(x, norms, norm_row, router, experts, shared, top_k, layer, experts
     shared expert, its experts at ``experts_layer`` of the stacked experts table ``experts``."""
     T, H = x.shape
     out, c = _partials(T, H)
+    wts = moe_weights(router, shared, layer)        # routing-independent weights: their DMAs fly under the norm
     xT = rmsnorm_body(_load(x), norms[norm_row], eps)
-    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=experts_layer)
+    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=experts_layer, weights=wts)
     nisa.dma_copy(dst=out[c], src=y)
     return out
 

@@ -37,37 +37,44 @@ the column of per-token weights ``Wsel[t, s] = w[t, id_s]`` (0 for a token that 
 Slot s then reads expert ``id_s`` ONCE and runs it on all T tokens as a T-wide matmul, each token's
 activation scaled by its own weight (0 when it did not choose the expert).
 
-**Run-time addressing.** ``id_s`` goes to a register (``register_load``) that is the
-``scalar_offset`` of the expert block's DMA (``experts.ap(..., scalar_offset=reg, indirect_dim=0)``,
-HWDGE). Slots k..S-1 are wrapped in ``nl.fori_loop(0, flag_s, body)`` with ``flag_s`` in {0, 1}: a
-run-time conditional (the nki-library "conditional iteration" pattern), so an invalid slot moves no
-byte and computes nothing, and the nkisim trace of an executing run shows exactly the distinct
-experts' DMAs. Nothing branches in Python on data. No PSUM value is live across a device loop (loop
-state is carried in SBUF, SDK-NL fori_loop; neuronx-cc rejects PSUM written inside a device loop but
-allocated outside it, NCC_IBIR092): the shared expert and the always-valid slots accumulate in PSUM in
-straight-line code with no loop inside the accumulation group, which is evicted to an SBUF fold before
-the first conditional slot; each conditional slot computes into a PSUM bank allocated inside its loop
-body and adds it into that SBUF fold. A table argument's every element offset fits int32 (SDK-LG "NKI
-Values"); stacked tables are therefore split into groups of layers (``megakernel.sharded``).
+**Run-time addressing.** ``id_s`` goes to a register (``register_load``) that is the ``scalar_offset`` of the
+expert block's DMA (``experts.ap(..., scalar_offset=reg, indirect_dim=0)``, HWDGE). The k always-valid slots run
+in straight-line code. The conditional slots k..S-1 (a prefix of them is used) run in NESTED runtime loops of 0
+or 1 trips (the nki-library "conditional iteration" pattern), LEVEL = 4 slots per level: the level of slots
+s..s+3 runs iff all four are used, and its body holds the next level; otherwise exactly one of three remainder
+loops after it runs (the one whose r = 1..3 slots are used). The trip counts are computed on chip from the keys
+(``moe_cond_trips``). So an unused slot moves no byte and computes nothing, every loop exit comes after all the
+work it encloses (no fence in the middle of the expert stream), and the nkisim trace of an executing run shows
+exactly the distinct experts' DMAs. Nothing branches in Python on data. No PSUM value is live across a device
+loop (loop state is carried in SBUF, SDK-NL fori_loop; neuronx-cc rejects PSUM written inside a device loop but
+allocated outside it, NCC_IBIR092): the shared expert and the always-valid slots accumulate in one PSUM group in
+straight-line code, evicted to an SBUF fold before the first loop; each conditional loop body streams its slots
+into a PSUM accumulator allocated inside it and adds that into the fold before any deeper loop starts. A table
+argument's every element offset fits int32 (SDK-LG "NKI Values"); stacked tables are therefore split into groups
+of layers (``megakernel.sharded``).
 
-**Weight stream.** Host-side, each expert's slice for (rank, core) is one contiguous
-``[P, F]`` block, partition-major (a 6 KiB run per partition at the real bf16 shapes, one DMA of
-768 KiB per expert per core): the gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down
-rows folded over the partitions, ``R = P / ic`` row groups each holding ``H / R`` columns. The ring
-of ``D = min(prefetch, S, SBUF budget)`` buffers takes the first D slots' DMAs before any expert compute
-(software pipelined in program order: slot s + D reuses slot s's buffer once slot s has run; a
-conditional slot's fetch that would fall inside the PSUM accumulation group of the always-valid slots
-is issued right after that group is evicted, so with D < S some conditional DMAs start later); the
-shared expert and router weights are issued first, before the routing is known.
+**Weight stream.** Host-side, each expert's slice for (rank, core) is one contiguous ``[P, F]`` block,
+partition-major (a 6 KiB run per partition at the real bf16 shapes, one DMA of 768 KiB per expert per core): the
+gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down rows folded over the partitions, ``R = P / ic``
+row groups each holding ``H / R`` columns (``geometry``). The blocks stream through ONE ring of ``Ns`` slot
+buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static and the
+conditional slots: the first groups' DMAs are issued as soon as the first max8 round has given their ids, every
+later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
+buffer; the conditional levels' DMAs are issued in program order while the static slots compute). The router and
+shared-expert blocks do not depend on the routing: ``moe_weights`` issues them (a caller does so before the
+post-attention norm, so they fly under it), else the body does first. The ACT's exp table is loaded by a dummy
+activation while they fly.
 
-**Expert compute** (per slot, per core, ``ic`` = intermediate columns of the core):
-``gu[T, 2ic] = sum_j xT[:, j, :]^T W_gu[j]`` (H/P matmuls, weights moving, PSUM), ``silu`` on ACT,
-``a = silu(g) * w_tok * u`` on DVE (fp32), one PE transpose to ``a^T``, masked into a block-diagonal
-stationary ``Z [P, R*T]`` (``Z[g*ic+i, g*T+t] = a[t, i]``) so that ONE matmul per 512-column bank
-with the folded down block (K = 128) yields the folded output ``[R*T, H/R]``: ``y[t, g*H/R + c] =
-out[g*T + t, c]``. At the real shapes (ic = 64, R = 2) this halves the down matmuls and the
-free-size of the per-slot accumulation. The folded sum is unfolded into ``y [T, H]`` at the end by
-R SBUF->SBUF DMAs.
+**Expert compute** (per group of G = ``group_size(ic)`` = 2 slots at the real shapes, per core, ``ic`` =
+intermediate columns of the core): ``gu[T, G, 2ic] = sum_j xT[:, j, :]^T W_gu[j]`` (H/P matmuls whose moving
+operand is the G slots' [P, G, 2ic] columns, 256 at the real shapes: fewer, fuller PE instructions), ``silu`` on
+ACT for the group, per slot ``a = silu(g) * w_tok * u`` on DVE (fp32) and one PE transpose to ``a^T``, one mask
+multiply into the block-diagonal stationaries ``Z [P, G, R*T]`` (``Z[g*ic+i, g*T+t] = a[t, i]``) so that ONE
+matmul per 512-column bank with the folded down block (K = 128) yields the folded output ``[R*T, H/R]``:
+``y[t, g*H/R + c] = out[g*T + t, c]``. At the real shapes (ic = 64, R = 2) this halves the down matmuls and the
+free size of the accumulation. On the PE, group g+1's gate|up is issued before group g's transposes and down
+projection (software pipelining in program order, within a straight-line run). The folded sum is unfolded into
+``y [T, H]`` at the end by R SBUF->SBUF DMAs.
 
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
 reads exactly half of every selected expert: the DMA split is balanced whatever the number of
@@ -77,25 +84,29 @@ LNC = 2). Each core returns its own partial; the wrapper writes ``out[core]``.
 ACT table use: ``exp`` (softmax, and the gate as ``1 / (1 + exp(-z))``) then ``silu`` for every
 expert: two table loads, no thrash.
 
-**Traces.** An executing nkisim run traces exactly the slots that ran: k + (distinct experts - k)
-routed-expert DMAs of one block each (``routed_expert_bytes``). In shape-only mode the registers read
-0: the k always-valid slots fetch expert 0 and the conditional slots run zero times, i.e. the trace
-shows the minimum traffic (all tokens agreeing on k experts); every further distinct expert adds one
-identical block (``expert_block_bytes``) and one slot's instructions.
+**Traces.** An executing nkisim run traces exactly the slots that ran: one block DMA per DISTINCT selected
+expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless a provider gives them
+(``harness.register_models.MoERouting``, which models the ids, the trip counts and their load order): without
+one, the k always-valid slots fetch expert 0 and no conditional loop runs, i.e. the trace shows the minimum
+traffic (all tokens agreeing on k experts).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from nki_kernels.common import INT32_MAX, PSUM_BANK, P, layer_of, layer_offset, program_sharding
+from nki_kernels.common import INT32_MAX, MOVING_MAX, PSUM_BANK, P, layer_of, layer_offset, program_sharding
+
 MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
+GROUP = 2          # slots whose gate|up matmuls share one moving operand (group_size)
+LEVEL = 4          # conditional slots per nesting level (_conditional_levels)
+IDS_NAME = "moe_expert_ids"    # the on-chip tensors the body loads registers from (harness.register_models)
+TRIPS_NAME = "moe_cond_trips"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +126,7 @@ def block_width(inter_core: int, hidden: int) -> int:
     return (hidden // P) * 2 * inter_core + hidden // fold_groups(inter_core)
 
 
-def _geometry(width, hidden, what):
+def geometry(width, hidden, what):
     """(ic, R, H/R, down offset, chunks) of a block of free size ``width`` (the unique ic that fits)."""
     hits = []
     for ic in range(1, P + 1):
@@ -205,25 +216,48 @@ def moe_hbm_layout(shard: dict[str, torch.Tensor], n_cores: int = 2) -> dict[str
 # kernel body
 # ---------------------------------------------------------------------------------------------
 
-def _route(xT, r_sb, top_k, S, lnc, pid):
-    """Router on SBUF: returns (gate [T, 1] f32, wsel [T, S] f32, ids [1, S] int32, flags [1, S] int32).
+def group_size(inter_core: int) -> int:
+    """Slots whose gate|up projections share one moving operand: at most GROUP, and the group's gate|up
+    columns (``G * 2 * ic``) fill at most one moving operand / PSUM bank (``MOVING_MAX``)."""
+    return max(1, min(GROUP, MOVING_MAX // (2 * inter_core)))
 
-    r_sb [P, H/P, E/lnc + 1] holds this core's experts and the gate column; the halves of the logits
-    are exchanged between the cores (sendrecv) so that both see all E logits.
-    ids[s] is the s-th distinct selected expert (ascending), E when slot s is unused (flags[s] = 0).
-    wsel[t, s] is token t's renormalised weight (rounded to the activation dtype) for expert ids[s].
-    """
+
+def _groups(s0, s1, G):
+    """[(first slot, slots)] covering slots s0..s1-1 in consecutive groups of at most G."""
+    out = []
+    s = s0
+    while s < s1:
+        n = min(G, s1 - s)
+        out.append((s, n))
+        s = s + n
+    return out
+
+
+def _router_logits(xT, r_sb):
+    """PSUM [T, E/lnc + 1] f32: this core's logits | the shared-expert gate logit."""
     _, J, T = xT.shape
-    Eh = r_sb.shape[2] - 1
-    E = Eh * lnc
-    adt = xT.dtype
-    f32 = nl.float32
-    k = top_k
-
-    # this core's logits | the gate logit, rounded to the activation dtype like F.linear
-    lg_ps = nl.ndarray((T, Eh + 1), dtype=f32, buffer=nl.psum)
+    lg_ps = nl.ndarray((T, r_sb.shape[2]), dtype=nl.float32, buffer=nl.psum)
     for j in range(J):
         nisa.nc_matmul(dst=lg_ps, stationary=xT[:, j, :], moving=r_sb[:, j, :], accumulate=j > 0)
+    return lg_ps
+
+
+def _top_k(lg_ps, top_k, S, lnc, pid, adt):
+    """Routing on SBUF from this core's logits (PSUM, see :func:`_router_logits`).
+
+    Returns (lg [T, E + 1] activation dtype: all E logits | gate logit, w [T, E] activation dtype: each token's
+    renormalised weight of every expert (0 if not selected), keys [1, 8 * rounds] f32: the distinct selected
+    experts' keys E - e in descending order (0 past the last), ids [1, S] int32: slot s's expert E - keys[s]
+    (E for an unused slot, never loaded), trips [1, 2 ceil((S - k) / 2)] int32 or None: the trip counts of
+    the conditional loops, see :func:`_conditional_levels`). The halves of the logits are exchanged between the cores
+    (sendrecv), so both cores route identically. The ids of the first k slots depend on the first max8 round
+    only, so their DMAs can start before the union is complete.
+    """
+    T = lg_ps.shape[0]
+    Eh = lg_ps.shape[1] - 1
+    E = Eh * lnc
+    f32 = nl.float32
+    k = top_k
     lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)        # [all E logits | gate logit]
     if lnc == 1:
         nisa.tensor_copy(dst=lg, src=lg_ps)
@@ -247,14 +281,6 @@ def _route(xT, r_sb, top_k, S, lnc, pid):
     nisa.reciprocal(dst=rsum, data=ssum)
     p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=p, data=ex, op0=nl.multiply, operand0=rsum)
-
-    # shared-expert gate sigmoid(z) = 1 / (1 + exp(-z)): exp keeps ACT on one table
-    ez = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=ez, op=nl.exp, data=lg[:, E:E + 1], scale=-1.0)
-    ez1 = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ez1, data=ez, op0=nl.add, operand0=1.0)
-    gate = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=gate, data=ez1)
 
     # constants: rev[e] = E - e (keys), jj = 0..7
     rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
@@ -285,15 +311,8 @@ def _route(xT, r_sb, top_k, S, lnc, pid):
     sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
     nisa.scalar_tensor_tensor(dst=sel, data=key, op0=nl.greater_equal, operand0=thr, op1=nl.add, operand1=gt)
 
-    # renormalised weights, rounded to the activation dtype: w = sel * p / sum(v8[:k])
-    vsum = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=vsum, op=nl.add, data=v8[:, 0:k], axis=1)
-    rv = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rv, data=vsum)
-    w = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=w, data=sel, op0=nl.multiply, operand0=rv, op1=nl.multiply, operand1=p)
-
-    # union over tokens -> distinct expert ids, ascending (key (count > 0) * (E - e), max8 rounds)
+    # union over tokens -> distinct expert ids, ascending (key (count > 0) * (E - e), max8 rounds); the ids of
+    # each round are written as soon as its max8 is done (the first k slots need round 0 only)
     ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
     nisa.memset(dst=ones_t, value=1.0)
     cnt_ps = nl.ndarray((1, E), dtype=f32, buffer=nl.psum)
@@ -303,36 +322,78 @@ def _route(xT, r_sb, top_k, S, lnc, pid):
                               operand1=rev[0:1, :])
     rounds = -(-S // MAX8)
     keys = nl.ndarray((1, rounds * MAX8), dtype=f32, buffer=nl.sbuf)
+    ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name=IDS_NAME)
     for r in range(rounds):
         nisa.max8(dst=keys[:, r * MAX8:(r + 1) * MAX8], src=ukey)
+        n_r = min(MAX8, S - r * MAX8)
+        nisa.tensor_scalar(dst=ids[:, r * MAX8:r * MAX8 + n_r], data=keys[:, r * MAX8:r * MAX8 + n_r],
+                           op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(E))
         if r + 1 < rounds:
             nxt = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=nxt, data=ukey, op0=nl.less,
                                       operand0=keys[:, (r + 1) * MAX8 - 1:(r + 1) * MAX8],
                                       op1=nl.multiply, operand1=ukey)
             ukey = nxt
-    ids_f = nl.ndarray((1, S), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ids_f, data=keys[:, 0:S], op0=nl.multiply, operand0=-1.0, op1=nl.add,
-                       operand1=float(E))
-    ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name="moe_expert_ids")
-    nisa.tensor_copy(dst=ids, src=ids_f)
-    flags = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name="moe_slot_flags")
-    nisa.tensor_scalar(dst=flags, data=keys[:, 0:S], op0=nl.greater, operand0=0.0)
+    trips = None
+    if S > k:               # used[j]: conditional slot k + j is used (a prefix of them is)
+        C = S - k
+        L = LEVEL
+        nl_ = -(-C // L)
+        used = nl.ndarray((1, nl_ * L + 1), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=used[:, C:nl_ * L + 1], value=0.0)
+        nisa.tensor_scalar(dst=used[:, 0:C], data=keys[:, k:S], op0=nl.greater, operand0=0.0)
+        lastu = nl.ndarray((1, nl_ * L), dtype=f32, buffer=nl.sbuf)     # slot k + j is the last used one
+        nisa.tensor_tensor(dst=lastu, data1=used[:, 0:nl_ * L], data2=used[:, 1:nl_ * L + 1], op=nl.subtract)
+        trips = nl.ndarray((1, nl_ * L), dtype=nl.int32, buffer=nl.sbuf, name=TRIPS_NAME)
+        nisa.tensor_copy(dst=trips.ap(pattern=[[nl_ * L, 1], [L, nl_]], offset=0),
+                         src=used.ap(pattern=[[nl_ * L + 1, 1], [L, nl_]], offset=L - 1))
+        if L > 1:
+            nisa.tensor_copy(dst=trips.ap(pattern=[[nl_ * L, 1], [L, nl_], [1, L - 1]], offset=1),
+                             src=lastu.ap(pattern=[[nl_ * L, 1], [L, nl_], [1, L - 1]], offset=0))
 
-    # per-slot token weights wsel[t, s] = w[t, ids[s]] = sum_e w[t, e] * (e == ids[s]) (one-hot matmul)
+    # renormalised weights, rounded to the activation dtype: w = sel * p / sum(v8[:k])
+    vsum = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=vsum, op=nl.add, data=v8[:, 0:k], axis=1)
+    rv = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rv, data=vsum)
+    w = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=w, data=sel, op0=nl.multiply, operand0=rv, op1=nl.multiply, operand1=p)
+    return lg, w, keys, ids, trips
+
+
+def _shared_gate(lg):
+    """[T, 1] f32 sigmoid of the gate logit (last column of lg) as 1 / (1 + exp(-z)): exp keeps ACT on the
+    softmax's table."""
+    T, E1 = lg.shape
+    f32 = nl.float32
+    ez = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=ez, op=nl.exp, data=lg[:, E1 - 1:E1], scale=-1.0)
+    ez1 = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ez1, data=ez, op0=nl.add, operand0=1.0)
+    gate = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=gate, data=ez1)
+    return gate
+
+
+def _slot_weights(w, keys, S):
+    """wsel [T, S] f32: wsel[t, s] = w[t, id_s] (0 for a token that did not choose the slot's expert or an
+    unused slot), by a one-hot matmul against the slots' keys E - id_s broadcast to every partition."""
+    T, E = w.shape
+    adt = w.dtype
+    f32 = nl.float32
     ones_r = nl.ndarray((1, P), dtype=f32, buffer=nl.sbuf)
     nisa.memset(dst=ones_r, value=1.0)
-    idb = nl.ndarray((P, S), dtype=f32, buffer=nl.psum)           # ids broadcast to every partition
-    nisa.nc_matmul(dst=idb, stationary=ones_r, moving=ids_f, accumulate=False)
+    kb = nl.ndarray((P, S), dtype=f32, buffer=nl.psum)            # keys broadcast to every partition
+    nisa.nc_matmul(dst=kb, stationary=ones_r, moving=keys[:, 0:S], accumulate=False)
     ident = nl.shared_identity_matrix(T, dtype=adt)
     ws_ps = nl.ndarray((T, S), dtype=f32, buffer=nl.psum)
     n_chunks = -(-E // P)
     for c in range(n_chunks):
         pc = min(P, E - c * P)
-        ecol = nl.ndarray((pc, 1), dtype=f32, buffer=nl.sbuf)
-        nisa.iota(dst=ecol, pattern=[[0, 1]], offset=c * P, channel_multiplier=1)
+        ecol = nl.ndarray((pc, 1), dtype=f32, buffer=nl.sbuf)       # E - e for the experts of this chunk
+        nisa.iota(dst=ecol, pattern=[[0, 1]], offset=E - c * P, channel_multiplier=-1)
         onehot = nl.ndarray((pc, S), dtype=adt, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=onehot, data=idb[0:pc, :], op0=nl.equal, operand0=ecol)
+        nisa.tensor_scalar(dst=onehot, data=kb[0:pc, :], op0=nl.equal, operand0=ecol)
         wt_ps = nl.ndarray((pc, T), dtype=f32, buffer=nl.psum)    # w[:, chunk]^T via the identity
         nisa.nc_matmul(dst=wt_ps, stationary=w[:, c * P:c * P + pc], moving=ident, accumulate=False)
         wt = nl.ndarray((pc, T), dtype=adt, buffer=nl.sbuf)
@@ -340,7 +401,7 @@ def _route(xT, r_sb, top_k, S, lnc, pid):
         nisa.nc_matmul(dst=ws_ps, stationary=wt, moving=onehot, accumulate=c > 0)
     wsel = nl.ndarray((T, S), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=wsel, src=ws_ps)
-    return gate, wsel, ids, flags
+    return wsel
 
 
 def _fold_mask(ic, T):
@@ -355,90 +416,190 @@ def _fold_mask(ic, T):
     return mask
 
 
-def _expert_mlp(xT, wbuf, geo, wcol, mask, acc_ps, acc_sb, first):
-    """One expert block (SBUF [P, F]) on all T tokens, scaled per token by wcol [T, 1] f32.
-
-    Adds the folded output [R*T, H/R] into acc_ps (PSUM, static code: ``first`` overwrites) or, when
-    acc_ps == None (inside a device loop), through a local PSUM bank into acc_sb (SBUF f32)."""
+def _gate_up(xT, buf, geo, n):
+    """PSUM [T, n, 2ic] f32: gate|up of the n slots held in buf [P, >= n, F], ONE matmul per contraction block
+    for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns)."""
     _, J, T = xT.shape
-    adt = xT.dtype
+    ic2 = 2 * geo["ic"]
+    gu = nl.ndarray((T, n, ic2), dtype=nl.float32, buffer=nl.psum)
+    for j in range(J):
+        nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=buf[:, 0:n, j * ic2:(j + 1) * ic2],
+                       accumulate=j > 0)
+    return gu
+
+
+def _down(gu, buf, geo, n, wts, c0, mask, acc, first):
+    """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
+    a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight), one PE
+    transpose per slot, one mask multiply into the block-diagonal stationaries z [P, n, R*T] (activation
+    dtype), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
+    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites)."""
+    T = gu.shape[0]
+    adt = buf.dtype
     f32 = nl.float32
     ic, R, off_d = geo["ic"], geo["R"], geo["off_d"]
-    gu = nl.ndarray((T, 2 * ic), dtype=f32, buffer=nl.psum)
-    for j in range(J):
-        nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=wbuf[:, j * 2 * ic:(j + 1) * 2 * ic],
-                       accumulate=j > 0)
-    h = nl.ndarray((T, ic), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=h, op=nl.silu, data=gu[:, 0:ic])
-    a = nl.ndarray((T, R * ic), dtype=f32, buffer=nl.sbuf)          # silu(g) * w_tok * u, repeated R times
-    nisa.scalar_tensor_tensor(dst=a, data=h.ap(pattern=[[ic, T], [0, R], [1, ic]], offset=0),
-                              op0=nl.multiply, operand0=wcol, op1=nl.multiply,
-                              operand1=gu.ap(pattern=[[2 * ic, T], [0, R], [1, ic]], offset=ic))
-    aT = nl.ndarray((P, T), dtype=f32, buffer=nl.psum)
-    nisa.nc_transpose(dst=aT, data=a, engine=nisa.engine.tensor)
-    z = nl.ndarray((P, R * T), dtype=adt, buffer=nl.sbuf)           # block-diagonal stationary
+    h = nl.ndarray((T, n, ic), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=h, op=nl.silu, data=gu[:, :, 0:ic])
+    aT = nl.ndarray((P, n, T), dtype=f32, buffer=nl.psum)
+    for i in range(n):
+        a = nl.ndarray((T, R * ic), dtype=f32, buffer=nl.sbuf)      # silu(g) * w_tok * u, repeated R times
+        nisa.scalar_tensor_tensor(dst=a, data=h.ap(pattern=[[n * ic, T], [0, R], [1, ic]], offset=i * ic),
+                                  op0=nl.multiply, operand0=wts[:, c0 + i:c0 + i + 1], op1=nl.multiply,
+                                  operand1=gu.ap(pattern=[[n * 2 * ic, T], [0, R], [1, ic]], offset=i * 2 * ic + ic))
+        nisa.nc_transpose(dst=aT[:, i, :], data=a, engine=nisa.engine.tensor)
+    z = nl.ndarray((P, n, R * T), dtype=adt, buffer=nl.sbuf)        # block-diagonal stationaries
     if R == 1:
         nisa.tensor_copy(dst=z, src=aT)
     else:
-        nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[T, P], [0, R], [1, T]], offset=0), data2=mask,
-                           op=nl.multiply)
-    for c0, n in geo["chunks"]:
-        mov = wbuf[:, off_d + c0:off_d + c0 + n]
-        if acc_ps != None:
-            nisa.nc_matmul(dst=acc_ps[:, c0:c0 + n], stationary=z, moving=mov, accumulate=not first)
-        else:
-            loc = nl.ndarray((R * T, n), dtype=f32, buffer=nl.psum)
-            nisa.nc_matmul(dst=loc, stationary=z, moving=mov, accumulate=False)
-            nisa.tensor_tensor(dst=acc_sb[:, c0:c0 + n], data1=acc_sb[:, c0:c0 + n], data2=loc, op=nl.add)
+        nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, R], [1, T]], offset=0),
+                           data2=mask.ap(pattern=[[R * T, P], [0, n], [T, R], [1, T]], offset=0), op=nl.multiply)
+    for i in range(n):
+        for cs, cn in geo["chunks"]:
+            nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=buf[:, i, off_d + cs:off_d + cs + cn],
+                           accumulate=not first)
+        first = False
+
+
+def _place(st, n):
+    """The ring view [P, n, F] for the next group of n slots: ring positions p..p+n-1 from st["pos"] on (back to
+    0 when the group would not fit before the end: a group is one contiguous view)."""
+    Ns = st["ring"].shape[1]
+    p = st["pos"]
+    if p + n > Ns:
+        p = 0
+    st["pos"] = (p + n) % Ns
+    return st["ring"][:, p:p + n, :]
+
+
+def _issue(st, group):
+    """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
+    (round robin over the id registers) that is the ``scalar_offset`` of one HWDGE DMA of the expert's [P, F]
+    block of this core. Returns the group's ring view."""
+    s0, n = group
+    F = st["F"]
+    buf = _place(st, n)
+    for i in range(n):
+        r = st["id_regs"][st["next"] % len(st["id_regs"])]
+        st["next"] = st["next"] + 1
+        nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+        nisa.dma_copy(dst=buf[:, i, :], src=st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"],
+                                                           scalar_offset=r, indirect_dim=st["edim"]),
+                      dge_mode=nisa.dge_mode.hwdge)
+    return buf
+
+
+def _ahead(groups, Ns):
+    """How many of the first groups fit in the ring of Ns slots together (their DMAs are issued up front)."""
+    used = 0
+    n = 0
+    for s0, c in groups:
+        if used + c > Ns:
+            break
+        used = used + c
+        n = n + 1
+    return max(1, n)
+
+
+def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
+    """Run ``groups`` (consecutive slot groups) through the ring: ``bufs`` holds the ring views of the groups
+    issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
+    right after the down projection of the group whose ring positions it takes. On the PE the gate|up of group
+    g + 1 is issued before the rest of group g (the PE works while ACT / DVE finish group g). Accumulates into
+    acc (``first``: the first matmul overwrites)."""
+    ng = len(groups)
+    ahead = max(len(bufs), _ahead(groups, st["ring"].shape[1]))
+    views = []
+    for g in range(ng):
+        views.append(bufs[g] if g < len(bufs) else None)
+    for g in range(len(bufs), min(ahead, ng)):
+        views[g] = _issue(st, groups[g])
+    gu_next = _gate_up(xT, views[0], geo, groups[0][1])
+    for g in range(ng):
+        gu = gu_next
+        if g + 1 < ng:
+            gu_next = _gate_up(xT, views[g + 1], geo, groups[g + 1][1])
+        s0, n = groups[g]
+        _down(gu, views[g], geo, n, wts, s0, mask, acc, first)
+        first = False
+        views[g] = None
+        if g + ahead < ng:
+            views[g + ahead] = _issue(st, groups[g + ahead])
+
+
+def _conditional(xT, st, groups, geo, wts, mask, fold):
+    """Conditional slot groups (inside their runtime loop): streamed into a PSUM accumulator of their own
+    (allocated inside the loop: no PSUM value crosses a loop boundary, and it is released before any deeper
+    loop starts), then added into the SBUF fold."""
+    acc = nl.ndarray(fold.shape, dtype=nl.float32, buffer=nl.psum)
+    _stream(xT, st, groups, geo, wts, mask, acc, True, [])
+    nisa.tensor_tensor(dst=fold, data1=fold, data2=acc, op=nl.add)
+
+
+def _conditional_levels(xT, st, q, geo, wts, mask, fold, trips, trip_regs):
+    """The conditional slots from s = k + q L on (L = LEVEL) as NESTED runtime loops of 0 or 1 trips (the used
+    slots are a prefix): the level s..s+L-1 runs iff all its slots are used (trips[qL]) and its body holds the
+    deeper levels; otherwise exactly one of the L - 1 remainder loops after it runs, the one of r = the used
+    slots of the level (trips[qL + r]: slot s + r - 1 is the last used one), streaming slots s..s+r-1. Every
+    loop exit comes after all the work it encloses; deeper levels' DMAs are issued (in program order) as the
+    ring frees while shallower levels compute, and each loop body streams its slots software-pipelined."""
+    k, S, L = st["k"], st["S"], LEVEL
+    s = k + q * L
+    if s >= S:
+        return
+    reg = trip_regs[q]
+    pos = st["pos"]
+    G = st["G"]
+    if s + L <= S:
+        nisa.register_load(reg, trips[0:1, q * L:q * L + 1])
+
+        def level(i):
+            _conditional(xT, st, _groups(s, s + L, G), geo, wts, mask, fold)
+            _conditional_levels(xT, st, q + 1, geo, wts, mask, fold, trips, trip_regs)
+
+        nl.fori_loop(0, reg, level)
+    for r in range(1, min(L - 1, S - s) + 1):
+        st["pos"] = pos         # an alternative of the level: the same ring positions
+        nisa.register_load(reg, trips[0:1, q * L + r:q * L + r + 1])
+
+        def remainder(i):
+            _conditional(xT, st, _groups(s, s + r, G), geo, wts, mask, fold)
+
+        nl.fori_loop(0, reg, remainder)
 
 
 def _acc_of(accs, R):
-    """The accumulator entry ``[R, psum, sbuf fold, written]`` of fold factor R in ``accs``, or None."""
+    """The accumulator entry ``[R, psum, sbuf fold]`` of fold factor R in ``accs``, or None."""
     for a in accs:
         if a[0] == R:
             return a
     return None
 
 
-def _issue(stream, s):
-    """Issue the expert DMA of slot s into its ring buffer (``stream``: the table, ring and registers of
-    :func:`moe_tkg_body`). Slots below top_k always run (a single token selects top_k distinct experts);
-    slot s >= top_k is a 0/1-trip runtime loop on its flag, so an unused slot moves no byte."""
-    if s >= stream["S"]:
-        return
-    D = len(stream["ring"])
-    buf, rid = stream["ring"][s % D], stream["id_regs"][s % D]
-    nisa.register_load(rid, stream["ids"][0:1, s:s + 1])
-    if s < stream["top_k"]:
-        _expert_dma(stream, buf, rid)
-        return
-    rf = stream["flag_regs"][s % D]
-    nisa.register_load(rf, stream["flags"][0:1, s:s + 1])
+class MoEWeights(nl.NKIObject):
+    """SBUF tiles of one layer's routing-independent MoE weights on this core (:func:`moe_weights`): ``router``
+    [P, H/P, E/lnc + 1] (the core's router rows | the shared-expert gate) and ``shared`` [P, 1, Fs] (the shared
+    expert's block)."""
 
-    def fetch(i):
-        _expert_dma(stream, buf, rid)
-
-    nl.fori_loop(0, rf, fetch)
+    def __init__(self, router, shared):
+        self.router, self.shared = router, shared
 
 
-def _conditional_slot(xT, buf, geo, wcol, mask, acc_sb, flag):
-    """Slot of ring buffer buf iff the register ``flag`` is 1: :func:`_expert_mlp` into the SBUF fold acc_sb."""
-    def compute(i):
-        _expert_mlp(xT, buf, geo, wcol, mask, None, acc_sb, False)
-
-    nl.fori_loop(0, flag, compute)
-
-
-def _expert_dma(stream, buf, rid):
-    """buf [P, F] <- the block of expert ``rid`` (a register) of this core: HWDGE, scalar offset on the
-    expert axis of the base table."""
-    F = stream["F"]
-    nisa.dma_copy(dst=buf, src=stream["table"].ap(pattern=[[F, P], [1, F]], offset=stream["offset"],
-                                                  scalar_offset=rid, indirect_dim=stream["edim"]),
-                  dge_mode=nisa.dge_mode.hwdge)
+def moe_weights(router, shared, layer=None):
+    """Issue the DMAs of this core's router block and shared-expert block (one HWDGE DMA each, contiguous runs
+    per partition) into fresh SBUF tiles; returns :class:`MoEWeights` for ``moe_tkg_body(..., weights=)``. A
+    megakernel calls it before the layer's post-attention norm so the 1.3 MiB per core fly under the mixer.
+    router / shared as for :func:`moe_tkg_body` (stacked with ``layer``)."""
+    router, shared = layer_of(router, layer), layer_of(shared, layer)
+    _, pid = program_sharding()
+    r_sb = nl.ndarray(tuple(router.shape[1:]), dtype=router.dtype, buffer=nl.sbuf, name="moe_router_w")
+    nisa.dma_copy(dst=r_sb, src=router[pid], dge_mode=nisa.dge_mode.hwdge)
+    sh = nl.ndarray((P, 1, shared.shape[2]), dtype=shared.dtype, buffer=nl.sbuf, name="moe_shared_w")
+    nisa.dma_copy(dst=sh[:, 0, :], src=shared[pid], dge_mode=nisa.dge_mode.hwdge)
+    return MoEWeights(r_sb, sh)
 
 
-def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None, experts_layer=None):
+def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None, experts_layer=None,
+                 weights=None):
     """Sparse MoE of T tokens on one core: SBUF xT in, SBUF partial y out.
 
     xT:      SBUF [P, H/P, T] activation dtype (bfloat16 or float32), element (p, j, t) = x[t, j*P + p]
@@ -448,12 +609,14 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
              tensor, or with ``experts_layer`` a stacked table [G, E, n_cores, P, F] of G layers (the
              run-time-addressed DMA uses ``.ap()``, which addresses the base tensor, not a view)
     shared:  HBM [n_cores, P, Fs] (``expert_blocks`` of the shared expert)
-    top_k:   experts per token (<= 8); prefetch: expert buffers in the ring (DMAs in flight + 1)
-    regs:    optional tuple of 2 * ring-depth registers to reuse (a megakernel composing many layers
-             passes one pool); allocated here when None.
+    top_k:   experts per token (<= 8); prefetch: expert blocks the ring holds (DMAs in flight)
+    regs:    optional tuple of >= 2 registers to reuse (a megakernel composing many layers passes one pool);
+             allocated here when None.
     layer:   with stacked router [M, ...] and shared [M, ...] (``megakernel.plan``), this layer's index in them.
     experts_layer: with a stacked experts table, this layer's index in it (nki_kernels/common.py "Stacked
              tensors"). None / None: one layer's tensors.
+    weights: the :class:`MoEWeights` of this layer from :func:`moe_weights` (DMAs issued early by the caller),
+             or None (issued here).
     Returns y: SBUF [T, H] float32, this core's partial (sum over cores and ranks = MoE output).
     """
     _, J, T = xT.shape
@@ -497,76 +660,79 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if n_cores != lnc or tuple(shared.shape[0:2]) != (lnc, P):
         raise ValueError(f"moe_tkg: weights laid out for {n_cores} cores (shared {list(shared.shape)}) but the "
                          f"launch has LNC={lnc}")
-    geo = _geometry(experts.shape[3], H, "expert")
-    geo_s = _geometry(shared.shape[2], H, "shared-expert")
+    geo = geometry(experts.shape[3], H, "expert")
+    geo_s = geometry(shared.shape[2], H, "shared-expert")
     for g in (geo, geo_s):
         if g["R"] * T > P:
             raise ValueError(f"moe_tkg: {T} tokens x {g['R']} down-row groups exceed {P} output partitions")
     F, Fs = geo["F"], geo_s["F"]
     S = min(T * top_k, E)
-
-    # 1. weights that do not depend on the routing: router (+gate) and the shared expert
-    r_sb = nl.ndarray((P, J, E // lnc + 1), dtype=adt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=r_sb, src=router[pid], dge_mode=nisa.dge_mode.hwdge)
-    sh = nl.ndarray((P, Fs), dtype=adt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=sh, src=shared[pid], dge_mode=nisa.dge_mode.hwdge)
-
-    # 2. routing
-    gate, wsel, ids, flags = _route(xT, r_sb, top_k, S, lnc, pid)
-
-    # 3. the expert stream: a ring of D buffers; the first D slots' DMAs are issued before any compute
-    D = max(2, min(prefetch, S, RING_BUDGET // (F * (2 if adt == nl.bfloat16 else 4))))
-    ring = []
-    for i in range(D):
-        ring.append(nl.ndarray((P, F), dtype=adt, buffer=nl.sbuf, name=f"moe_expert_buf{i}"))
+    G = group_size(geo["ic"])
+    isz = 2 if adt == nl.bfloat16 else 4
+    Ns = max(2 * G, min(-(-prefetch // G) * G, -(-S // G) * G, RING_BUDGET // (G * F * isz) * G))
+    need = -(-(S - top_k) // LEVEL) + 1    # one trip register per nesting level + at least one id register
     if regs == None:
         pool = []
-        for i in range(2 * D):
+        for i in range(need + Ns):
             pool.append(nisa.register_alloc())
         regs = tuple(pool)
-    if len(regs) < 2 * D:
-        raise ValueError(f"moe_tkg: {len(regs)} registers given, the ring of {D} needs {2 * D}")
-    stream = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
-              "ring": ring, "id_regs": regs[0:D], "flag_regs": regs[D:2 * D], "ids": ids, "flags": flags,
-              "top_k": top_k, "S": S}
-    for s in range(D):
-        _issue(stream, s)
+    if len(regs) < need:
+        raise ValueError(f"moe_tkg: {len(regs)} registers given, the body needs at least {need} for T={T}")
 
-    # 4. the shared expert (weighted by its gate) and the always-valid slots 0..k-1 accumulate in PSUM: one
-    # accumulation group per fold factor R, with no runtime loop inside it (a static slot's buffer reuse by a
-    # later always-valid slot is a plain DMA; a conditional slot's fetch loop waits until the group is evicted)
-    accs = []               # [R, PSUM accumulator, SBUF fold, written yet]
+    # 1. the expert ring first (first fit puts it where the caller's just-freed temporaries were: its first
+    # write comes after the routing, so the wait for their last reader costs nothing); the weights that do not
+    # depend on the routing -- router (+gate) and the shared expert -- unless the caller prefetched them
+    # (moe_weights); and the ACT's exp table is loaded while they fly (the softmax's exp is on the critical path)
+    ring = nl.ndarray((P, Ns, F), dtype=adt, buffer=nl.sbuf, name="moe_expert_ring")
+    if weights == None:
+        weights = moe_weights(router, shared)
+    r_sb, sh = weights.router, weights.shared
+    if tuple(r_sb.shape) != (P, J, E // lnc + 1) or tuple(sh.shape) != (P, 1, Fs):
+        raise ValueError(f"moe_tkg: prefetched weights {list(r_sb.shape)} / {list(sh.shape)} do not match "
+                         f"[{P}, {J}, {E // lnc + 1}] / [{P}, 1, {Fs}]")
+    warm = nl.ndarray((1, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=warm, value=0.0)
+    nisa.activation(dst=warm, op=nl.exp, data=warm)
+
+    # 2. routing; the shared expert's gate|up is issued on the PE between the router matmuls and the routing's
+    # own later matmuls (the PE would otherwise idle while DVE ranks the experts)
+    gu_s = _gate_up(xT, sh, geo_s, 1)
+    lg, w, keys, ids, trips = _top_k(_router_logits(xT, r_sb), top_k, S, lnc, pid, adt)
+
+    # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
+    nq = -(-(S - top_k) // LEVEL)
+    st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
+          "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G}
+    static = _groups(0, top_k, G)
+    first_bufs = []
+    for g in range(min(_ahead(static, Ns), len(static))):     # DMAs as soon as the ids are known
+        first_bufs.append(_issue(st, static[g]))
+    gate = _shared_gate(lg)
+    wsel = _slot_weights(w, keys, S)
+
+    # 4. the shared expert (weighted by its gate) and the always-valid slots accumulate in PSUM: one
+    # accumulation group per fold factor R, with no runtime loop inside it
+    accs = []               # [R, PSUM accumulator, SBUF fold]
     for g in (geo_s, geo):
         if _acc_of(accs, g["R"]) == None:
-            accs.append([g["R"], nl.ndarray((g["R"] * T, g["HR"]), dtype=f32, buffer=nl.psum), None, False])
+            accs.append([g["R"], nl.ndarray((g["R"] * T, g["HR"]), dtype=f32, buffer=nl.psum), None])
     mask_s = _fold_mask(geo_s["ic"], T) if geo_s["R"] > 1 else None
     if geo["ic"] == geo_s["ic"]:
         mask = mask_s
     else:
         mask = _fold_mask(geo["ic"], T) if geo["R"] > 1 else None
-    acc = _acc_of(accs, geo_s["R"])
-    _expert_mlp(xT, sh, geo_s, gate, mask_s, acc[1], None, not acc[3])
-    acc[3] = True
-    acc = _acc_of(accs, geo["R"])
-    for s in range(top_k):
-        _expert_mlp(xT, ring[s % D], geo, wsel[:, s:s + 1], mask, acc[1], None, not acc[3])
-        acc[3] = True
-        if s + D < top_k:
-            _issue(stream, s + D)
-    for a in accs:          # evict every accumulator before the first runtime loop of the slots
+    acc_s = _acc_of(accs, geo_s["R"])
+    _down(gu_s, sh, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
+    _stream(xT, st, static, geo, wsel, mask, _acc_of(accs, geo["R"])[1], geo["R"] != geo_s["R"], first_bufs)
+    for a in accs:          # evict every accumulator before the first runtime loop
         a[2] = nl.ndarray((a[0] * T, H // a[0]), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=a[2], src=a[1])
+        a[1] = None
 
-    # 5. the conditional slots k..S-1: each runs iff its flag is 1 (a 0/1-trip runtime loop), adding into the
-    # SBUF fold through a PSUM bank of its own (loop state stays in SBUF)
-    for s in range(top_k):
-        if s + D >= top_k and s + D < S:
-            _issue(stream, s + D)
-    acc_sb = _acc_of(accs, geo["R"])[2]
-    for s in range(top_k, S):
-        _conditional_slot(xT, ring[s % D], geo, wsel[:, s:s + 1], mask, acc_sb, stream["flag_regs"][s % D])
-        if s + D < S:
-            _issue(stream, s + D)
+    # 5. the conditional slots k..S-1 (nested 0/1-trip loops, pairs then the odd last slot), each group into a
+    # PSUM bank of its own added into the SBUF fold (loop state stays in SBUF)
+    if trips != None:
+        _conditional_levels(xT, st, 0, geo, wsel, mask, _acc_of(accs, geo["R"])[2], trips, regs[0:nq])
 
     # 6. fold back: y[t, g*H/R + c] = fold[g*T + t, c]
     parts = []
@@ -606,7 +772,7 @@ def moe_tkg(x, router, experts, shared, top_k, prefetch=8):
 
 
 # ---------------------------------------------------------------------------------------------
-# trace helpers and the demo launch
+# trace helpers
 # ---------------------------------------------------------------------------------------------
 
 def routed_expert_bytes(trace, rank=None):
@@ -626,32 +792,3 @@ def expert_block_bytes(cfg, tp=4, dtype="bfloat16"):
     """Bytes one rank reads for one routed expert (all its cores): 3 * H * I/tp elements."""
     isz = 2 if dtype == "bfloat16" else 4
     return 3 * cfg.hidden_size * (cfg.moe_intermediate_size // tp) * isz
-
-
-def demo_args(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False, lnc=2, seed=0):
-    """(kernel, args) of one rank's MoE at the config's shapes, launched LNC=``lnc``: ``kernel(*args)``.
-
-    With shape_only the tensors are ``nkisim.ShapeDtype``: the trace is then that of a launch where
-    the register-loaded values read 0 -- every always-valid slot fetches expert 0 and the k..S-1
-    conditional slots run zero times, i.e. the minimum traffic (T tokens agreeing on the same k
-    experts: k blocks + the shared one). An executing run (shape_only=False, random weights, distinct
-    per expert) shows the real data-dependent traffic: one block per DISTINCT selected expert.
-    """
-    H, E = cfg.hidden_size, cfg.num_experts
-    ir, isr = cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp
-    F, Fs = block_width(ir // lnc, H), block_width(isr // lnc, H)
-    shapes = {"x": (T, H), "router": (lnc, P, H // P, E // lnc + 1), "experts": (E, lnc, P, F),
-              "shared": (lnc, P, Fs)}
-    if shape_only:
-        import nkisim
-        args = tuple(nkisim.ShapeDtype(s, dtype) for s in shapes.values())
-    else:
-        import ml_dtypes
-        rng = np.random.default_rng(seed)
-        np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-        args = []
-        for name, s in shapes.items():
-            scale = 1.0 if name == "x" else (H ** -0.5)
-            args.append((rng.standard_normal(s, dtype=np.float32) * np.float32(scale)).astype(np_dt))
-        args = tuple(args)
-    return moe_tkg[lnc], args + (cfg.num_experts_per_tok,)

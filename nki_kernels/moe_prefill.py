@@ -110,7 +110,7 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.moe import INT32_MAX, MAX8, P, _geometry, block_width, layers_per_table
+from nki_kernels.moe import INT32_MAX, MAX8, P, block_width, geometry as _geometry, layers_per_table
 
 BANK = 512          # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 WIN = 128           # rows of one down-projection window (token-major output rows on partitions)

@@ -21,6 +21,7 @@ traffic it counts the HBM bytes of the routed-expert DMAs in the nkisim trace ag
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -33,11 +34,38 @@ from compare import assert_close
 from model.config import preset
 from model.params import random_params
 from model.tp.moe import distinct_experts, moe_rank, route_tokens, shard_moe
-from nki_kernels.moe import (P, block_width, demo_args, expert_block_bytes, expert_blocks, moe_hbm_layout, moe_tkg,
+from nki_kernels.moe import (P, block_width, expert_block_bytes, expert_blocks, moe_hbm_layout, moe_tkg,
                              moe_tkg_body, router_block, routed_expert_bytes)
 
 PREFIX = "model.layers.1"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def full_size_launch(cfg, tp=4, T=2, dtype="bfloat16", shape_only=False, lnc=2, seed=0):
+    """(kernel, args) of one rank's MoE at the config's shapes, launched LNC=``lnc``: ``kernel(*args)``.
+
+    With shape_only the tensors are ``nkisim.ShapeDtype``: the trace is then that of a launch where
+    the register-loaded values read 0 -- every always-valid slot fetches expert 0 and the k..S-1
+    conditional slots run zero times, i.e. the minimum traffic (T tokens agreeing on the same k
+    experts: k blocks + the shared one). An executing run (shape_only=False, random weights, distinct
+    per expert) shows the real data-dependent traffic: one block per DISTINCT selected expert.
+    """
+    H, E = cfg.hidden_size, cfg.num_experts
+    ir, isr = cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp
+    F, Fs = block_width(ir // lnc, H), block_width(isr // lnc, H)
+    shapes = {"x": (T, H), "router": (lnc, P, H // P, E // lnc + 1), "experts": (E, lnc, P, F),
+              "shared": (lnc, P, Fs)}
+    if shape_only:
+        args = tuple(nkisim.ShapeDtype(s, dtype) for s in shapes.values())
+    else:
+        rng = np.random.default_rng(seed)
+        np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+        args = []
+        for name, s in shapes.items():
+            scale = 1.0 if name == "x" else (H ** -0.5)
+            args.append((rng.standard_normal(s, dtype=np.float32) * np.float32(scale)).astype(np_dt))
+        args = tuple(args)
+    return moe_tkg[lnc], args + (cfg.num_experts_per_tok,)
 
 
 def run_kernel(shard, x, top_k, lnc, layout=None):
@@ -174,7 +202,7 @@ def test_stacked_table_beyond_int32_is_refused_and_groups_fit():
     from megakernel import plan as rp
     from nki_kernels.moe import layers_per_table
     cfg = preset("qwen3.6-35b-a3b")
-    _, args = demo_args(cfg, tp=4, T=2, shape_only=True)
+    _, args = full_size_launch(cfg, tp=4, T=2, shape_only=True)
     x, router, experts, shared, k = args
     per_layer = int(np.prod(experts.shape))
     assert per_layer == 201_326_592 and layers_per_table(per_layer) == 10
@@ -374,9 +402,9 @@ def test_real_parity_fp32():
 
 def test_demo_shape_only_trace():
     """The shape-only demo trace: registers read 0, so the k always-valid slots fetch expert 0 and the
-    conditional slots run 0 times -- the minimum traffic of k blocks (documented in demo_args)."""
+    conditional slots run 0 times -- the minimum traffic of k blocks (documented in full_size_launch)."""
     cfg = preset("qwen3.6-35b-a3b")
-    kernel, args = demo_args(cfg, tp=4, T=2, shape_only=True)
+    kernel, args = full_size_launch(cfg, tp=4, T=2, shape_only=True)
     with nkisim.trace.capture() as tr:
         out = kernel(*args)
     assert out.shape == (2, 2, cfg.hidden_size)
@@ -398,7 +426,7 @@ def test_real_parity_fp32_sweep(T):
 @pytest.mark.slow
 def test_demo_executes():
     cfg = preset("qwen3.6-35b-a3b")
-    kernel, args = demo_args(cfg, tp=4, T=2, shape_only=False)
+    kernel, args = full_size_launch(cfg, tp=4, T=2, shape_only=False)
     with nkisim.trace.capture() as tr:
         out = kernel(*args)
     assert np.isfinite(out).all() and np.abs(out).max() > 0
