@@ -390,6 +390,11 @@ def main(argv=None):
                         description=prefill.__doc__.split("\n\n")[0])
     prefill.add_arguments(pf)
     pf.set_defaults(fn=prefill.cmd)
+    from harness import spec_bench
+    sp = sub.add_parser("spec", help="chained MTP drafts K = 1..3: measured acceptance x predicted round time -> tok/s",
+                        description=spec_bench.__doc__.split("\n\n")[0])
+    spec_bench.add_arguments(sp)
+    sp.set_defaults(fn=spec_bench.cmd)
     argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     a.argv = argv[1:]

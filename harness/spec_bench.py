@@ -1,0 +1,193 @@
+"""``python -m harness.bench spec``: which number of chained MTP drafts K pays on trn2.
+
+For each K (default 1, 2, 3):
+
+* measured acceptance: greedy speculative decoding of the embedded tiny checkpoint (bf16, xla variant, TP=1) on
+  held-out prompts (the evaluation split of ``scripts/train_tiny.py``: its one home) -- acceptance of each draft
+  position, tokens per round; the committed tokens are checked against plain greedy decoding;
+* predicted round time: the shipped round megakernel with K draft stages and a verify of K + 1 tokens, traced
+  shape-only at Qwen3.6-35B-A3B's full size (TP=4 x LNC=2, context ``--context``, expected routing) and run through
+  the cost model: low / central / high band (``harness.costmodel.predict_band``);
+* predicted tokens/s = tokens per round / round time, each band end.
+
+Caveats: :data:`CAVEATS` (also in the JSON).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CAVEATS = ("the acceptance comes from the embedded tiny model, not from Qwen3.6's MTP head",
+           "the K - 1 later draft stages are costed with the register values of the first draft's position (p - 1 "
+           "instead of p .. p + K - 2: at most 2 KV rows at a context of thousands)",
+           "the MoE routing model gives every multi-token MoE call of the round the distinct-expert count of K + 1 "
+           "tokens (the K-token replay's is a little smaller: pessimistic for K >= 2)",
+           "device time only: the host's accept and input preparation between rounds is not included")
+
+
+def _train_tiny():
+    """scripts/train_tiny.py as a module (the held-out split and prompt picker live there)."""
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tokens: int, quiet: bool) -> dict:
+    """{K: acceptance figures} of greedy speculative decoding of the embedded checkpoint on held-out prompts."""
+    import torch
+    from tqdm import tqdm
+
+    from harness.decode import EMBEDDED_MODEL
+    from harness.speculative import generate, make_decoder
+    from model.weights import load_checkpoint
+    torch.set_num_threads(1)        # batch-1 decode ops are tiny; one thread is fastest on a shared machine
+    tt = _train_tiny()
+    root, files = tt.stdlib_files()
+    picked = tt.eval_prompts(root, [f for f in files if tt.is_held_out(f)], prompts, prompt_len)
+    cfg, params = load_checkpoint(EMBEDDED_MODEL, dtype=torch.bfloat16)
+    decoders = {k: make_decoder("xla", cfg, params, tp=1, drafts=k) for k in drafts}
+    acc = {k: {"accepted_per_round": [], "differing_prompts": 0} for k in drafts}
+    for _, ids in tqdm(picked, desc="acceptance", unit="prompt", file=sys.stderr, disable=quiet, leave=False):
+        plain = generate(decoders[drafts[0]], ids, new_tokens, spec=False).tokens
+        for k in drafts:
+            res = generate(decoders[k], ids, new_tokens)
+            acc[k]["accepted_per_round"] += res.accepted_per_round
+            acc[k]["differing_prompts"] += res.tokens != plain
+    out = {}
+    for k in drafts:
+        a = acc[k]["accepted_per_round"]
+        out[k] = {"rounds": len(a), "tokens_per_round": sum(a) / len(a),
+                  "acceptance_per_position": [sum(n - 1 > i for n in a) / len(a) for i in range(k)],
+                  "prompts_differing_from_plain_greedy": acc[k]["differing_prompts"]}
+    return out
+
+
+def round_case(cfg, drafts: int, context: int, tp: int = 4, lnc: int = 2, dtype: str = "bfloat16"):
+    """The shipped round megakernel with ``drafts`` chained drafts at position ``context``, shape-only, at the
+    per-rank shapes of ``cfg`` (``harness.kernel_cases`` for the weights; the decode state with K + 1 slots)."""
+    import torch
+
+    import nkisim
+    from harness.costmodel.layers import stage_tagger
+    from harness.kernel_cases import KernelCase, _token, rank_tensors
+    from harness.register_models import RoundRegisters, Routing
+    from megakernel import plan as rp
+    from megakernel.round import KERNELS
+    plan = rp.round_plan(cfg, tp, lnc, drafts=drafts)
+    routing = Routing("expected", drafts + 1, cfg.num_experts_per_tok, cfg.num_experts)
+    state = {s.name: nkisim.ShapeDtype(s.shape, dtype if s.dtype == "activation" else s.dtype)
+             for s in rp.state_specs(cfg, tp, context + drafts + 1, drafts + 1)}
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    run = rp.round_inputs(cfg, act, _token(cfg), torch.zeros(1, cfg.hidden_size), context, 0, drafts=drafts)
+    per_rank = [{"plan": plan, **t, **state, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype)]
+    return KernelCase(f"round megakernel K={drafts}", KERNELS["round"], per_rank, tp, lnc,
+                      RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
+                      plan=plan)
+
+
+def predict_round(cfg, drafts: int, context: int) -> dict:
+    """Predicted round time band (us) of the K-draft round at full size, with its per-stage split."""
+    from harness.costmodel import predict_band
+    from harness.costmodel import constants as C
+    case = round_case(cfg, drafts, context)
+    t0 = time.time()
+    tr = case.trace()
+    band = predict_band(tr, stages=case.stages, name=f"round K={drafts}")
+    stages = {}
+    for e in C.ENDS:
+        for s, v in band.at(e).critical_by_stage.items():
+            top = "V" if s.startswith("V") else s
+            stages.setdefault(top, {}).setdefault(e, 0.0)
+            stages[top][e] += v / 1e3
+    return {"round_us": band.time_us(), "stages_us": stages, "instructions": len(tr.instructions),
+            "seconds": round(time.time() - t0, 1)}
+
+
+def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_tokens: int, predict: bool,
+        quiet: bool) -> dict:
+    from model.config import preset
+    t0 = time.time()
+    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet)
+    rows = []
+    cfg = preset("qwen3.6-35b-a3b") if predict else None
+    for k in drafts:
+        row = {"drafts": k, **acc[k]}
+        if predict:
+            if not quiet:
+                print(f"spec: tracing the K={k} round at full size (shape-only) ...", file=sys.stderr, flush=True)
+            row.update(predict_round(cfg, k, context))
+            r = row["round_us"]
+            # more time per round -> fewer tokens/s: the low time end gives the high rate
+            row["tokens_per_s"] = {"low": row["tokens_per_round"] * 1e6 / r["high"],
+                                   "central": row["tokens_per_round"] * 1e6 / r["central"],
+                                   "high": row["tokens_per_round"] * 1e6 / r["low"]}
+        rows.append(row)
+    best = max(rows, key=lambda r: r["tokens_per_s"]["central"])["drafts"] if predict else None
+    import subprocess
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None
+    return {"command": "python -m harness.bench spec " + " ".join(sys.argv[2:]), "measured_commit": commit,
+            "model_for_time": "qwen3.6-35b-a3b",
+            "tp": 4, "lnc": 2, "context": context, "routing": "expected",
+            "acceptance_source": {"checkpoint": "model/embedded/tiny (bf16)", "variant": "xla, TP=1, greedy",
+                                  "prompts": prompts, "prompt_bytes": prompt_len, "new_tokens": new_tokens,
+                                  "split": "held-out stdlib files of scripts/train_tiny.py"},
+            "rows": rows, "best_drafts_central": best,
+            "caveats": list(CAVEATS),
+            "elapsed_s": round(time.time() - t0, 1)}
+
+
+def table(out: dict) -> str:
+    lines = [f"| K | accept per position | tokens/round | round time us (low-central-high) | tok/s (low-central-high) |",
+             "|---|---|---|---|---|"]
+    for r in out["rows"]:
+        per = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
+        if "round_us" in r:
+            t, s = r["round_us"], r["tokens_per_s"]
+            times = f"{t['central']:,.0f} ({t['low']:,.0f}-{t['high']:,.0f})"
+            rate = f"{s['central']:,.0f} ({s['low']:,.0f}-{s['high']:,.0f})"
+        else:
+            times = rate = "-"
+        lines.append(f"| {r['drafts']} | {per} | {r['tokens_per_round']:.2f} | {times} | {rate} |")
+    if out["best_drafts_central"]:
+        lines.append(f"\nbest K (central): {out['best_drafts_central']}")
+    return "\n".join(lines)
+
+
+def add_arguments(p):
+    p.add_argument("--drafts", default="1,2,3", help="comma-separated K values in 1..3 (default 1,2,3)")
+    p.add_argument("--context", type=int, default=2048, help="the round's context (pending token's position), "
+                                                             "default 2048")
+    p.add_argument("--prompts", type=int, default=20, help="held-out prompts for the acceptance (default 20)")
+    p.add_argument("--prompt-bytes", type=int, default=128, help="bytes per prompt (default 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--no-predict", action="store_true", help="acceptance only: skip the full-size round traces "
+                                                             "(minutes each)")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--out", default=str(ROOT / "bench" / "spec.json"), help="JSON output (default bench/spec.json)")
+
+
+def cmd(a):
+    from harness.kernel_loading import BadInput
+    from megakernel.plan import MAX_DRAFTS
+    try:
+        drafts = sorted({int(x) for x in a.drafts.split(",") if x.strip()})
+    except ValueError:
+        raise BadInput(f"spec: --drafts: expected comma-separated integers, found {a.drafts!r}") from None
+    if not drafts or not all(1 <= k <= MAX_DRAFTS for k in drafts):
+        raise BadInput(f"spec: --drafts values must be in 1..{MAX_DRAFTS}, found {a.drafts!r}")
+    for name in ("context", "prompts", "prompt_bytes", "new_tokens"):
+        if getattr(a, name) < 1:
+            raise BadInput(f"spec: --{name.replace('_', '-')} must be >= 1, found {getattr(a, name)}")
+    out = run(drafts, a.context, a.prompts, a.prompt_bytes, a.new_tokens, not a.no_predict, a.quiet or a.json)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out) if a.json else table(out))
+    return 0
