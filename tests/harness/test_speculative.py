@@ -120,3 +120,35 @@ def test_state_after_rounds_equals_plain_decoding(setup, data, drafts):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("drafts", range(1, MAX_DRAFTS + 1))
+@pytest.mark.parametrize("n", range(1, 10))
+def test_teacher_forced_launches_cover_the_prompt_once(n, drafts):
+    """Rounds of K + 1 tokens: every prompt position verified once, the MTP rows 0..n-2 written exactly as a
+    prefill writes them (D1 row pos-1 from (x_pos, h_{pos-1}); D2 rows pos..pos+m-1 from the forced drafts)."""
+    from megakernel.plan import PrefillLaunch, teacher_forced_launches
+    plan = teacher_forced_launches(n, drafts)
+    assert plan[0] == PrefillLaunch("step", 0, None, 1)
+    assert len(plan) == 1 + -(-(n - 1) // (drafts + 1))
+    verified, mtp_rows = [0], []
+    for launch in plan[1:]:
+        assert launch.mode == "round" and 1 <= launch.accepted <= drafts + 1
+        verified += range(launch.pos, launch.pos + launch.accepted)
+        mtp_rows.append(launch.pos - 1)
+        if launch.forced is not None:
+            assert launch.forced == launch.pos + 1
+        mtp_rows += range(launch.pos, launch.pos + launch.accepted - 1)
+    assert verified == list(range(n)) and mtp_rows == list(range(n - 1))
+
+
+@pytest.mark.parametrize("drafts", [2, MAX_DRAFTS])
+def test_teacher_forced_prefill_then_rounds(setup, drafts):
+    """An engine without a host prefill (reference=None): the prompt goes through rounds of K + 1 forced tokens."""
+    from harness.engines import make_engine
+    from harness.speculative import Decoder
+    cfg, params, prompt, plain = setup
+    v = Decoder(make_engine("xla", cfg, params, tp=2, drafts=drafts))
+    assert v.reference is None
+    res = generate(v, prompt, 12, draft_source=right_draft(prompt, plain, drafts))
+    assert res.tokens == plain[:12]
