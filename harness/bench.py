@@ -123,7 +123,13 @@ def cmd_predict(a):
     def progress(what):
         bar.set_postfix_str(what[:60])
         bar.update(1)
-    mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress)
+    if a.draft_vocab:
+        from megakernel.plan import draft_vocab_per_core
+        try:
+            draft_vocab_per_core(cfg, a.draft_vocab, a.tp * 2)
+        except ValueError as e:
+            raise BadInput(f"predict: --draft-vocab: {e}") from None
+    mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab)
     t_mk = time.time() - t0
     lw = compose.layerwise_round(cfg, a.context, routing, a.tp, 2, progress=progress)
     bar.close()
@@ -133,6 +139,7 @@ def cmd_predict(a):
         "command": "python -m harness.bench predict " + " ".join(a.argv),
         "model": a.model, "tp": a.tp, "lnc": 2, "tokens_verified": 2, "dtype": "bfloat16",
         "context": a.context, "routing": routing.describe(), "measured_commit": _git_head(),
+        "draft_vocab": a.draft_vocab or None,
         "round_us": mks["round_us"], "stages_us": mks["stages_us"], "layer_us": _layer_kinds(mk, cfg),
         "distinct_experts": mk.notes["distinct_experts"], "kernel_parameters": mk.notes["kernel_parameters"],
         "tokens_per_s": mks["tokens_per_s"], "acceptance": acc,
@@ -345,6 +352,9 @@ def main(argv=None):
                    help="distinct experts per verify layer: expected (15.75 for top-8 of 256), min (8), max (16)")
     p.add_argument("--acceptance", type=float, default=0.75,
                    help="probability the draft token is accepted (tokens/round = 1 + acceptance)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="the megakernel's MTP draft argmaxes over an FR-Spec draft head of N ids (model.draft_vocab; "
+                        "the verify keeps the full vocabulary); the layerwise figure keeps the full head. Default off")
     p.add_argument("--corrections", action="store_true",
                    help="also measure what each correction of issue 13 does to the central megakernel round (re-traces "
                         "the round three times: several minutes); adds 'corrections' to the JSON")

@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
                     help=f"chained MTP drafts per round, 1..{MAX_DRAFTS} (default {DEFAULT_DRAFTS}); the verify runs "
                          f"K + 1 tokens")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="FR-Spec: the drafts choose among the N most frequent tokens only (draft_vocab.json of the "
+                         "checkpoint, python -m model.draft_vocab); the verify keeps the full vocabulary, so the "
+                         "output is unchanged; N a multiple of 2 x --tp (default: off, full vocabulary; greedy only)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature (default 0: greedy); > 0 samples (xla variant)")
     ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (>= 1)")
@@ -142,13 +146,27 @@ def build_variants(names, cfg, params, args) -> dict:
     for name in names:
         try:
             out[name] = prefill.make_variant(name, cfg, params, args.tp, args.prefill, args.prefill_chunk,
-                                             drafts=args.num_draft_tokens)
+                                             drafts=args.num_draft_tokens, **draft_vocab_kw(cfg, args))
         except ValueError as e:
             if str(e).startswith(("--prefill", "prefill:")):
                 raise UsageError(str(e)) from None
             raise UsageError(f"--variant {name}: {e} (every variant is sharded over --tp {args.tp} ranks x 2 "
                              f"cores; try a smaller --tp)") from None
     return out
+
+
+def draft_vocab_kw(cfg, args) -> dict:
+    """``{"draft_ids": ...}`` for --draft-vocab N (``model.draft_vocab.load``), or {} when off."""
+    if args.draft_vocab is None:
+        return {}
+    if args.no_spec or getattr(args, "temperature", 0) > 0:
+        raise UsageError("--draft-vocab restricts greedy MTP drafts: it needs speculation (no --no-spec) and "
+                         "--temperature 0")
+    from model import draft_vocab
+    try:
+        return {"draft_ids": draft_vocab.load(args.model_path, args.draft_vocab, cfg.vocab_size, 2 * args.tp)}
+    except ValueError as e:
+        raise UsageError(f"--draft-vocab: {e}") from None
 
 
 def run_variant(name, variant, ids, args, cfg, sampling=None, sample: int = 0

@@ -81,11 +81,13 @@ class HostEngine:
     name = "base"
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                 drafts: int = rp.DEFAULT_DRAFTS):
+                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None):
         self.cfg, self.tp, self.lnc, self.drafts = cfg, tp, lnc, rp.check_drafts(drafts)
+        self.draft_ids = draft_ids          # FR-Spec draft vocabulary (model.draft_vocab.load) or None: full head
         self.slots = drafts + 1
         self.dtype = params["model.embed_tokens.weight"].dtype
-        self.plans = {m: rp.plan_for(cfg, m, tp, lnc, drafts=drafts)
+        nd = 0 if draft_ids is None else len(draft_ids)
+        self.plans = {m: rp.plan_for(cfg, m, tp, lnc, drafts=drafts, draft_vocab=nd)
                       for m in (("round", "step") if cfg.mtp_num_hidden_layers else ("step",))}
         self.weights = [self.rank_weights(params, r) for r in range(tp)]
         self.states: list[dict[str, torch.Tensor]] = []
@@ -93,7 +95,7 @@ class HostEngine:
         self.launches = 0
 
     def rank_weights(self, params, rank: int) -> dict:
-        return rank_weights(self.cfg, params, rank, self.tp, self.lnc)
+        return rank_weights(self.cfg, params, rank, self.tp, self.lnc, self.draft_ids)
 
     def start(self, max_len: int) -> None:
         self.max_len = max_len
@@ -143,7 +145,7 @@ class MegakernelEngine(HostEngine):
     def _run(self, plan, inputs):
         import nkisim
         from megakernel.round import KERNELS
-        names = rp.kernel_weights(plan.mode) + rp.EXPERTS
+        names = rp.kernel_weights(plan.mode) + rp.EXPERTS + (rp.DRAFT_VOCAB if plan.draft_vocab_per_core else ())
         per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **inputs}
                     for w, st in zip(self.weights, self.states)]
         self.launches += 1
@@ -161,7 +163,7 @@ class XlaEngine(HostEngine):
 
     def rank_weights(self, params, rank):
         from harness import xla
-        return xla.rank_weights(self.cfg, params, rank, self.tp)
+        return xla.rank_weights(self.cfg, params, rank, self.tp, self.draft_ids)
 
     def _run(self, plan, inputs):
         from harness import xla
@@ -232,17 +234,23 @@ class LayerwiseEngine(HostEngine):
              layer.moe, index, eps) for w in W])
         return self._add(x, outs)
 
-    def _head(self, plan, x, row: int):
-        """(greedy token ids [T], post-norm hidden [T, H]) with the lowest global index winning ties."""
+    def _head(self, plan, x, row: int, draft: bool = False):
+        """(greedy token ids [T], post-norm hidden [T, H]) with the lowest global index winning ties; ``draft`` with
+        an FR-Spec draft vocabulary: over the draft head's rows, mapped to their token ids."""
         from megakernel import layerwise as lw
-        outs = self._launch(lw.head_stage[self.lnc], [(x, w["norms"], row, w["lm_head"], plan.eps)
+        sub = draft and plan.draft_vocab_per_core > 0
+        head, vc = ("draft_head", plan.draft_vocab_per_core) if sub else ("lm_head", plan.vocab_per_core)
+        outs = self._launch(lw.head_stage[self.lnc], [(x, w["norms"], row, w[head], plan.eps)
                                                       for w in self.weights])
         best = torch.cat([torch.as_tensor(b) for b, _ in outs])  # [tp*lnc, T, 2], global core order
         values, local = best[..., 0], best[..., 1]
-        idx = local + plan.vocab_per_core * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
+        idx = local + vc * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
         top = values.max(dim=0).values
         idx = torch.where(values == top, idx, torch.full_like(idx, float("inf"))).min(dim=0).values
-        return [int(i) for i in idx], torch.as_tensor(outs[0][1])
+        ids = [int(i) for i in idx]
+        if sub:
+            ids = [int(self.draft_ids[i]) for i in ids]
+        return ids, torch.as_tensor(outs[0][1])
 
     def _embed(self, ids: list[int]):
         from nki_kernels.embedding import embedding_kernel
@@ -264,7 +272,7 @@ class LayerwiseEngine(HostEngine):
         x = self._layer(plan, stage.layers[0], x, pos, cos, sin, inputs["read_slot"])
         if not with_head:
             return None
-        ids, hm = self._head(plan, x, rows.mtp_final)
+        ids, hm = self._head(plan, x, rows.mtp_final, draft=True)
         return ids[0], hm
 
     def _run(self, plan, inputs):
@@ -301,11 +309,12 @@ ENGINES = {"xla": XlaEngine, "layerwise": LayerwiseEngine, "megakernel": Megaker
 
 
 def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                drafts: int = rp.DEFAULT_DRAFTS) -> HostEngine:
+                drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None) -> HostEngine:
     """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores, running rounds
-    of ``drafts`` chained drafts."""
+    of ``drafts`` chained drafts, each the argmax over ``draft_ids`` (an FR-Spec draft vocabulary,
+    ``model.draft_vocab.load``) or over the full vocabulary (None)."""
     if name not in ENGINES:
         raise ValueError(f"unknown variant {name!r}; expected one of {ENGINE_NAMES}")
     rp.kv_groups(cfg, tp)
     kv_heads(cfg, 0, tp)
-    return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts)
+    return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)

@@ -75,10 +75,12 @@ def _shape_dtype(t):
 
 
 @functools.lru_cache(maxsize=8)
-def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str = "bfloat16") -> tuple:
+def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str = "bfloat16",
+                 draft_vocab: int = 0) -> tuple:
     """Per rank: {name: ShapeDtype} of every stacked weight (``megakernel.sharded.rank_weights`` run on ``meta``
     tensors, so the real layout helpers give the shapes) and of the decode state of a sequence of ``context``
-    tokens plus the round's two (``megakernel.plan.state_specs``)."""
+    tokens plus the round's two (``megakernel.plan.state_specs``). ``draft_vocab`` > 0 adds an FR-Spec draft head of
+    that many ids (ids 0..N-1 stand in: the cost does not depend on which rows)."""
     import torch
 
     import nkisim
@@ -90,7 +92,8 @@ def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str
               for k, s in expected_shapes(cfg).items()}
     state = {s.name: nkisim.ShapeDtype(s.shape, dtype if s.dtype == "activation" else s.dtype)
              for s in state_specs(cfg, tp, context + 2)}
-    return tuple({**{k: _shape_dtype(v) for k, v in rank_weights(cfg, params, r, tp, lnc).items()}, **state}
+    ids = np.arange(draft_vocab, dtype=np.int32) if draft_vocab else None
+    return tuple({**{k: _shape_dtype(v) for k, v in rank_weights(cfg, params, r, tp, lnc, ids).items()}, **state}
                  for r in range(tp))
 
 
@@ -107,11 +110,12 @@ def _runtime(cfg, context: int, dtype: str, mode: str = "round") -> dict:
 
 # ---- the round megakernel -------------------------------------------------------------------------
 def round_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
-               dtype: str = "bfloat16", max_context: int | None = None) -> KernelCase:
+               dtype: str = "bfloat16", max_context: int | None = None, draft_vocab: int = 0) -> KernelCase:
     """The round megakernel as shipped (``megakernel.round.round_kernel``, runtime loops) at position p =
     ``context``. ``max_context`` plans the attention's unrolled shape-only specialisation instead (the pre-issue-13
-    costing, kept for comparison: ``harness.costmodel.compose.corrections``)."""
-    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context)
+    costing, kept for comparison: ``harness.costmodel.compose.corrections``). ``draft_vocab``: ids of an FR-Spec
+    draft vocabulary (0: the drafts use the full LM head)."""
+    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context, draft_vocab)
 
 
 def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
@@ -121,14 +125,15 @@ def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int 
 
 
 def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, lnc: int, dtype: str,
-                max_context) -> KernelCase:
+                max_context, draft_vocab: int = 0) -> KernelCase:
     from harness.costmodel.layers import stage_tagger
     from megakernel import plan as rp
     from megakernel.round import KERNELS
     routing = routing or Routing("expected", 2 if mode == "round" else 1, cfg.num_experts_per_tok, cfg.num_experts)
-    plan = rp.plan_for(cfg, mode, tp, lnc, max_context)
+    plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab)
     run = _runtime(cfg, context, dtype, mode)
-    per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype)]
+    nd = draft_vocab if plan.draft_vocab_per_core else 0
+    per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype, nd)]
     case = KernelCase(f"{mode} megakernel", KERNELS[mode], per_rank, tp, lnc,
                       RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
                       notes={"shipped": "max_context=None (runtime loops)" if max_context is None else

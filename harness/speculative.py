@@ -178,11 +178,12 @@ class Decoder:
 
 
 def make_decoder(name: str, cfg, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                 drafts: int = rp.DEFAULT_DRAFTS) -> Decoder:
-    """A variant by name (``harness.engines.ENGINE_NAMES``) with rounds of ``drafts`` chained drafts: its
-    in-process engine, prefilled on the host."""
+                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None) -> Decoder:
+    """A variant by name (``harness.engines.ENGINE_NAMES``) with rounds of ``drafts`` chained drafts (over the FR-Spec
+    draft vocabulary ``draft_ids``, or the full one): its in-process engine, prefilled on the host."""
     from harness.engines import make_engine
-    return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts), ReferenceModel(cfg, params))
+    return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids),
+                   ReferenceModel(cfg, params))
 
 
 @dataclass

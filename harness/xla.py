@@ -40,8 +40,11 @@ MOE_WEIGHTS = ("router", "shared_expert_gate", "gate", "up", "down", "shared_gat
 
 
 # ---- weights -----------------------------------------------------------------------------------------------
-def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s weights of the xla variant (module docstring)."""
+def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int, draft_ids=None
+                 ) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s weights of the xla variant (module docstring). ``draft_ids``: an FR-Spec draft vocabulary
+    (``model.draft_vocab.load``, ascending): adds ``draft_head`` (the rank's part of its LM-head rows, [Vd/tp, H])
+    and ``draft_ids`` [Vd] int64, which the drafts then use instead of ``lm_head``."""
     w = {"embed": params["model.embed_tokens.weight"], "lm_head": shard_lm_head(params, cfg, rank, tp),
          "norms": torch.stack([params[n] for n in norm_names(cfg)])}
     if cfg.mtp_num_hidden_layers:
@@ -55,6 +58,10 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
     moe = [shard_moe(params, p, cfg, rank, tp) for p in moe_prefixes(cfg)]
     for k in MOE_WEIGHTS:
         w["moe_" + k] = torch.stack([m[k] for m in moe])
+    if draft_ids is not None:
+        from model.draft_vocab import draft_head_rows
+        w["draft_head"] = draft_head_rows(params, cfg, draft_ids, rank, tp)
+        w["draft_ids"] = torch.as_tensor(draft_ids, dtype=torch.int64)
     return w
 
 
@@ -149,7 +156,9 @@ def forward(cfg: ModelConfig, plan, w: dict, st: dict, rt: dict, coll: Collectiv
             h = rt["hidden"].reshape(1, -1) if stage.draft == 0 else chain_h
             chain_h = mtp_head(cfg, plan, stage, w, state, chain_ids, h, rt, coll)
             force = rt["force"][stage.draft].long()
-            if sampling is None:
+            if sampling is None and "draft_head" in w:     # FR-Spec: argmax over the draft vocabulary's rows
+                choice = w["draft_ids"][greedy_rank(w["draft_head"], chain_h, coll)]
+            elif sampling is None:
                 choice = greedy_rank(w["lm_head"], chain_h, coll)
             else:
                 q = probabilities(coll.gather_last(F.linear(chain_h, w["lm_head"]).float()), sampling)

@@ -74,6 +74,7 @@ WEIGHTS = ("embed", "lm_head", "norms", "mtp_fc", "gdn_w_in", "gdn_conv_w", "gdn
            "gdn_norm_w", "gdn_w_out", "attn_wqg", "attn_wk", "attn_wv", "attn_wo", "attn_norm_w", "moe_router",
            "moe_shared")
 EXPERTS = tuple(f"moe_experts_{t}" for t in range(MOE_TABLES))
+DRAFT_VOCAB = ("draft_head", "draft_ids")   # a round's optional FR-Spec draft head and its ids (after the experts)
 STATE = ("gdn_window", "gdn_state", "attn_k", "attn_v")
 # What a round / step launch returns first, before the state it writes (the same for every mode: NxD applies
 # the first graph's output packer to every graph, harness/nxdi/assembly.py)
@@ -118,16 +119,19 @@ class Stage(nl.NKIObject):
 
 class Plan(nl.NKIObject):
     """A launch: ``mode`` (round | step), its stages, and the compile-time settings every stage shares.
-    ``tokens``: the verify's T; ``drafts``: the draft stages K (0 in a step; T = K + 1 in a round)."""
+    ``tokens``: the verify's T; ``drafts``: the draft stages K (0 in a step; T = K + 1 in a round);
+    ``draft_vocab_per_core``: rows of the FR-Spec draft head per core (``model.draft_vocab``; 0: the drafts use the
+    full LM head)."""
 
     def __init__(self, mode: str, stages: tuple, tp: int, lnc: int, eps: float, top_k: int, vocab_per_core: int,
-                 norms: NormRows, max_context=None):
+                 norms: NormRows, max_context=None, draft_vocab_per_core: int = 0):
         self.mode, self.stages = mode, stages
         self.tp, self.lnc, self.eps, self.top_k, self.vocab_per_core = tp, lnc, float(eps), top_k, vocab_per_core
         self.norms = norms
         self.max_context = max_context      # attention loops unrolled for a context (shape-only costing), or None
         self.tokens = stages[len(stages) - 1].tokens if mode == "step" else _verify_tokens(stages)
         self.drafts = _count(stages, DRAFT)
+        self.draft_vocab_per_core = draft_vocab_per_core
 
 
 def _count(stages, kind: str) -> int:
@@ -220,7 +224,17 @@ def check_drafts(drafts: int) -> int:
     return drafts
 
 
-def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: int) -> Plan:
+def draft_vocab_per_core(cfg: ModelConfig, draft_vocab: int, n_cores: int) -> int:
+    """Rows of the draft head per core for a draft vocabulary of ``draft_vocab`` ids (0: off)."""
+    if draft_vocab == 0:
+        return 0
+    if not 0 < draft_vocab <= cfg.vocab_size or draft_vocab % n_cores:
+        raise ValueError(f"plan: a draft vocabulary of {draft_vocab} ids must be in [1, {cfg.vocab_size}] and split "
+                         f"evenly over {n_cores} cores")
+    return draft_vocab // n_cores
+
+
+def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: int, draft_vocab: int = 0) -> Plan:
     if mode not in ("round", "step"):
         raise ValueError(f"plan: mode must be 'round' or 'step', got {mode!r}")
     check_drafts(drafts)
@@ -236,15 +250,16 @@ def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: i
     else:
         stages = (Stage("V", VERIFY, 1, trunk, "v"),)
     return Plan(mode, stages, tp, lnc, cfg.rms_norm_eps, cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc),
-                NormRows(cfg.num_hidden_layers, mtp), max_context)
+                NormRows(cfg.num_hidden_layers, mtp), max_context,
+                draft_vocab_per_core(cfg, draft_vocab, tp * lnc) if mode == "round" else 0)
 
 
-def round_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None, drafts: int = DEFAULT_DRAFTS
-               ) -> Plan:
+def round_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None, drafts: int = DEFAULT_DRAFTS,
+               draft_vocab: int = 0) -> Plan:
     """The speculative round: ``drafts`` (K) chained D1 stages + V (K + 1 tokens) + D2 (K tokens).
     ``max_context`` (shape-only costing only) unrolls the attention loops for that context; the shipped kernel
-    has None."""
-    return _plan(cfg, "round", tp, lnc, max_context, drafts)
+    has None. ``draft_vocab``: ids of the FR-Spec draft vocabulary (0: the drafts use the full LM head)."""
+    return _plan(cfg, "round", tp, lnc, max_context, drafts, draft_vocab)
 
 
 def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> Plan:
@@ -253,8 +268,8 @@ def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> 
 
 
 def plan_for(cfg: ModelConfig, mode: str, tp: int = 4, lnc: int = 2, max_context=None,
-             drafts: int = DEFAULT_DRAFTS) -> Plan:
-    return _plan(cfg, mode, tp, lnc, max_context, drafts)
+             drafts: int = DEFAULT_DRAFTS, draft_vocab: int = 0) -> Plan:
+    return _plan(cfg, mode, tp, lnc, max_context, drafts, draft_vocab)
 
 
 def stage_functions(plan: Plan) -> dict:

@@ -33,8 +33,8 @@ from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
 from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
-from nki_kernels.embedding import embedding_body, load_token_ids, token_ids_from_best
-from nki_kernels.gdn import gdn_body
+from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
+from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body
@@ -54,6 +54,7 @@ class LaunchTensors(nl.NKIObject):
         self.gdn_window, self.gdn_state, self.attn_k, self.attn_v = gdn_window, gdn_state, attn_k, attn_v
         self.pending, self.read_slot, self.pos, self.cos_v, self.sin_v = pending, read_slot, pos, cos_v, sin_v
         self.hidden, self.force, self.pos_d1, self.cos_d1, self.sin_d1 = hidden, force, pos_d1, cos_d1, sin_d1
+        self.draft_head = self.draft_ids = None     # the FR-Spec draft head and its token ids (round, optional)
 
 
 @nki.jit
@@ -61,7 +62,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                  gdn_w_out, attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w, moe_router, moe_shared, gdn_window,
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1, moe_experts_0, moe_experts_1=None, moe_experts_2=None, moe_experts_3=None,
-                 moe_experts_4=None):
+                 moe_experts_4=None, draft_head=None, draft_ids=None):
     """One speculative round (``plan.mode == "round"``, K = ``plan.drafts``) on one core. Returns (drafts [K, 1]
     int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
@@ -71,6 +72,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                       (moe_experts_0, moe_experts_1, moe_experts_2, moe_experts_3, moe_experts_4),
                       gdn_window, gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force,
                       pos_d1, cos_d1, sin_d1)
+    t.draft_head, t.draft_ids = draft_head, draft_ids
     return run_plan(plan, t)
 
 
@@ -145,7 +147,7 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     hm = mtp_head(plan, stage, t, ids, h, rg, regs, core)
     force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
     nisa.dma_copy(dst=force, src=t.force[i:i + 1, :])
-    d = token_ids_from_best(_forced(_greedy(plan, t, hm, rg, core), force))
+    d = token_ids_from_best(_forced(_draft_greedy(plan, t, hm, rg, core), force))
     return d, (token_major(hm) if i + 1 < plan.drafts else None)
 
 
@@ -169,13 +171,18 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
     """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
     all-reduced over the TP x LNC cores."""
+    g = t.gdn
+    wg = None
+    if layer.kind != ATTENTION:     # GDN weights into the launch's arena, issued before the norm: the stream
+        if regs.gdn == None:        # overlaps the previous layer's all-reduce (issue 15)
+            regs.gdn = gdn_weight_tiles(g[0], g[5])
+        wg = gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
     xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs)
     else:
-        g = t.gdn
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
-                     layer=layer.mixer)
+                     layer=layer.mixer, weights=wg)
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs), rg))
@@ -257,6 +264,19 @@ def _greedy(plan, t, xT, rg, core):
     return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core]), plan.vocab_per_core, rg, plan.tp)
 
 
+def _draft_greedy(plan, t, xT, rg, core):
+    """The draft's greedy token, SBUF [T, 2] float32 (value, token id): over the full vocabulary, or with an FR-Spec
+    draft vocabulary (``plan.draft_vocab_per_core`` > 0) over the draft head's rows only -- lowest subset index, i.e.
+    lowest token id (the ids are ascending), among equal logits -- mapped to its token id. The verify always uses
+    the full head (:func:`_greedy`), so the decoded tokens do not depend on it."""
+    if plan.draft_vocab_per_core == 0:
+        return _greedy(plan, t, xT, rg, core)
+    kernel_assert(t.draft_head != None and t.draft_ids != None,
+                  "megakernel: the plan has a draft vocabulary but the launch passes no draft_head / draft_ids")
+    best = argmax_combine(lm_head_argmax_body(xT, t.draft_head[core]), plan.draft_vocab_per_core, rg, plan.tp)
+    return subset_ids_from_best(best, t.draft_ids)
+
+
 def _forced(best, force):
     """Replace the draft index by the host's when force[0] = 1: idx + flag * (token - idx), in fp32 (exact for
     token ids < 2^24). No data-dependent branch."""
@@ -273,10 +293,13 @@ def _forced(best, force):
 
 class Registers(nl.NKIObject):
     """One register pool per launch, reused by every layer's bodies (registers are a per-engine resource: 64 per
-    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's."""
+    sequencer): the MoE expert ring's (2 per ring slot) and the attention body's; and the launch's SBUF arena of
+    GDN weights (``gdn``: ``nki_kernels.gdn.gdn_weight_tiles``, allocated by the first GDN layer, then reused by
+    every GDN layer so its weight DMA waits only for the previous GDN layer's reads)."""
 
     def __init__(self, moe, attention):
         self.moe, self.attention = moe, attention
+        self.gdn = None
 
 
 def _allocate(n):

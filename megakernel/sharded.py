@@ -89,10 +89,12 @@ def norm_names(cfg: ModelConfig) -> list[str]:
     return out
 
 
-def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int, lnc: int
-                 ) -> dict[str, torch.Tensor]:
+def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int, lnc: int,
+                 draft_ids=None) -> dict[str, torch.Tensor]:
     """Every stacked weight tensor of rank ``rank`` (module docstring), in ``plan.WEIGHTS`` order then the
-    experts tables in use. Torch ops only, so it also runs on ``meta`` tensors (full-size shapes without data)."""
+    experts tables in use. Torch ops only, so it also runs on ``meta`` tensors (full-size shapes without data).
+    ``draft_ids``: an FR-Spec draft vocabulary (``model.draft_vocab.load``, ascending), adding ``draft_head``
+    [lnc, P, KT*Vd/(tp*lnc)] (its LM-head rows split over the cores like ``lm_head``) and ``draft_ids`` [Vd, 1] int32."""
     H = cfg.hidden_size
     n_cores = tp * lnc
     if H % n_cores:
@@ -122,6 +124,11 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
     per = rp.experts_per_table(cfg, tp, lnc)
     for t in range(rp.experts_tables(cfg, tp, lnc)):
         w[f"moe_experts_{t}"] = torch.stack([lay["experts"] for lay in moe[t * per:(t + 1) * per]])
+    if draft_ids is not None:
+        from model.draft_vocab import draft_head_rows
+        w["draft_head"] = rank_lm_head_layout(tuple(draft_head_rows(params, cfg, draft_ids, rank * lnc + c, n_cores)
+                                                    for c in range(lnc)))
+        w["draft_ids"] = torch.as_tensor(draft_ids, dtype=torch.int32).reshape(-1, 1).contiguous()
     return w
 
 

@@ -66,6 +66,21 @@ def token_ids_from_best(best):
     return ids_sb
 
 
+def subset_ids_from_best(best, subset_ids):
+    """The FR-Spec draft's seam: ``best`` SBUF ``[T, 2]`` float32 (value, index into the draft vocabulary) from
+    ``collectives.argmax_combine`` over the draft head -> SBUF ``[T, 2]`` float32 (value, token id): the index
+    gathers its id from ``subset_ids`` HBM ``[Vd, 1]`` int32 (the draft vocabulary, ascending; ``model.draft_vocab``)
+    with the embedding's indirect DMA (:func:`embedding_body` of a one-column int32 table). The index lies in
+    ``[0, Vd)`` by construction; ids < 2^24 are exact in fp32."""
+    T = best.shape[0]
+    idx = token_ids_from_best(best)
+    ids = embedding_body(subset_ids, idx)
+    out = nl.ndarray((T, 2), nl.float32, buffer=nl.sbuf, name="draft_vocab_best")
+    nisa.tensor_copy(dst=out[:, 0:1], src=best[:, 0:1])
+    nisa.tensor_copy(dst=out[:, 1:2], src=ids)
+    return out
+
+
 def embedding_body(table, ids_sb):
     """Body: gather rows ``ids_sb`` of ``table`` into the residual.
 

@@ -75,10 +75,12 @@ V_STAGES = ("V", "V norms", "V GDN", "V all-reduce", "V MoE", "V attention", "V 
 
 
 # ---- the megakernel ------------------------------------------------------------------------------
-def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None):
-    """Trace the shipped round megakernel (``harness.kernel_cases.round_case``) and predict its band."""
+def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None,
+                     draft_vocab=0):
+    """Trace the shipped round megakernel (``harness.kernel_cases.round_case``; ``draft_vocab``: an FR-Spec draft head
+    of that many ids, 0: off) and predict its band."""
     from harness import kernel_cases
-    case = kernel_cases.round_case(cfg, context, routing, tp, lnc, dtype)
+    case = kernel_cases.round_case(cfg, context, routing, tp, lnc, dtype, draft_vocab=draft_vocab)
     if progress:
         progress("tracing the round megakernel")
     tr = case.trace()
