@@ -38,12 +38,16 @@ def _train_tiny():
     return mod
 
 
-def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tokens: int, quiet: bool) -> dict:
-    """{K: acceptance figures} of greedy speculative decoding of the embedded checkpoint on held-out prompts."""
+def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tokens: int, quiet: bool,
+                       temperature: float = 0.0) -> dict:
+    """{K: acceptance figures} of speculative decoding of the embedded checkpoint on held-out prompts: greedy
+    (checked against plain greedy decoding) or sampled at ``temperature`` (seed = prompt index; with the mean
+    1 - TV(p, q) of draft 1, the optimum its acceptance is compared with)."""
     import torch
     from tqdm import tqdm
 
     from harness.decode import EMBEDDED_MODEL
+    from harness.sampling import Sampling
     from harness.speculative import generate, make_decoder
     from model.weights import load_checkpoint
     torch.set_num_threads(1)        # batch-1 decode ops are tiny; one thread is fastest on a shared machine
@@ -52,19 +56,23 @@ def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tok
     picked = tt.eval_prompts(root, [f for f in files if tt.is_held_out(f)], prompts, prompt_len)
     cfg, params = load_checkpoint(EMBEDDED_MODEL, dtype=torch.bfloat16)
     decoders = {k: make_decoder("xla", cfg, params, tp=1, drafts=k) for k in drafts}
-    acc = {k: {"accepted_per_round": [], "differing_prompts": 0} for k in drafts}
-    for _, ids in tqdm(picked, desc="acceptance", unit="prompt", file=sys.stderr, disable=quiet, leave=False):
-        plain = generate(decoders[drafts[0]], ids, new_tokens, spec=False).tokens
+    acc = {k: {"accepted_per_round": [], "differing_prompts": 0, "optimum": []} for k in drafts}
+    sampling = Sampling(temperature) if temperature > 0 else None
+    for i, (_, ids) in enumerate(tqdm(picked, desc="acceptance", unit="prompt", file=sys.stderr, disable=quiet,
+                                      leave=False)):
+        plain = None if sampling else generate(decoders[drafts[0]], ids, new_tokens, spec=False).tokens
         for k in drafts:
-            res = generate(decoders[k], ids, new_tokens)
+            res = generate(decoders[k], ids, new_tokens, sampling=sampling, sample=i)
             acc[k]["accepted_per_round"] += res.accepted_per_round
-            acc[k]["differing_prompts"] += res.tokens != plain
+            acc[k]["optimum"] += res.draft1_optimum
+            acc[k]["differing_prompts"] += plain is not None and res.tokens != plain
     out = {}
     for k in drafts:
         a = acc[k]["accepted_per_round"]
         out[k] = {"rounds": len(a), "tokens_per_round": sum(a) / len(a),
                   "acceptance_per_position": [sum(n - 1 > i for n in a) / len(a) for i in range(k)],
-                  "prompts_differing_from_plain_greedy": acc[k]["differing_prompts"]}
+                  **({"draft1_acceptance_optimum": sum(acc[k]["optimum"]) / len(acc[k]["optimum"])} if sampling else
+                     {"prompts_differing_from_plain_greedy": acc[k]["differing_prompts"]})}
     return out
 
 
@@ -110,10 +118,10 @@ def predict_round(cfg, drafts: int, context: int) -> dict:
 
 
 def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_tokens: int, predict: bool,
-        quiet: bool) -> dict:
+        quiet: bool, temperature: float = 0.0) -> dict:
     from model.config import preset
     t0 = time.time()
-    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet)
+    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet, temperature)
     rows = []
     cfg = preset("qwen3.6-35b-a3b") if predict else None
     for k in drafts:
@@ -135,7 +143,9 @@ def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_toke
     return {"command": "python -m harness.bench spec " + " ".join(sys.argv[2:]), "measured_commit": commit,
             "model_for_time": "qwen3.6-35b-a3b",
             "tp": 4, "lnc": 2, "context": context, "routing": "expected",
-            "acceptance_source": {"checkpoint": "model/embedded/tiny (bf16)", "variant": "xla, TP=1, greedy",
+            "acceptance_source": {"checkpoint": "model/embedded/tiny (bf16)", "variant": "xla, TP=1, " + (
+                                      f"sampled at temperature {temperature}, seed = prompt index" if temperature > 0
+                                      else "greedy"),
                                   "prompts": prompts, "prompt_bytes": prompt_len, "new_tokens": new_tokens,
                                   "split": "held-out stdlib files of scripts/train_tiny.py"},
             "rows": rows, "best_drafts_central": best,
@@ -144,7 +154,7 @@ def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_toke
 
 
 def table(out: dict) -> str:
-    lines = [f"| K | accept per position | tokens/round | round time us (low-central-high) | tok/s (low-central-high) |",
+    lines = ["| K | accept per position | tokens/round | round time us (low-central-high) | tok/s (low-central-high) |",
              "|---|---|---|---|---|"]
     for r in out["rows"]:
         per = " / ".join(f"{100 * a:.0f}%" for a in r["acceptance_per_position"])
@@ -155,6 +165,8 @@ def table(out: dict) -> str:
         else:
             times = rate = "-"
         lines.append(f"| {r['drafts']} | {per} | {r['tokens_per_round']:.2f} | {times} | {rate} |")
+        if "draft1_acceptance_optimum" in r:
+            lines.append(f"|   | draft 1 optimum 1 - TV(p, q): {100 * r['draft1_acceptance_optimum']:.0f}% | | | |")
     if out["best_drafts_central"]:
         lines.append(f"\nbest K (central): {out['best_drafts_central']}")
     return "\n".join(lines)
@@ -167,6 +179,8 @@ def add_arguments(p):
     p.add_argument("--prompts", type=int, default=20, help="held-out prompts for the acceptance (default 20)")
     p.add_argument("--prompt-bytes", type=int, default=128, help="bytes per prompt (default 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="measure the acceptance with sampling at this "
+                                                                 "temperature (default 0: greedy)")
     p.add_argument("--no-predict", action="store_true", help="acceptance only: skip the full-size round traces "
                                                              "(minutes each)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
@@ -186,7 +200,10 @@ def cmd(a):
     for name in ("context", "prompts", "prompt_bytes", "new_tokens"):
         if getattr(a, name) < 1:
             raise BadInput(f"spec: --{name.replace('_', '-')} must be >= 1, found {getattr(a, name)}")
-    out = run(drafts, a.context, a.prompts, a.prompt_bytes, a.new_tokens, not a.no_predict, a.quiet or a.json)
+    if not a.temperature >= 0:
+        raise BadInput(f"spec: --temperature must be >= 0, found {a.temperature}")
+    out = run(drafts, a.context, a.prompts, a.prompt_bytes, a.new_tokens, not a.no_predict, a.quiet or a.json,
+              a.temperature)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out) if a.json else table(out))

@@ -155,14 +155,15 @@ class Decoder:
         return draw(probabilities(out.target_logits, sampling)[0], gen), out.hidden[0]
 
     def sampled_round(self, pending: int, hidden: torch.Tensor, pos: int, sampling, gen: torch.Generator
-                      ) -> tuple[list[int], LaunchResult]:
+                      ) -> tuple[list[int], LaunchResult, torch.Tensor]:
         """One sampled round: Gumbel noise for the drafts, the launch, the rejection rule, the commit. Returns (the
-        committed tokens, the launch result)."""
+        committed tokens, the launch result, the target distributions p [K + 1, V])."""
         noise = gumbel(gen, (self.drafts, self.cfg.vocab_size))
         r = self.round(pending, hidden, pos, None, noise)
-        tokens = accept(r.drafts, r.draft_probs, probabilities(r.target_logits, sampling), gen)
+        p = probabilities(r.target_logits, sampling)
+        tokens = accept(r.drafts, r.draft_probs, p, gen)
         self.commit(len(tokens))
-        return tokens, r
+        return tokens, r, p
 
     def commit(self, accepted: int) -> None:
         """Keep the first ``accepted`` (1 .. K + 1) verified tokens' state."""
@@ -192,6 +193,9 @@ class DecodeResult:
     drafts: int = rp.DEFAULT_DRAFTS  # chained drafts per round (K)
     accepted_per_round: list[int] = field(default_factory=list)  # tokens committed by each round (1 .. K + 1)
     round_seconds: list[float] = field(default_factory=list)     # host wall time of each round's launch
+    # sampled rounds: sum_x min(p_0(x), q_1(x)) = 1 - TV(p_0, q_1), the acceptance probability of draft 1 (the
+    # optimum of any lossless scheme, which the rejection rule attains)
+    draft1_optimum: list[float] = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -231,6 +235,8 @@ class DecodeResult:
             "acceptance_per_position": self.acceptance_per_position,
             "tokens_per_round": self.tokens_per_round,
             "round_ms": self.round_time_percentiles(),
+            **({"draft1_acceptance_optimum": sum(self.draft1_optimum) / len(self.draft1_optimum)}
+               if self.draft1_optimum else {}),
         }
 
 
@@ -282,8 +288,9 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
             emitted = [pending]
         elif sampled:
             t0 = time.perf_counter()
-            emitted, r = decoder.sampled_round(pending, hidden, pos, sampling, gen)
+            emitted, r, p = decoder.sampled_round(pending, hidden, pos, sampling, gen)
             result.round_seconds.append(time.perf_counter() - t0)
+            result.draft1_optimum.append(float(torch.minimum(p[0], r.draft_probs[0]).sum()))
             accepted = len(emitted)
             result.accepted_per_round.append(accepted)
             pending, hidden = emitted[-1], r.hidden[accepted - 1]
