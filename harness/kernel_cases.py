@@ -235,3 +235,47 @@ def embedding_case(cfg, tokens: int, tp: int = 4, lnc: int = 2, context: int = 2
     ids = np.full((tokens, 1), _token(cfg), np.int32)
     return KernelCase(f"embedding T={tokens}", embedding_kernel, [(w["embed"], ids)], 1, 1, None, "function",
                       context, None, tokens)
+
+
+# ---- one prefill kernel on one rank (harness.prefill, the kernels' trace tests) ------------------------------
+def gdn_prefill_launch(cfg, tp: int = 4, L: int = 1024, dtype: str = "bfloat16") -> tuple:
+    """(kernel, args) of one rank's GDN prefill of L tokens at the config's shapes (``nki_kernels.gdn_prefill``,
+    LNC=2), ``nkisim.ShapeDtype`` tensors; the slot registers read 0 in a shape-only launch."""
+    import nkisim
+    from nki_kernels import gdn_prefill as kp
+    shapes = kp.kernel_shapes(cfg, tp=tp, L=L, lnc=2, dtype=dtype)
+    return kp.gdn_prefill_kernel[2], (tuple(nkisim.ShapeDtype(s, d) for s, d in shapes.values()) +
+                                      (float(cfg.rms_norm_eps), False))
+
+
+def attention_prefill_launch(cfg, tp: int = 4, N: int = 1024, start: int = 0, dtype: str = "bfloat16",
+                             key_block: int | None = None) -> tuple:
+    """(kernel, args) of one rank's attention prefill (``nki_kernels.attention_prefill``, LNC=2) of a chunk of N
+    tokens at positions start..start+N-1, cache length ceil((start + N) / key_block) key blocks, ``nkisim.ShapeDtype``
+    tensors and ``static_start = start`` (the trace holds the blocks a launch at that start runs)."""
+    import nkisim
+    from nki_kernels import attention_prefill as ap
+    kb = ap.KEY_BLOCK if key_block is None else key_block
+    H, D, R, P = cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, ap.P
+    if cfg.num_attention_heads % tp or tp % cfg.num_key_value_heads:
+        raise ValueError(f"attention_prefill: tp={tp} must divide the {cfg.num_attention_heads} query heads and be "
+                         f"a multiple of the {cfg.num_key_value_heads} KV heads (one KV head per rank)")
+    hq = cfg.num_attention_heads // tp
+    L = max(kb, -(-(start + N) // kb) * kb)
+    shapes = (((P, H // P, N), dtype), ((H, 2, hq, D), dtype), ((H, D), dtype), ((H, D), dtype), ((hq * D, H), dtype),
+              ((2, D), "float32"), ((N, R), "float32"), ((N, R), "float32"), ((1, L, D), dtype), ((1, L, D), dtype),
+              ((1, 1), "int32"))       # xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start
+    return ap.attention_prefill_kernel[2], (tuple(nkisim.ShapeDtype(*s) for s in shapes) +
+                                            (float(cfg.rms_norm_eps), kb, start))
+
+
+def moe_prefill_launch(cfg, tp: int = 4, N: int = 1024, dtype: str = "bfloat16", lnc: int = 2) -> tuple:
+    """(kernel, args) of one rank's MoE prefill of N tokens (``nki_kernels.moe_prefill``, LNC=``lnc``),
+    ``nkisim.ShapeDtype`` tensors. The registers a shape-only launch loads read 0, which here is the realistic case at
+    N k >= E: every slot is used (all read expert 0's bytes: one expert block per slot, as when every expert is
+    active) and no expert is heavy (the heavy loop runs 0 times)."""
+    import nkisim
+    from nki_kernels import moe_prefill as mp
+    shapes = mp.kernel_shapes(cfg, tp, N, lnc, dtype)
+    return (mp.moe_prefill[lnc] if lnc == 2 else mp.moe_prefill), (
+        tuple(nkisim.ShapeDtype(s, dtype) for s in shapes.values()) + (cfg.num_experts_per_tok,))

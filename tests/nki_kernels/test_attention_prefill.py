@@ -38,6 +38,7 @@ import torch
 
 import nkisim
 from compare import assert_close
+from harness.kernel_cases import attention_prefill_launch
 from model import functional as fn
 from model.config import preset
 from model.params import expected_shapes, random_params
@@ -382,7 +383,7 @@ def test_shape_only_real_4k_fits_and_reads_every_weight_once():
     bound within 10% of nkisim's peak), and over the two cores every weight tensor is read exactly once (the
     decode layout, no second copy)."""
     cfg = preset(REAL)
-    kernel, args = pf.demo_args(cfg, N=4096, shape_only=True)
+    kernel, args = attention_prefill_launch(cfg, N=4096)
     with nkisim.trace.capture() as tr:
         kernel(*args)
     peak = max(m["sbuf_peak_bytes_per_partition"] for m in tr.launches[0]["memory"])
@@ -401,13 +402,31 @@ def test_static_start_traces_like_a_data_launch():
     """static_start = S unrolls the context loop: the shape-only trace at S has the instruction mix of a data
     launch at start S (head block + full blocks + chunk blocks)."""
     cfg = preset(TINY)
-    kernel, args = pf.demo_args(cfg, N=300, start=1300, dtype="float32", key_block=512)
-    with nkisim.trace.capture() as data_tr:
-        kernel(*args)
-    kernel, args = pf.demo_args(cfg, N=300, start=1300, dtype="float32", key_block=512, shape_only=True)
+    kernel, args = attention_prefill_launch(cfg, N=300, start=1300, dtype="float32", key_block=512)
     with nkisim.trace.capture() as shape_tr:
         kernel(*args)
+    with nkisim.trace.capture() as data_tr:
+        kernel(*_with_data(cfg, args, start=1300), *args[11:-1], None)
     assert shape_tr.summary() == data_tr.summary()
+
+
+def _with_data(cfg, args, start):
+    """The 11 tensors of an attention_prefill_launch filled with data: seeded random weights / x / caches of
+    moderate scale, norm weights near 1, the RoPE rows of positions start.., the chunk start."""
+    from nkisim import dtypes
+    rng = np.random.default_rng(0)
+    out = []
+    for i, a in enumerate(args[:11]):
+        if i == 10:
+            out.append(np.array([[start]], np.int32))
+        elif i in (6, 7):
+            out.append(pf.rope_tables(start, a.shape[0], a.shape[1], cfg.rope_theta)[i - 6])
+        elif i == 5:
+            out.append((1.0 + 0.1 * rng.standard_normal(a.shape)).astype(np.float32))
+        else:
+            scale = 1.0 / np.sqrt(a.shape[0]) if 1 <= i <= 4 else 1.0     # wqg, wk, wv, wo: 1 / sqrt(fan-in)
+            out.append((rng.standard_normal(a.shape, dtype=np.float32) * scale).astype(dtypes.storage(a.dtype)))
+    return out
 
 
 def test_refusals():
@@ -423,10 +442,10 @@ def test_refusals():
     with pytest.raises(nkisim.OutOfBoundsError):          # rows start..start+N-1 past the cache
         pf.run_attention_prefill(lay, x, kc, kc.copy(), 1000, cfg, lnc=1)
     real = preset(REAL)
-    kernel, args = pf.demo_args(real, N=8192, shape_only=True)
+    kernel, args = attention_prefill_launch(real, N=8192)
     with pytest.raises(ValueError, match=r"prefill in chunks of at most \d+ tokens"):
         kernel(*args)
-    kernel, args = pf.demo_args(real, N=128, shape_only=True, dtype="float32")
+    kernel, args = attention_prefill_launch(real, N=128, dtype="float32")
     with pytest.raises(ValueError, match="launch with LNC=2 or in bfloat16"):
         pf.attention_prefill_kernel(*args)
 

@@ -37,6 +37,7 @@ import nki.isa as nisa
 import nki.language as nl
 import nkisim
 from compare import assert_close
+from harness.kernel_cases import gdn_prefill_launch
 from model.config import LINEAR, preset
 from model.params import random_params
 from model.reference import ReferenceModel
@@ -421,7 +422,7 @@ ARG = {name: f"arg{i}" for i, name in enumerate(("xT", "w_in", "conv_w", "A_log"
 
 
 def _trace(L, dtype="bfloat16"):
-    kern, args = kp.demo_args(real_cfg(), tp=4, L=L, dtype=dtype, shape_only=True)
+    kern, args = gdn_prefill_launch(real_cfg(), tp=4, L=L, dtype=dtype)
     with nkisim.trace.capture() as tr:
         kern(*args)
     return tr, dict(zip(ARG, args))

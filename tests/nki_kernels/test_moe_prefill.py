@@ -28,11 +28,12 @@ import nki
 import nki.language as nl
 import nkisim
 from compare import assert_close
+from harness.kernel_cases import moe_prefill_launch
 from model.config import preset
 from model.params import random_params
 from model.tp.moe import distinct_experts, moe_rank, route_tokens, shard_moe
 from nki_kernels.moe import expert_block_bytes, moe_hbm_layout
-from nki_kernels.moe_prefill import (P, check_finite, default_capacity, demo_args, moe_prefill, moe_prefill_body,
+from nki_kernels.moe_prefill import (P, check_finite, default_capacity, moe_prefill, moe_prefill_body,
                                      routed_expert_bytes, table_rows, token_rows)
 
 PREFIX = "model.layers.1"
@@ -310,7 +311,7 @@ def test_demo_shape_only_trace():
     """The shape-only demo trace at 1K tokens: every slot reads one expert block (registers read 0: the
     realistic all-experts-active case) and the heavy loop runs 0 times."""
     cfg = preset("qwen3.6-35b-a3b")
-    kernel, args = demo_args(cfg, tp=4, N=1024, shape_only=True)
+    kernel, args = moe_prefill_launch(cfg, tp=4, N=1024)
     with nkisim.trace.capture() as tr:
         y, fin = kernel(*args)
     assert tuple(y.shape) == (1024, cfg.hidden_size)
