@@ -17,22 +17,23 @@ Design
 real shapes) and computes those logits, and the halves are swapped with ``sendrecv``; every later
 routing step runs on both cores on identical data, so both cores agree. The shared-expert gate
 weight rides as an extra column of each core's router block (one accumulation over the H/P
-contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype, and
-softmax runs in fp32 (``exp`` with the per-token max as bias, ``reciprocal`` of the sum). The top-k
+contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype, and the
+softmax numerators ``p = exp(l - max)`` are fp32 (``exp`` with the per-token max as bias); the softmax
+denominator is not needed (same top-k set; it cancels in the renormalised weights). The top-k
 SET is exact with lower-index ties and needs nothing but ``max8`` values (documented: the 8 largest
 values, descending): with ``v`` = max8(p) and ``vk = v[k-1]``, every expert with ``p > vk`` is
 selected, and among the experts with ``p == vk`` the ``need = k - #{p > vk}`` lowest indices are:
 a key ``(p == vk) * (E - e)`` is unique per tied expert, ``max8`` of it lists them lowest index
 first, and its ``need``-th value is the key threshold. No instruction's handling of equal values
 is relied on (``nc_find_index8`` is not used: its docstring says "first occurrence" and leaves
-duplicated ``vals`` unspecified). The renormalised weights (sum of the top-k values = sum of
-``v[:k]``) are rounded to the activation dtype like the twin's ``weights.to(x.dtype)``.
+duplicated ``vals`` unspecified). The renormalised weights ``p_e / sum(v[:k])`` are rounded to the activation dtype like the twin's ``weights.to(x.dtype)``.
 
-**Dedup of the T*k choices.** The union of the tokens' selections (a ones-vector matmul counts the
-tokens choosing each expert) is turned into a list of distinct expert ids, ascending, by repeated
-``max8`` over the key ``(count > 0) * (E - e)`` (unique per expert, so again no tie semantics); at
-most ``S = min(T*k, E)`` slots, of which the first k are always valid (one token alone selects k
-distinct experts) and the rest valid iff their key is non-zero. A one-hot matmul gathers, per slot,
+**Dedup of the T*k choices.** The union of the tokens' selections becomes a list of at most
+``S = min(T*k, E)`` distinct expert slots: the first k are token 0's own experts (always valid: one
+token selects k distinct experts; ascending, by ``max8`` of the key ``sel_0 * (E - e)``), the rest the
+experts the other tokens chose and token 0 did not (a ones-vector matmul counts the tokens choosing
+each expert; ascending, by repeated ``max8`` over ``(count > 0) * (1 - sel_0) * (E - e)``), valid iff
+their key is non-zero. The keys are unique per expert, so again no tie semantics. A one-hot matmul gathers, per slot,
 the column of per-token weights ``Wsel[t, s] = w[t, id_s]`` (0 for a token that did not choose it).
 Slot s then reads expert ``id_s`` ONCE and runs it on all T tokens as a T-wide matmul, each token's
 activation scaled by its own weight (0 when it did not choose the expert).
@@ -258,6 +259,8 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     E = Eh * lnc
     f32 = nl.float32
     k = top_k
+    ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)        # (a constant, set off the critical path)
+    nisa.memset(dst=ones_t, value=1.0)
     lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)        # [all E logits | gate logit]
     if lnc == 1:
         nisa.tensor_copy(dst=lg, src=lg_ps)
@@ -270,17 +273,12 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
         nisa.tensor_copy(dst=lg[:, pid * Eh:(pid + 1) * Eh], src=mine)
         nisa.tensor_copy(dst=lg[:, (1 - pid) * Eh:(2 - pid) * Eh], src=theirs)
 
-    # softmax (fp32): p = exp(l - max) / sum
+    # softmax numerators (fp32): p = exp(l - max). The top-k set of the softmax is that of p, and the renormalised
+    # weights p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
     nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=lg[:, 0:E], axis=1, negate=True)
-    ex = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    ssum = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=ex, op=nl.exp, data=lg[:, 0:E], bias=nmx, reduce_op=nl.add, reduce_res=ssum,
-                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    rsum = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rsum, data=ssum)
     p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=p, data=ex, op0=nl.multiply, operand0=rsum)
+    nisa.activation(dst=p, op=nl.exp, data=lg[:, 0:E], bias=nmx)
 
     # constants: rev[e] = E - e (keys), jj = 0..7
     rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
@@ -311,29 +309,41 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
     nisa.scalar_tensor_tensor(dst=sel, data=key, op0=nl.greater_equal, operand0=thr, op1=nl.add, operand1=gt)
 
-    # union over tokens -> distinct expert ids, ascending (key (count > 0) * (E - e), max8 rounds); the ids of
-    # each round are written as soon as its max8 is done (the first k slots need round 0 only)
-    ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
-    nisa.memset(dst=ones_t, value=1.0)
-    cnt_ps = nl.ndarray((1, E), dtype=f32, buffer=nl.psum)
-    nisa.nc_matmul(dst=cnt_ps, stationary=ones_t, moving=sel, accumulate=False)
-    ukey = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=ukey, data=cnt_ps, op0=nl.greater, operand0=0.0, op1=nl.multiply,
-                              operand1=rev[0:1, :])
-    rounds = -(-S // MAX8)
-    keys = nl.ndarray((1, rounds * MAX8), dtype=f32, buffer=nl.sbuf)
+    # slots: the first k are token 0's own experts (ascending: max8 of the key sel_0 * (E - e)), then the experts
+    # the other tokens chose and token 0 did not (ascending: max8 rounds over (count > 0) * (1 - sel_0) * (E - e),
+    # the count of tokens choosing each expert from a ones-vector matmul); the keys are unique per expert, so no
+    # tie semantics are relied on. Each slot's ids are written as soon as its max8 round is done: the first k
+    # slots' DMAs wait for no union work
+    rounds = -(-(S - k) // MAX8)
+    keys = nl.ndarray((1, max(MAX8, k + rounds * MAX8)), dtype=f32, buffer=nl.sbuf)
     ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name=IDS_NAME)
-    for r in range(rounds):
-        nisa.max8(dst=keys[:, r * MAX8:(r + 1) * MAX8], src=ukey)
-        n_r = min(MAX8, S - r * MAX8)
-        nisa.tensor_scalar(dst=ids[:, r * MAX8:r * MAX8 + n_r], data=keys[:, r * MAX8:r * MAX8 + n_r],
-                           op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(E))
-        if r + 1 < rounds:
-            nxt = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=nxt, data=ukey, op0=nl.less,
-                                      operand0=keys[:, (r + 1) * MAX8 - 1:(r + 1) * MAX8],
-                                      op1=nl.multiply, operand1=ukey)
-            ukey = nxt
+    key0 = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=key0, data1=sel[0:1, :], data2=rev[0:1, :], op=nl.multiply)
+    nisa.max8(dst=keys[:, 0:MAX8], src=key0)
+    nisa.tensor_scalar(dst=ids[:, 0:k], data=keys[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add,
+                       operand1=float(E))
+    if S > k:
+        cnt_ps = nl.ndarray((1, E), dtype=f32, buffer=nl.psum)
+        nisa.nc_matmul(dst=cnt_ps, stationary=ones_t, moving=sel, accumulate=False)
+        nrev = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)             # -(E - e)
+        nisa.iota(dst=nrev, pattern=[[1, E]], offset=-E)
+        other = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)            # (1 - sel_0) * (E - e)
+        nisa.scalar_tensor_tensor(dst=other, data=sel[0:1, :], op0=nl.subtract, operand0=1.0, op1=nl.multiply,
+                                  operand1=nrev)
+        ukey = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=ukey, data=cnt_ps, op0=nl.greater, operand0=0.0, op1=nl.multiply,
+                                  operand1=other)
+        for r in range(rounds):
+            c0 = k + r * MAX8
+            nisa.max8(dst=keys[:, c0:c0 + MAX8], src=ukey)
+            n_r = min(MAX8, S - c0)
+            nisa.tensor_scalar(dst=ids[:, c0:c0 + n_r], data=keys[:, c0:c0 + n_r], op0=nl.multiply, operand0=-1.0,
+                               op1=nl.add, operand1=float(E))
+            if r + 1 < rounds:
+                nxt = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
+                nisa.scalar_tensor_tensor(dst=nxt, data=ukey, op0=nl.less, operand0=keys[:, c0 + MAX8 - 1:c0 + MAX8],
+                                          op1=nl.multiply, operand1=ukey)
+                ukey = nxt
     trips = None
     if S > k:               # used[j]: conditional slot k + j is used (a prefix of them is)
         C = S - k
