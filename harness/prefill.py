@@ -7,10 +7,11 @@ tokens); every kernel it launches is traced shape-only under nkisim at the real 
 and predicted with the trn2 cost model (``harness.costmodel.predict_band``), and the time to first token is the
 sum, per chunk, of
 
-* the embedding (one gather per 128 tokens), the RMSNorms (2 per layer, the final norm of every token, the MTP's),
+* the embedding (one gather per 128 tokens) and the first layer's input RMSNorm (``rmsnorm_prefill``),
 * per layer the mixer kernel (``gdn_prefill`` / ``attention_prefill`` at the chunk's start) and ``moe_prefill``,
-* after every mixer and MoE the residual all-reduce (``megakernel.prefill.residual_allreduce_stage``, traced on
-  4 ranks with its collectives),
+* after every mixer and MoE the residual all-reduce fused with the RMSNorm that follows it (the post-attention
+  norm's rows, the next layer's input norm's xT, after the last layer the final norm's rows:
+  ``megakernel.prefill.residual_allreduce_stage``, traced on 4 ranks with its collectives),
 * the MTP fc and the MTP layer's attention over the chunk's rows (its KV rows),
 * on the last chunk the decode head stage on the last position (final norm + LM head + argmax),
 * one launch overhead per kernel launch (``costmodel.constants.LAUNCH_OVERHEAD_NS``: the kernels run one after
@@ -79,26 +80,29 @@ class Costs:
         return nkisim.ShapeDtype(tuple(shape), dtype or self.dtype)
 
     def gdn(self, N):
+        from harness.kernel_cases import gdn_prefill_launch
         from nki_kernels import gdn_prefill as kp
 
         def build():
-            kern, args = kp.demo_args(self.cfg, tp=self.tp, L=N, dtype=self.dtype, shape_only=True)
+            kern, args = gdn_prefill_launch(self.cfg, tp=self.tp, L=N, dtype=self.dtype)
             return _case(kp.gdn_prefill_kernel, [args], lnc=self.lnc)
         return _traced(("gdn", self.key, N), build)
 
     def attention(self, N, start):
+        from harness.kernel_cases import attention_prefill_launch
         from nki_kernels import attention_prefill as ap
 
         def build():
-            kern, args = ap.demo_args(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype, shape_only=True)
+            kern, args = attention_prefill_launch(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype)
             return _case(ap.attention_prefill_kernel, [args], lnc=self.lnc)
         return _traced(("attention", self.key, N, start), build)
 
     def moe(self, N):
+        from harness.kernel_cases import moe_prefill_launch
         from nki_kernels import moe_prefill as mp
 
         def build():
-            kern, args = mp.demo_args(self.cfg, tp=self.tp, N=N, dtype=self.dtype, shape_only=True, lnc=self.lnc)
+            kern, args = moe_prefill_launch(self.cfg, tp=self.tp, N=N, dtype=self.dtype, lnc=self.lnc)
             return _case(mp.moe_prefill, [args], lnc=self.lnc)
         return _traced(("moe", self.key, N), build)
 
@@ -114,15 +118,18 @@ class Costs:
             return _case(rmsnorm_prefill_kernel, [args], lnc=self.lnc)
         return _traced(("norm", self.key, N, layout), build)
 
-    def allreduce(self, N, per_core):
+    def allreduce(self, N, per_core, norm="none"):
+        """x + all-reduce of the chunk's partials, fused with the next RMSNorm's output ``norm`` (rows | xT | none)."""
         from megakernel.prefill import residual_allreduce_stage
+        from nki_kernels.common import P
         H = self.cfg.hidden_size
 
         def build():
             part = self._sd((self.lnc, N, H) if per_core else (N, H), "float32")
-            return _case(residual_allreduce_stage, [(self._sd((N, H)), part, self.tp, per_core)] * self.tp,
-                         tp=self.tp, lnc=self.lnc)
-        return _traced(("allreduce", self.key, N, per_core), build)
+            w = self._sd((P, H // P), "float32") if norm != "none" else None
+            args = (self._sd((N, H)), part, self.tp, per_core, w, float(self.cfg.rms_norm_eps), norm)
+            return _case(residual_allreduce_stage, [args] * self.tp, tp=self.tp, lnc=self.lnc)
+        return _traced(("allreduce", self.key, N, per_core, norm), build)
 
     def mtp_fc(self, N):
         from harness.kernel_cases import rank_tensors
@@ -227,17 +234,20 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
         before = {k: len(v) for k, v in parts.items()}
         tiles = -(-N // P)
         add("embedding", costs.embed(P) if N >= P else costs.embed(N), tiles)
-        add("rmsnorm", costs.norm(N, "xT"), len(plan.layers))
-        add("rmsnorm", costs.norm(N, "rows"), len(plan.layers) + (1 if ch.mtp_rows else 0))
+        L = len(plan.layers)
+        add("rmsnorm", costs.norm(N, "xT"))                     # the first layer's input norm
         add("gdn_prefill", costs.gdn(N), n_gdn)
         att, ext = _attention_chunk(costs, N, ch.start, measured)
         if ext:
             extrapolated.append(ch.start)
         add("attention_prefill", att, n_attn)
-        add("moe_prefill", costs.moe(N), len(plan.layers))
-        add("all_reduce", costs.allreduce(N, True), len(plan.layers))
-        add("all_reduce", costs.allreduce(N, False), len(plan.layers))
-        k = 1 + 6 * len(plan.layers) + tiles
+        add("moe_prefill", costs.moe(N), L)
+        # after each mixer: all-reduce + the post-attention norm's rows; after each MoE: all-reduce + the next
+        # layer's input norm (xT), after the last one the final norm's rows (the MTP head's hidden) or nothing
+        add("all_reduce", costs.allreduce(N, True, "rows"), L)
+        add("all_reduce", costs.allreduce(N, False, "xT"), L - 1)
+        add("all_reduce", costs.allreduce(N, False, "rows" if ch.mtp_rows else "none"))
+        k = 1 + 4 * L + tiles
         if ch.mtp_rows:
             m = ch.mtp_rows
             add("embedding", costs.embed(P) if m >= P else costs.embed(m), -(-m // P))

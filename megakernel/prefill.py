@@ -28,7 +28,9 @@ ranks ascending, then lane 0 + lane 1). The replicated work -- the RMSNorms and 
 every rank -- is launched once (one rank, its LNC cores) and its output handed to every rank. The layerwise and
 the megakernel variants both prefill through it: the issue allows one launch per layer per chunk, and the
 megakernel variant's decode launch is a round, not a chunk. ``harness.prefill`` predicts the same plan's time
-on trn2 from shape-only traces of the same kernels.
+on trn2 from shape-only traces of the same kernels, with the cross-core step on chip: each all-reduce is
+:func:`residual_allreduce_stage`, which also emits the RMSNorm that follows it (the same math as the separate
+norm launch the nkisim executor makes after its host-side sum; both are tested against the reference norm).
 """
 
 from __future__ import annotations
@@ -306,26 +308,49 @@ class LayerwisePrefill:
 AR_TILE_BYTES = 16 * 1024   # bytes per partition of one collective's fp32 operand (2 tokens x H 2048)
 
 
+def _group_rows(t, base, rows, kk, H):
+    """The rows of a group of ``kk`` 128-token sub-tiles of a token-major ``[.., H]`` HBM tensor as a ``[rows, kk *
+    H]`` access pattern: partition p, sub-tile s = token row base / H + 128 s + p."""
+    return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=base)
+
+
 @nki.jit
-def residual_allreduce_stage(x, partial, tp, per_core):
-    """``x + all-reduce(partial)`` of a chunk on one rank's cores, the step between the prefill kernels on chip:
-    ``x [N, H]`` residual (activation dtype), ``partial [n_cores, N, H]`` float32 (``per_core``: every core holds
-    a partial of every row, the mixers' layout) or ``[N, H]`` (rows disjoint between the cores, the MoE's) ->
-    the new residual ``[N, H]``. The rows are split over the cores (core c: groups c, c + n, ...; a group = 128
-    partitions x k tokens, k x H x 4 bytes <= :data:`AR_TILE_BYTES`): with ``per_core`` the cores first swap the
-    halves they do not own (one ``sendrecv``) and add them, then every core all-reduces its rows over the TP ranks
-    (one collective per group and lane), adds the residual and writes its rows."""
+def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, norm_out="none"):
+    """``x + all-reduce(partial)`` of a chunk on one rank's cores, the step between the prefill kernels on chip,
+    optionally fused with the RMSNorm that follows it: ``x [N, H]`` residual (activation dtype), ``partial
+    [n_cores, N, H]`` float32 (``per_core``: every core holds a partial of every row, the mixers' layout) or
+    ``[N, H]`` (rows disjoint between the cores, the MoE's) -> the new residual ``[N, H]``, and with ``norm_w``
+    (a ``[P, H/P]`` row of ``norms``) and ``norm_out`` "rows" / "xT" also its RMSNorm (``rmsnorm_prefill``'s
+    rows ``[N, H]`` or xT ``[P, H/P, N]``), computed from the residual tile still in SBUF.
+
+    The rows are split over the cores in groups of k 128-token sub-tiles (core c: groups c, c + n, ...; k x H x 4
+    bytes per partition <= :data:`AR_TILE_BYTES`; partition p of sub-tile i = token t0 + 128 i + p, so a sub-tile
+    is an ordinary token tile for the norm): with ``per_core`` the cores first swap their partials of the group the
+    other one owns (one ``sendrecv``) and add, then each core all-reduces its group over the TP ranks (one
+    collective per group and lane), adds the residual, writes its rows (and normalises them)."""
     import nki.collectives as ncc
     N, H = x.shape
+    J = H // P
     n, c = program_sharding()
     rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
     k = max(1, min(AR_TILE_BYTES // (4 * H), N // P))
     out = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_out")
-    groups = []
+    norm_t = None
+    if norm_out == "rows":
+        norm_t = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_rows")
+    elif norm_out == "xT":
+        norm_t = nl.ndarray((P, J, N), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_xT")
+    kernel_assert(norm_out == "none" or norm_w != None, "residual_allreduce: a fused norm needs norm_w")
+    wb = None
+    ident = None
+    if norm_t != None:
+        wb = broadcast_weight(norm_w, H)
+        ident = nl.shared_identity_matrix(n=P, dtype=x.dtype)
+    groups = []          # (first token, partitions used, sub-tiles)
     t0 = 0
     while t0 < N:
         kk = k if N - t0 >= P * k else 1
-        rows = min(P, (N - t0) // kk)
+        rows = min(P, N - t0)
         groups.append((t0, rows, kk))
         t0 = t0 + rows * kk
     Fmax = k * H
@@ -335,13 +360,11 @@ def residual_allreduce_stage(x, partial, tp, per_core):
             # swap: this core sends its partial of the peer's group and receives the peer's partial of its own
             gp = i + 1 - c
             theirs = nl.ndarray((P, Fmax), F32, buffer=nl.sbuf, name="ar_pf_theirs")
-            full = gp < len(groups) and groups[gp][1] == P and groups[gp][2] == k
-            if not full:
+            if not (gp < len(groups) and groups[gp][1] == P and groups[gp][2] == k):
                 nisa.memset(dst=theirs, value=0.0)
             if gp < len(groups):
                 t0, rows, kk = groups[gp]
-                nisa.dma_copy(dst=theirs[0:rows, 0:kk * H],
-                              src=partial.ap(pattern=[[kk * H, rows], [1, kk * H]], offset=(c * N + t0) * H))
+                nisa.dma_copy(dst=theirs[0:rows, 0:kk * H], src=_group_rows(partial, (c * N + t0) * H, rows, kk, H))
             peer = nl.ndarray((P, Fmax), F32, buffer=nl.sbuf, name="ar_pf_peer")
             nisa.sendrecv(src=theirs, dst=peer, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
         if gi >= len(groups):
@@ -349,8 +372,7 @@ def residual_allreduce_stage(x, partial, tp, per_core):
         t0, rows, kk = groups[gi]
         F = kk * H
         mine = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="ar_pf_mine")
-        base = (c * N + t0) * H if per_core else t0 * H
-        nisa.dma_copy(dst=mine[0:rows, :], src=partial.ap(pattern=[[F, rows], [1, F]], offset=base))
+        nisa.dma_copy(dst=mine[0:rows, :], src=_group_rows(partial, (c * N + t0) * H if per_core else t0 * H, rows, kk, H))
         if per_core and n > 1:
             nisa.tensor_tensor(dst=mine[0:rows, :], data1=mine[0:rows, :], data2=peer[0:rows, 0:F], op=nl.add)
         total = mine
@@ -358,7 +380,21 @@ def residual_allreduce_stage(x, partial, tp, per_core):
             total = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="ar_pf_total")
             ncc.all_reduce(srcs=[mine[0:rows, :]], dsts=[total[0:rows, :]], replica_group=rg, op=nl.add)
         xs = nl.ndarray((P, F), x.dtype, buffer=nl.sbuf, name="ar_pf_x")
-        nisa.dma_copy(dst=xs[0:rows, :], src=x.ap(pattern=[[F, rows], [1, F]], offset=t0 * H))
+        nisa.dma_copy(dst=xs[0:rows, :], src=_group_rows(x, t0 * H, rows, kk, H))
         nisa.tensor_tensor(dst=xs[0:rows, :], data1=xs[0:rows, :], data2=total[0:rows, :], op=nl.add)
-        nisa.dma_copy(dst=out.ap(pattern=[[F, rows], [1, F]], offset=t0 * H), src=xs[0:rows, :])
+        nisa.dma_copy(dst=_group_rows(out, t0 * H, rows, kk, H), src=xs[0:rows, :])
+        if norm_t != None:
+            xt = None
+            if norm_out == "xT":
+                xt = nl.ndarray((P, J, kk * P), x.dtype, buffer=nl.sbuf, name="ar_pf_xT")
+            for s in range(kk):
+                normed = rmsnorm_rows_tile(xs[:, s * H:(s + 1) * H], wb, rows, eps)
+                if norm_out == "rows":
+                    nisa.dma_copy(dst=norm_t[t0 + s * P:t0 + s * P + rows, :], src=normed[0:rows, :])
+                else:
+                    feature_major_tile(normed, rows, ident, xt, s * P)
+            if norm_out == "xT":
+                nisa.dma_copy(dst=norm_t[:, :, t0:t0 + kk * rows], src=xt[:, :, 0:kk * rows])
+    if norm_t != None:
+        return out, norm_t
     return out
