@@ -59,7 +59,7 @@ partition-major (a 6 KiB run per partition at the real bf16 shapes, one DMA of 7
 gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down rows folded over the partitions, ``R = P / ic``
 row groups each holding ``H / R`` columns (``geometry``). The blocks stream through ONE ring of ``Ns`` slot
 buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static and the
-conditional slots: the first groups' DMAs are issued as soon as the first max8 round has given their ids, every
+conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
 later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
 buffer; the conditional levels' DMAs are issued in program order while the static slots compute). The router and
 shared-expert blocks do not depend on the routing: ``moe_weights`` issues them (a caller does so before the
@@ -80,10 +80,14 @@ projection (software pipelining in program order, within a straight-line run). T
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
 reads exactly half of every selected expert: the DMA split is balanced whatever the number of
 distinct experts, and both cores run identical control flow (required for device loops under
-LNC = 2). Each core returns its own partial; the wrapper writes ``out[core]``.
+LNC = 2: the same loops with the same trip counts). Splitting the experts instead (each core reading
+whole experts) would halve the DMAs per core but not the bytes or the PE columns, and with a
+data-dependent number of distinct experts it would need a column-split fallback for an odd last one to
+keep the cores' loops identical; not done. Each core returns its own partial; the wrapper writes
+``out[core]``.
 
-ACT table use: ``exp`` (softmax, and the gate as ``1 / (1 + exp(-z))``) then ``silu`` for every
-expert: two table loads, no thrash.
+ACT table use: ``exp`` (warm-up, softmax numerators, and the gate as ``1 / (1 + exp(-z))``) then ``silu``
+for every expert: two table loads, the first off the critical path, no thrash.
 
 **Traces.** An executing nkisim run traces exactly the slots that ran: one block DMA per DISTINCT selected
 expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless a provider gives them
