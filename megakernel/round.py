@@ -37,7 +37,7 @@ from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_fro
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
-from nki_kernels.moe import moe_tkg_body
+from nki_kernels.moe import moe_tkg_body, moe_weights
 from nki_kernels.rmsnorm import rmsnorm_body
 
 
@@ -183,9 +183,10 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
     else:
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
                      layer=layer.mixer, weights=wg)
+    wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
-    return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs), rg))
+    return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs, wm), rg))
 
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
@@ -246,10 +247,10 @@ def _attention(plan, layer, t, xT, pos, cos, sin, core, regs):
     return y
 
 
-def _moe(plan, layer, t, xT, regs):
+def _moe(plan, layer, t, xT, regs, weights=None):
     table, index = layer.experts
     return moe_tkg_body(xT, t.moe_router, t.experts[table], t.moe_shared, plan.top_k, prefetch=MOE_PREFETCH,
-                        regs=regs.moe, layer=layer.moe, experts_layer=index)
+                        regs=regs.moe, layer=layer.moe, experts_layer=index, weights=weights)
 
 
 def _add_into(x, y):
