@@ -129,8 +129,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -1267,30 +1265,3 @@ def kernel_shapes(cfg, tp=4, L=1024, lnc=2, dtype="bfloat16", slots=2):
         out[name] = d[name]
     out["write_slot"] = ((1, 1), "int32")
     return out
-
-
-def demo_args(cfg, tp=4, L=1024, dtype="bfloat16", shape_only=False):
-    """(kernel, args) of one rank's GDN prefill of L tokens at the config's real shapes, launched LNC=2
-    (``kernel(*args)`` runs it). shape_only: ``nkisim.ShapeDtype`` tensor arguments (trace without data);
-    otherwise seeded random arrays of moderate scale, read_slot = 1, write_slot = 0."""
-    shapes = kernel_shapes(cfg, tp=tp, L=L, lnc=2, dtype=dtype)
-    if shape_only:
-        import nkisim
-        args = [nkisim.ShapeDtype(s, d) for s, d in shapes.values()]
-    else:
-        import ml_dtypes
-        rng = np.random.default_rng(0)
-        H = cfg.hidden_size
-        scale = {"xT": 1.0, "w_in": H ** -0.5, "conv_w": 0.5, "A_log": 1.0, "dt_bias": 1.0, "norm_w": 1.0,
-                 "w_out": (cfg.linear_num_value_heads // tp * cfg.linear_value_head_dim) ** -0.5, "window": 1.0,
-                 "state": 0.1}
-        args = []
-        for name, (shp, dt) in shapes.items():
-            if name in ("read_slot", "write_slot"):
-                args.append(np.full(shp, 1 if name == "read_slot" else 0, np.int32))
-                continue
-            a = (rng.standard_normal(shp) * scale[name]).astype(np.float32)
-            if name == "norm_w":
-                a = 1.0 + 0.1 * a
-            args.append(a.astype(ml_dtypes.bfloat16) if dt == "bfloat16" else a)
-    return gdn_prefill_kernel[2], tuple(args) + (float(cfg.rms_norm_eps), False)

@@ -105,8 +105,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import nki
 import nki.isa as nisa
 import nki.language as nl
@@ -1255,23 +1253,3 @@ def kernel_shapes(cfg, tp=4, N=1024, lnc=2, dtype="bfloat16"):
     ir, isr = cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp
     return {"x": (N * H // P, P), "router": (lnc, P, H // P, E // lnc + 1),
             "experts": (E, lnc, P, block_width(ir // lnc, H)), "shared": (lnc, P, block_width(isr // lnc, H))}
-
-
-def demo_args(cfg, tp=4, N=1024, dtype="bfloat16", shape_only=False, lnc=2, seed=0):
-    """(kernel, args) of one rank's MoE prefill of N tokens at the config's shapes, launched LNC=``lnc``:
-    ``kernel(*args)``. shape_only: ``nkisim.ShapeDtype`` tensors. The registers a shape-only launch loads read 0,
-    which here is the realistic case at N k >= E: every slot is used (all read expert 0's bytes: one expert
-    block per slot, as when every expert is active) and no expert is heavy (the heavy loop runs 0 times).
-    Otherwise seeded random arrays: random tokens route about uniformly."""
-    shapes = kernel_shapes(cfg, tp, N, lnc, dtype)
-    if shape_only:
-        import nkisim
-        args = tuple(nkisim.ShapeDtype(s, dtype) for s in shapes.values())
-    else:
-        import ml_dtypes
-        rng = np.random.default_rng(seed)
-        np_dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-        H = cfg.hidden_size
-        args = tuple((rng.standard_normal(s, dtype=np.float32) * np.float32(1.0 if n == "x" else H ** -0.5))
-                     .astype(np_dt) for n, s in shapes.items())
-    return (moe_prefill[lnc] if lnc == 2 else moe_prefill), args + (cfg.num_experts_per_tok,)
