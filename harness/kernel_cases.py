@@ -1,6 +1,6 @@
 """Kernel cases: which kernel is launched with which arguments for the cost model and the trace reports.
 
-The one registry of full-size launches (issue 14: the ``demo_args`` hooks of the kernel modules move here). A
+The one registry of full-size launches (the kernel modules build no arguments of their own). A
 :class:`KernelCase` is a kernel, its per-rank arguments at the real per-rank shapes of the model (weights and
 float activations as ``nkisim.ShapeDtype``; positions, token ids and the read slot as real ``int32`` arrays, so
 that register loads straight from them see their values), the register-value provider for values computed on
