@@ -81,29 +81,26 @@ class Costs:
 
     def gdn(self, N):
         from harness.kernel_cases import gdn_prefill_launch
-        from nki_kernels import gdn_prefill as kp
 
         def build():
             kern, args = gdn_prefill_launch(self.cfg, tp=self.tp, L=N, dtype=self.dtype)
-            return _case(kp.gdn_prefill_kernel, [args], lnc=self.lnc)
+            return _case(kern, [args], lnc=1)
         return _traced(("gdn", self.key, N), build)
 
     def attention(self, N, start):
         from harness.kernel_cases import attention_prefill_launch
-        from nki_kernels import attention_prefill as ap
 
         def build():
             kern, args = attention_prefill_launch(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype)
-            return _case(ap.attention_prefill_kernel, [args], lnc=self.lnc)
+            return _case(kern, [args], lnc=1)
         return _traced(("attention", self.key, N, start), build)
 
     def moe(self, N):
         from harness.kernel_cases import moe_prefill_launch
-        from nki_kernels import moe_prefill as mp
 
         def build():
             kern, args = moe_prefill_launch(self.cfg, tp=self.tp, N=N, dtype=self.dtype, lnc=self.lnc)
-            return _case(mp.moe_prefill, [args], lnc=self.lnc)
+            return _case(kern, [args], lnc=1)
         return _traced(("moe", self.key, N), build)
 
     def norm(self, N, layout):
