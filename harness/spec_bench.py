@@ -27,7 +27,10 @@ CAVEATS = ("the acceptance comes from the embedded tiny model, not from Qwen3.6'
            "instead of p .. p + K - 2: at most 2 KV rows at a context of thousands)",
            "the MoE routing model gives every multi-token MoE call of the round the distinct-expert count of K + 1 "
            "tokens (the K-token replay's is a little smaller: pessimistic for K >= 2)",
-           "device time only: the host's accept and input preparation between rounds is not included")
+           "device time only: the host's accept and input preparation between rounds is not included",
+           "stages_us: in rounds of K >= 2 the verify's MoE lands partly under 'other' (its conditional-level "
+           "recursion outgrows the call stack nkisim records, so the stage tagger misses the verify frame); the "
+           "round totals are unaffected")
 
 
 def _train_tiny():
