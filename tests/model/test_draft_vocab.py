@@ -54,3 +54,13 @@ def test_draft_head_rows_are_the_lm_head_rows(tiny_cfg):
     w = lm_head_weight(params, tiny_cfg)
     rows = torch.cat([draft_vocab.draft_head_rows(params, tiny_cfg, ids, p, 4) for p in range(4)])
     assert torch.equal(rows, w[torch.as_tensor(ids, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("extra,needle", [(["--draft-vocab", "60"], "multiple"),
+                                          (["--draft-vocab", "64", "--no-spec"], "needs speculation"),
+                                          (["--draft-vocab", "1000"], "[1, 272]")])
+def test_decode_cli_refuses_a_bad_draft_vocab(capsys, extra, needle):
+    from harness import decode
+    code = decode.main(["--variant", "xla", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0]
