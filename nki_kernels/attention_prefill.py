@@ -114,11 +114,11 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import MOVING_MAX, P, PSUM_BANK, program_sharding
 from nki_kernels.attention import attention_layout, rope_tables, xT_layout  # noqa: F401  (the shared layout)
 
-P = 128                 # partitions (nkisim.hw.PMAX); a Python int is needed for shapes
-SEG = 512               # keys per score segment: one PSUM bank of fp32 scores (gemm_moving_fmax)
-PSUM_COLS = 512         # fp32 columns of one PSUM bank
+SEG = MOVING_MAX        # keys per score segment: one PSUM bank of fp32 scores (gemm_moving_fmax)
+PSUM_COLS = PSUM_BANK   # fp32 columns of one PSUM bank
 KEY_BLOCK = 1024        # keys per softmax-state update (and per context-loop iteration)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
 LN_FP32_MAX = 88.7      # ln(fp32 max) = 88.72
@@ -1005,8 +1005,7 @@ def attention_prefill_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_c
     partial in row c (the rank's output is their sum), core c's stats (frozen rows, replay ran, non-finite
     rows) and the caches, mutated in place at rows start..start+N-1.
     """
-    n_cores = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    n_cores, core = program_sharding()
     _, KT, N = xT.shape
     out = nl.ndarray((n_cores, N, KT * P), F32, buffer=nl.shared_hbm, name="attention_prefill_partials")
     stats_out = nl.ndarray((n_cores, 3), F32, buffer=nl.shared_hbm, name="attention_prefill_stats")

@@ -132,13 +132,13 @@ import math
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import P, PSUM_BANK, kernel_assert, program_sharding
 from nki_kernels.gdn import L2_EPS, core_split
 
-P = 128
 BLOCK = 64              # C: tokens per chunk of the delta rule
 TILE = 128              # tokens per tile: two blocks on partitions 0-63 / 64-127
 SUPER = 4               # at most 4 tiles per projection super-tile: 512 tokens = one PSUM bank of fp32 columns
-PSUM_COLS = 512
+PSUM_COLS = PSUM_BANK      # fp32 columns of one PSUM bank
 PSUM_BANKS = 8          # 8 banks x 2 KB per partition (nkisim.hw.PSUM_NUM_BANKS)
 NEG = -1.0e30           # additive causal mask inside the exponent: exp(x + NEG) == 0 exactly
 LOGB_PAD = -30000.0     # ln(beta) of padding tokens: beta == 0 exactly, finite in every matmul
@@ -196,13 +196,13 @@ def _ps(c, parts, dims):
     """(view, bank): a float32 PSUM view [parts, *dims] (row-major, at most 512 elements per partition) on
     the least recently released bank; release it with :func:`_ps_free` after its last reader."""
     pool = c["psum"]
-    assert len(pool["free"]) > 0, "gdn_prefill: every PSUM bank is in use"
+    kernel_assert(len(pool["free"]) > 0, "gdn_prefill: every PSUM bank is in use")
     b = pool["free"].pop(0)
     pat = [[PSUM_COLS, parts]]
     size = 1
     for d in dims:
         size *= d
-    assert size <= PSUM_COLS, f"gdn_prefill: PSUM view {dims} exceeds a bank"
+    kernel_assert(size <= PSUM_COLS, f"gdn_prefill: PSUM view {dims} exceeds a bank")
     step = size
     for d in dims:
         step = step // d
@@ -1094,26 +1094,26 @@ def gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, st
     slots, hv_r2, Dk, Dv = state.shape
     C_rank = window.shape[2]
     H = J * P
-    n_launch = nl.num_programs(0) if nl.program_ndim() != 0 else 1
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
-    assert pdim == P and L >= 1, f"gdn_prefill: xT has shape {xT.shape}, expected [{P}, H/{P}, L]"
-    assert n_cores == n_launch, (f"gdn_prefill: weights are laid out for {n_cores} cores but the launch has "
-                                 f"{n_launch} (gdn_weight_layout(lnc=...) must match kernel[lnc])")
-    assert Jw == J and Dk == D and Dv == D and hv_r2 == hv_r and window.shape[1] == K - 1 and window.shape[0] == slots, (
-        f"gdn_prefill: inconsistent shapes: xT {xT.shape}, w_in {w_in.shape}, conv_w {conv_w.shape}, "
-        f"state {state.shape}, window {window.shape}")
-    assert tuple(y.shape) == (L, H), f"gdn_prefill: y has shape {y.shape}, expected [{L}, {H}]"
-    assert D <= P, f"gdn_prefill: head dim {D} exceeds {P} partitions"
-    assert L * H < 2 ** 31 and slots * hv_r * D * D < 2 ** 31 and slots * (K - 1) * C_rank < 2 ** 31, (
-        "gdn_prefill: a tensor's element offsets exceed int32")
+    n_launch, core = program_sharding()
+    kernel_assert(pdim == P and L >= 1, f"gdn_prefill: xT has shape {xT.shape}, expected [{P}, H/{P}, L]")
+    kernel_assert(n_cores == n_launch, f"gdn_prefill: weights are laid out for {n_cores} cores but the launch has "
+                                       f"{n_launch} (gdn_weight_layout(lnc=...) must match kernel[lnc])")
+    kernel_assert(Jw == J and Dk == D and Dv == D and hv_r2 == hv_r and window.shape[1] == K - 1
+                  and window.shape[0] == slots,
+                  f"gdn_prefill: inconsistent shapes: xT {xT.shape}, w_in {w_in.shape}, conv_w {conv_w.shape}, "
+                  f"state {state.shape}, window {window.shape}")
+    kernel_assert(tuple(y.shape) == (L, H), f"gdn_prefill: y has shape {y.shape}, expected [{L}, {H}]")
+    kernel_assert(D <= P, f"gdn_prefill: head dim {D} exceeds {P} partitions")
+    kernel_assert(L * H < 2 ** 31 and slots * hv_r * D * D < 2 ** 31 and slots * (K - 1) * C_rank < 2 ** 31,
+                  "gdn_prefill: a tensor's element offsets exceed int32")
     kd_r = (C_rank - hv_r * D) // 2
     hk_r = kd_r // D
     s = core_split(hk_r, hv_r, n_cores, core)
     hv, hk, vh0, kh0 = s["hv_c"], s["hk_c"], s["vh0"], s["kh0"]
-    assert NH == 2 * hk + hv and Ncol == NH * D + hv * D + 2 * hv, (
-        f"gdn_prefill: w_in has {Ncol} columns / conv_w {NH} heads, expected q|k|v|z|b|a of {hk} key and {hv} "
-        f"value heads of {D}")
-    assert hk * D <= PSUM_COLS and 3 * hv <= PSUM_COLS, f"gdn_prefill: {hk} key heads x {D} exceed a PSUM bank"
+    kernel_assert(NH == 2 * hk + hv and Ncol == NH * D + hv * D + 2 * hv,
+                  f"gdn_prefill: w_in has {Ncol} columns / conv_w {NH} heads, expected q|k|v|z|b|a of {hk} key and "
+                  f"{hv} value heads of {D}")
+    kernel_assert(hk * D <= PSUM_COLS and 3 * hv <= PSUM_COLS, f"gdn_prefill: {hk} key heads x {D} exceed a PSUM bank")
     neg = bool(allow_neg_eigval)
     mdt = adt
     idt = F32 if (neg or adt == F32) else adt
@@ -1151,13 +1151,13 @@ def gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, st
         nisa.core_barrier(data=window, cores=(0, 1))
 
     isz = 2 if adt == nl.bfloat16 else 4
-    assert 2 * hv <= D, f"gdn_prefill: the b|a group ({2 * hv} columns) must fit a head's {D}"
+    kernel_assert(2 * hv <= D, f"gdn_prefill: the b|a group ({2 * hv} columns) must fit a head's {D}")
     g["super"] = super_tiles(isz, hv)
     fixed = hv * H * isz + NH * K * D * isz + W_RING * J * D * isz      # w_out, conv taps, weight ring
-    assert fixed <= FIXED_SBUF_MAX, (
-        f"gdn_prefill: {fixed // 1024} KB per partition of resident weights ({hv} value heads per core, "
-        f"{adt}) leave too little SBUF for the tiles in flight (at most {FIXED_SBUF_MAX // 1024} KB); "
-        f"use LNC=2 or bfloat16")
+    kernel_assert(fixed <= FIXED_SBUF_MAX,
+                  f"gdn_prefill: {fixed // 1024} KB per partition of resident weights ({hv} value heads per core, "
+                  f"{adt}) leave too little SBUF for the tiles in flight (at most {FIXED_SBUF_MAX // 1024} KB); "
+                  f"use LNC=2 or bfloat16")
     c = _constants(g, conv_w, A_log, dt_bias, norm_w)
     c["psum"] = psum_pool()
     c["w_in"] = w_in
@@ -1216,10 +1216,10 @@ def gdn_prefill_kernel(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, 
     """
     _, J, L = xT.shape
     n = w_in.shape[0]
-    assert n * L * J * P < 2 ** 31, f"gdn_prefill: y [{n}, {L}, {J * P}] has element offsets beyond int32"
+    kernel_assert(n * L * J * P < 2 ** 31, f"gdn_prefill: y [{n}, {L}, {J * P}] has element offsets beyond int32")
     y_out = nl.ndarray((n, L, J * P), F32, buffer=nl.shared_hbm, name="y_partials")
     fin_out = nl.ndarray((n, 1), F32, buffer=nl.shared_hbm, name="finite")
-    core = nl.program_id(0) if nl.program_ndim() != 0 else 0
+    _, core = program_sharding()
     fin = gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, write_slot,
                            y_out[core], eps, allow_neg_eigval)
     nisa.dma_copy(dst=fin_out[core:core + 1, :], src=fin)

@@ -108,9 +108,10 @@ import math
 import nki
 import nki.isa as nisa
 import nki.language as nl
+from nki_kernels.common import PSUM_BANK, program_sharding
 from nki_kernels.moe import INT32_MAX, MAX8, P, block_width, geometry as _geometry, layers_per_table
 
-BANK = 512          # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
+BANK = PSUM_BANK    # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 WIN = 128           # rows of one down-projection window (token-major output rows on partitions)
 RING = 8            # expert weight buffers in flight (6 KB per partition each at the real shapes) ...
 RING_BUDGET = 112 * 1024    # ... within this many SBUF bytes per partition together with the resident x^T
@@ -1119,7 +1120,7 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
         if t.dtype != adt:
             raise ValueError(f"moe_prefill: {nm} is {t.dtype} but the activations are {adt}; weights must match")
-    L, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    L, pid = program_sharding()
     if n_cores != L or experts.shape[2] != P or E % L or tuple(router.shape) != (L, P, J, E // L + 1) \
             or tuple(shared.shape[0:2]) != (L, P):
         raise ValueError(f"moe_prefill: experts {list(experts.shape)} / router {list(router.shape)} / shared "
@@ -1220,7 +1221,7 @@ def moe_prefill(x, router, experts, shared, top_k, capacity=None):
     launch's LNC; top_k: experts per token; capacity: static tokens per regular expert slot."""
     H = router.shape[2] * P
     N = x.shape[0] * P // H
-    L, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    L, pid = program_sharding()
     y = nl.ndarray((N, H), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_out")
     fin_out = nl.ndarray((L, 1), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_finite_out")
     fin = moe_prefill_body(x, router, experts, shared, top_k, y, capacity)

@@ -479,7 +479,7 @@ def test_refusals():
     cfg, dims, w, x, window, state = rank_inputs("tiny", 2, 0, 10, torch.float32)
     L = kg.gdn_weight_layout(w, lnc=2)
     rs = torch.zeros(1, 1, dtype=torch.int32)
-    with pytest.raises(AssertionError, match="laid out for 2 cores"):
+    with pytest.raises(ValueError, match="laid out for 2 cores"):
         kp.gdn_prefill_kernel(kp.feature_major(x), L["w_in"], L["conv_w"], L["A_log"], L["dt_bias"], L["norm_w"],
                               L["w_out"], window, state, rs, rs, 1e-6, False)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -487,5 +487,5 @@ def test_refusals():
     # float32 at 8 value heads per core (real shapes, LNC=1) does not fit SBUF: refused before any work
     shapes = kp.kernel_shapes(real_cfg(), tp=4, L=64, lnc=1, dtype="float32")
     args = [nkisim.ShapeDtype(s, d) for s, d in shapes.values()]
-    with pytest.raises(AssertionError, match="use LNC=2 or bfloat16"):
+    with pytest.raises(ValueError, match="use LNC=2 or bfloat16"):
         kp.gdn_prefill_kernel(*args, 1e-6, False)
