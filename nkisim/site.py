@@ -53,7 +53,9 @@ def kernel_site():
 
 _STACK_STOP = (os.path.join(_PKG_DIR, "runtime.py"), os.path.join(_PKG_DIR, "jit.py"))
 _FRAME_NAMES = {}   # (code, line) -> "file:line:function"
-STACK_DEPTH = 12    # kernel frames kept in a trace record's "stack"
+STACK_DEPTH = 40    # kernel frames kept in a trace record's "stack": deep enough that the cost model's stage tags
+#                   (the outermost stage function, harness/costmodel/layers.py) survive the MoE body's nested
+#                   conditional-slot helpers (at 12, a K >= 2 verify's MoE lost its `verify` frame)
 
 
 def kernel_stack():

@@ -195,3 +195,28 @@ def test_shared_identity_matrix_is_one_constant_per_core():
     assert len(ident) == 2 * 3                                    # per core: f32, bf16, and the dst= load
     assert all(r["engine"] == "DMA" and r["constant"] for r in ident)
     assert ident[0]["bytes"] == {"sbuf": {"read": 0, "write": 64}, "const": {"read": 64, "write": 0}}
+
+
+def _nest(t, depth):
+    if depth == 0:
+        nisa.memset(dst=t, value=1.0)
+    else:
+        _nest(t, depth - 1)
+
+
+@nki.jit
+def deep_kernel():
+    t = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+    _nest(t, 30)
+    out = nl.ndarray((1, 4), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_stack_reaches_the_kernel_entry_through_deep_helpers():
+    """A stage tag is the outermost stage function on the stack: 31 nested helper frames still end at the kernel."""
+    with nkisim.trace.capture() as tr:
+        deep_kernel()
+    st = _by_op(tr, "memset")[0]["stack"]
+    assert len(st) == 32 and st[-1].endswith(":deep_kernel") and all(s.endswith(":_nest") for s in st[:-1])
+
