@@ -177,7 +177,7 @@ def build(recs, loops=(), physical_deps=True) -> Program:
 def _boundaries(P, recs, loops, core_idx):
     """Runtime-loop boundaries per core, as (core, k, kind): a fence between the core's k-th instruction (position
     in ``P.order``; -1 = before the first) and the next. Kinds: "entry", "iteration" (an iteration ended and the
-    next began), "exit" (also a 0-trip loop)."""
+    next began), "exit", and "empty" (a loop that ran 0 times: its exit has no work of its own to wait for)."""
     pos = {}
     for ci, lst in enumerate(P.order):
         for k, i in enumerate(lst):
@@ -187,11 +187,12 @@ def _boundaries(P, recs, loops, core_idx):
         ci = core_idx.get((lp.get("rank", 0) or 0, lp.get("inst", 0) or 0))
         if ci is None:
             continue
-        for key, kind in (("before", "entry"), ("last", "exit")):
+        exit_kind = "empty" if lp.get("trips") == 0 else "exit"
+        for key, kind in (("before", "entry"), ("last", exit_kind)):
             seq = lp.get(key, -1)
             if seq is not None and seq >= 0 and seq in pos and pos[seq][0] == ci:
                 out.add((ci, pos[seq][1], kind))
-            elif seq == -1 and kind == "exit":
+            elif seq == -1 and kind != "entry":
                 out.add((ci, -1, kind))
     for ci, lst in enumerate(P.order):
         prev = None
@@ -296,8 +297,8 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
     core = P.core
     # ---- fences of this band --------------------------------------------------------------------
     mode = params.loop_fences
-    want = set() if mode == "none" else ({"iteration", "exit"} if mode == "iteration" else
-                                         {"entry", "iteration", "exit"})
+    want = set() if mode == "none" else ({"iteration", "exit", "empty"} if mode == "iteration" else
+                                         {"entry", "iteration", "exit", "empty"})
     fences = sorted({(ci, k) for ci, k, kd in P.boundaries if kd in want})
     nf = len(fences)
     N = n + nf
@@ -338,7 +339,7 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
     # ---- graph: dependencies (+ hand-off) and fences ----------------------------------------------
     preds = [list(p) for p in P.preds] + [[] for _ in range(nf)]
     if nf:
-        _wire_fences(P, fences, preds, n)
+        _wire_fences(P, fences, preds, n, want)
     succ = [[] for _ in range(N)]
     for i in range(N):
         for p in preds[i]:
@@ -579,15 +580,19 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
                     [(ci, k) for ci, k in fences], streams)
 
 
-def _wire_fences(P, fences, preds, n):
+def _wire_fences(P, fences, preds, n, want):
     """Fence node n + f after position k of core ci. It waits for the loop work since the core's previous loop
     boundary of any kind (the last instruction of every stream and every DMA in between: a loop's own DMAs
     complete before anything after the boundary starts, the DMAs issued before the loop do not have to) and
     for the previous fence; the next instruction of every stream and every DMA up to the next fence wait for
-    it."""
+    it. A fence that, among the boundary kinds ``want`` of the band, only closes 0-trip loops ("empty") has no
+    loop work: it waits for the previous fence alone (the pre-loop work is not the loop's; the high end's entry
+    fences wait for it)."""
     marks = {}
-    for ci, k, _ in P.boundaries:
+    kinds_at = {}
+    for ci, k, kd in P.boundaries:
         marks.setdefault(ci, set()).add(k)
+        kinds_at.setdefault((ci, k), set()).add(kd)
     by_core = {}
     for f, (ci, k) in enumerate(fences):
         by_core.setdefault(ci, []).append((k, n + f))
@@ -602,6 +607,8 @@ def _wire_fences(P, fences, preds, n):
             while b < len(bounds) and bounds[b] < k:
                 b += 1
             lo = bounds[b - 1] if b > 0 else -1
+            if kinds_at.get((ci, k), set()) & want == {"empty"}:
+                lo = k          # only 0-trip loops end here: no loop work to wait for
             ps = set()
             last = {}
             for pos in range(lo + 1, k + 1):

@@ -3,8 +3,12 @@ harness/costmodel/constants.py say -- one test per cost, incl. the costs of issu
 physical SBUF reuse, DMA size efficiency and engine caps, the HWDGE trigger queue, runtime-loop boundaries,
 collective trigger delay, DVE reciprocal, the PE floor) -- the band's order and direction, dependency
 bookkeeping, stages, critical path. Assertions are on model outputs (formula results), never on timings."""
+import numpy as np
 import pytest
 
+import nki
+import nki.isa as nisa
+import nki.language as nl
 from harness import costmodel
 from harness.costmodel import constants as C
 from harness.costmodel import costs
@@ -232,6 +236,38 @@ def test_loop_iterations_are_fenced():
     assert len(it.timeline.fences) == n      # n - 1 iteration ends + the exit
     entry = costmodel.predict(tr, params=bare(handoff_ns=h, loop_fences="entry+iteration"))
     assert entry.latency_ns >= it.latency_ns
+
+
+@nki.jit
+def _empty_loop_between(n, x):
+    """A long ACT op on tile b, then a runtime loop of n (0) trips, then an independent DVE op on tile a and a store
+    of a: only a fence that waits for pre-loop work puts the ACT op on the store's path."""
+    P, F = x.shape
+    r = nisa.register_alloc()
+    nisa.register_load(r, n)
+    b = nl.ndarray((P, 4 * F), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=b, value=1.0, engine=nisa.engine.gpsimd)
+    nisa.activation(dst=b, op=nl.copy, data=b)
+    a = nl.ndarray((P, F), nl.float32, buffer=nl.sbuf)
+
+    def body(i):
+        nisa.memset(dst=a, value=2.0)
+    nl.fori_loop(0, r, body)
+    nisa.memset(dst=a, value=1.0)
+    out = nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=a)
+    return out
+
+
+def test_a_loop_that_ran_zero_times_does_not_wait_for_the_work_before_it():
+    tr = mk.capture(_empty_loop_between, np.array([[0]], np.int32), mk.SD((128, 256), "float32"))
+    assert [lp["trips"] for lp in tr.loops] == [0]
+    none = pred(tr)
+    it = pred(tr, loop_fences="iteration")         # central: a 0-trip loop has no loop work to fence
+    assert len(it.timeline.fences) == 1
+    assert it.latency_ns == pytest.approx(none.latency_ns, rel=1e-9)
+    entry = pred(tr, loop_fences="entry+iteration")  # high: the entry waits for everything issued before it
+    assert entry.latency_ns > none.latency_ns + act_ns(4 * 256) / 2
 
 
 # ---- dependencies ----------------------------------------------------------------------------------------
