@@ -15,9 +15,14 @@ backend
     ``"xla"`` -- the same plan as plain traceable PyTorch (``harness.xla.forward``); weights in PyTorch layout,
     stacked the same way (``harness.xla.rank_weights``).
 mode / graph
-    ``"round"`` (D1 draft + 2-token verify + D2 replay), ``"step"`` (plain decode of one token) -- the two launch
-    plans of ``megakernel.plan`` -- and ``"reset"`` (zero every decode-state buffer before a new sequence; a tiny
-    graph of its own, :func:`reset_outputs`).
+    ``"round"`` (K chained D1 drafts + a verify of K + 1 tokens + a K-token D2 replay), ``"step"`` (plain decode
+    of one token) -- the two launch plans of ``megakernel.plan`` -- and ``"reset"`` (zero every decode-state
+    buffer before a new sequence; a tiny graph of its own, :func:`reset_outputs`).
+drafts (K)
+    Chained MTP drafts per round, 1..``megakernel.plan.MAX_DRAFTS``, fixed when converting (``nxdi.json``): it
+    fixes the round graph's inputs (``force`` [K, 2], ``pos_d1`` / ``cos_d1`` / ``sin_d1`` [K, ...], ``cos_v`` /
+    ``sin_v`` [K + 1, ...]), its outputs (drafts [K, 1], targets [K + 1, 1], hidden [K + 1, H]) and the K + 1 GDN
+    checkpoint slots of the decode state that every graph shares (:func:`state_slots`).
 per-rank tensor
     Rank r's tensor of a name (``attn_wqg``, ``gdn_window``, ...). The NxDI module registers one parameter per
     name WITH THE PER-RANK SHAPE, and rank r's checkpoint file holds rank r's tensor (:func:`rank_checkpoint`),
@@ -81,11 +86,26 @@ def dtype_of(name: str) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------
 # Plans and kernels
 # --------------------------------------------------------------------------------------------------
-def launch_plan(cfg: ModelConfig, tp: int, lnc: int, mode: str) -> rp.Plan:
-    """The plan a round / step graph runs (``megakernel.plan``; the kernels' compile-time first argument)."""
+def check_drafts(drafts) -> int:
+    """K, the chained drafts per round, in 1..``megakernel.plan.MAX_DRAFTS`` (AssemblyError otherwise)."""
+    try:
+        return rp.check_drafts(drafts)
+    except ValueError:
+        raise AssemblyError(f"the number of draft tokens must be in 1..{rp.MAX_DRAFTS}, found {drafts!r}") from None
+
+
+def state_slots(drafts: int) -> int:
+    """GDN checkpoint slots of the decode state for rounds of K drafts: one per token the round's verify runs
+    (the round plan's ``tokens``, K + 1)."""
+    return check_drafts(drafts) + 1
+
+
+def launch_plan(cfg: ModelConfig, tp: int, lnc: int, mode: str, drafts: int = rp.DEFAULT_DRAFTS) -> rp.Plan:
+    """The plan a round / step graph runs (``megakernel.plan``; the kernels' compile-time first argument); a round
+    of ``drafts`` (K) chained drafts."""
     if mode not in MODES:
         raise AssemblyError(f"mode must be one of {MODES}, found {mode!r}")
-    return rp.plan_for(cfg, mode, tp, lnc)
+    return rp.plan_for(cfg, mode, tp, lnc, drafts=check_drafts(drafts))
 
 
 def kernel_of(mode: str):
@@ -139,12 +159,13 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str
     return {k: as_torch(v).contiguous() for k, v in w.items()}
 
 
-def state_specs(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype, slots: int = rp.SLOTS
+def state_specs(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype, drafts: int = rp.DEFAULT_DRAFTS
                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (per-rank shape, torch dtype) of every decode-state buffer (``megakernel.plan.state_specs``; the
-    same on every rank), activation-dtype buffers in ``dtype``."""
+    """Name -> (per-rank shape, torch dtype) of every decode-state buffer (``megakernel.plan.state_specs`` with
+    :func:`state_slots` GDN checkpoint slots for rounds of ``drafts`` drafts; the same on every rank),
+    activation-dtype buffers in ``dtype``."""
     return {s.name: (tuple(s.shape), dtype if s.dtype == "activation" else getattr(torch, s.dtype))
-            for s in rp.state_specs(cfg, tp, max_len, slots)}
+            for s in rp.state_specs(cfg, tp, max_len, state_slots(drafts))}
 
 
 def zero_states(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
@@ -208,8 +229,9 @@ def kernel_kwargs(mode: str, weights: dict, states: dict, runtime: dict) -> dict
 
 
 def output_names(mode: str) -> list[str]:
-    """What a round/step graph returns, in order: draft [1, 1] int32, targets [T, 1] int32, hidden [T, H]
-    (activation dtype), then the state buffers the launch writes (``plan.STATE``, every one in both modes)."""
+    """What a round/step graph returns, in order: drafts [K, 1] int32 (a step: the pending token [1, 1]), targets
+    [T, 1] int32, hidden [T, H] (activation dtype; T = K + 1 in a round, 1 in a step), then the state buffers the
+    launch writes (``plan.STATE``, every one in both modes)."""
     if mode not in MODES:
         raise AssemblyError(f"mode must be one of {MODES}, found {mode!r}")
     return [*LEADING_OUTPUTS, *rp.STATE]
@@ -309,14 +331,15 @@ def reset_inputs() -> dict:
     return {"keep": np.zeros((1, 1), np.int32)}
 
 
-def runtime_example(cfg: ModelConfig, mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Zero tensors with the exact shapes and dtypes of a graph's run-time inputs (``plan.input_specs``: the
-    example inputs the graph is traced with, and NxD's routing key)."""
+def runtime_example(cfg: ModelConfig, mode: str, dtype: torch.dtype, drafts: int = rp.DEFAULT_DRAFTS
+                    ) -> dict[str, torch.Tensor]:
+    """Zero tensors with the exact shapes and dtypes of a graph's run-time inputs (``plan.input_specs`` for rounds
+    of ``drafts`` drafts: the example inputs the graph is traced with, and NxD's routing key)."""
     if mode == "reset":
         return {"keep": torch.zeros((1, 1), dtype=torch.int32)}
     graph_inputs(mode)
     return {s.name: torch.zeros(s.shape, dtype=dtype if s.dtype == "activation" else getattr(torch, s.dtype))
-            for s in rp.input_specs(cfg, mode)}
+            for s in rp.input_specs(cfg, mode, check_drafts(drafts))}
 
 
 def ordered_inputs(mode: str, runtime: dict) -> tuple[torch.Tensor, ...]:

@@ -32,11 +32,12 @@ from typing import Callable
 
 import torch
 
-from harness.nxdi.assembly import BACKENDS, check_sharding, dtype_name
+from harness.nxdi.assembly import BACKENDS, AssemblyError, check_drafts, check_sharding, dtype_name
+from megakernel.plan import DEFAULT_DRAFTS
 from model.config import ConfigError, ModelConfig, preset
 
 # Attributes of the InferenceConfig: the text model's config.json fields (ModelConfig.to_hf_dict) plus ours.
-NXDI_ATTRIBUTES = ("nxdi_backend", "nxdi_max_len", "nxdi_lnc", "nxdi_param_specs")
+NXDI_ATTRIBUTES = ("nxdi_backend", "nxdi_max_len", "nxdi_lnc", "nxdi_num_draft_tokens", "nxdi_param_specs")
 _OPTIONAL_KEYS = ("bos_token_id", "eos_token_id")  # written by to_hf_dict only when set
 _MODEL_KEYS = tuple(k for k in preset("tiny").to_hf_dict() if k not in ("architectures",) + _OPTIONAL_KEYS)
 REQUIRED_ATTRIBUTES = _MODEL_KEYS + NXDI_ATTRIBUTES
@@ -57,14 +58,19 @@ def model_config_from(obj) -> ModelConfig:
     return ModelConfig.from_hf_dict(d)
 
 
-def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, lnc: int, param_specs_json: dict
-                     ) -> Callable[[object], None]:
+def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, lnc: int, param_specs_json: dict,
+                     drafts: int = DEFAULT_DRAFTS) -> Callable[[object], None]:
     """The ``load_config`` callable NxDI's ``InferenceConfig(neuron_config, load_config=...)`` calls with the
     new config object (``models/config.py`` lines 863-866): sets the model's attributes and ours.
     ``nxdi_lnc`` is the LNC the weights were converted for (``neuron_config.logical_nc_config`` may differ:
-    the environment wins there, :func:`check_lnc`)."""
+    the environment wins there, :func:`check_lnc`); ``nxdi_num_draft_tokens`` the chained drafts per round (K)
+    the graphs are built for."""
     if backend not in BACKENDS:
         raise ConfigError(f"nxdi backend must be one of {BACKENDS}, found {backend!r}")
+    try:
+        drafts = check_drafts(drafts)
+    except AssemblyError as e:
+        raise ConfigError(str(e)) from None
 
     def load(obj):
         for k, v in model_attributes(cfg).items():
@@ -72,6 +78,7 @@ def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, lnc: int, par
         obj.nxdi_backend = backend
         obj.nxdi_max_len = int(max_len)
         obj.nxdi_lnc = int(lnc)
+        obj.nxdi_num_draft_tokens = drafts
         obj.nxdi_param_specs = param_specs_json
         if getattr(obj, "pad_token_id", None) is None:
             obj.pad_token_id = 0  # NxDI's ModelWrapper sets this too when absent (model_wrapper.py lines 69-70)

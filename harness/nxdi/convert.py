@@ -3,8 +3,11 @@
 A converted directory holds
 
 * ``config.json`` -- the text model's config (``ModelConfig.to_hf_dict``);
-* ``nxdi.json`` -- ``{"format": 2, "backend", "tp", "lnc", "max_len", "dtype", "param_specs"}``, param_specs
-  = per-rank shape and dtype of every weight (what the NxDI module registers its parameters with);
+* ``nxdi.json`` -- ``{"format": 3, "backend", "tp", "lnc", "max_len", "num_draft_tokens", "dtype",
+  "param_specs"}``; num_draft_tokens = K, the chained MTP drafts per round the graphs are built for (the weights
+  do not depend on it, but the round graph's inputs and outputs and the decode state's K + 1 GDN checkpoint
+  slots do, so it is fixed here with the other settings the compiled graphs bake in); param_specs = per-rank
+  shape and dtype of every weight (what the NxDI module registers its parameters with);
 * ``weights/tp{r}_sharded_checkpoint.safetensors`` for r in 0..tp-1 -- rank r's checkpoint
   (``assembly.rank_checkpoint``): ``weights.<name>`` with the per-rank shape, and ``rank_util.rank`` = [r].
 
@@ -29,15 +32,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from harness.nxdi import assembly as asm
+from megakernel.plan import DEFAULT_DRAFTS
 from model.config import ModelConfig
 
-FORMAT = 2
+FORMAT = 3  # 3: drafts (K) recorded
 META_FILE = "nxdi.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_DIR = "weights"
 # What NxDI's InferenceConfig.save writes into a compiled directory (models/config.py line 23, 927-934).
 COMPILED_CONFIG_FILE = "neuron_config.json"
-META_KEYS = ("backend", "tp", "lnc", "max_len", "dtype", "param_specs")
+META_KEYS = ("backend", "tp", "lnc", "max_len", "num_draft_tokens", "dtype", "param_specs")
 
 
 class ConvertError(ValueError):
@@ -51,10 +55,12 @@ def rank_file(path: str | os.PathLike, rank: int) -> Path:
 
 
 def write_converted(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str,
-                    max_len: int, tp: int = 4, lnc: int = 2, progress=None) -> Path:
+                    max_len: int, tp: int = 4, lnc: int = 2, progress=None, drafts: int = DEFAULT_DRAFTS) -> Path:
     """Convert canonical ``params`` (``model.weights.load_checkpoint`` names) for ``backend`` and write a
-    converted directory (module docstring), one rank at a time. progress: optional callable(str)."""
+    converted directory (module docstring) for rounds of ``drafts`` (K) chained drafts, one rank at a time.
+    progress: optional callable(str)."""
     from harness.nxdi.config import neuron_config_kwargs
+    asm.check_drafts(drafts)
     neuron_config_kwargs(cfg, max_len, tp, lnc)  # validates sharding and max_len before any work
     out = Path(out)
     (out / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
@@ -76,6 +82,7 @@ def write_converted(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, 
             progress(f"converted rank {r + 1}/{tp}")
     (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     meta = {"format": FORMAT, "backend": backend, "tp": tp, "lnc": lnc, "max_len": int(max_len),
+            "num_draft_tokens": drafts,
             "dtype": asm.dtype_name(dtype), "param_specs": asm.specs_to_json(first)}
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     if progress:
@@ -100,7 +107,7 @@ def read_meta(path: str | os.PathLike) -> dict:
 
 def check_asked(meta: dict, path, **asked) -> None:
     """Raise ConvertError if the converted settings differ from any setting asked (None: not asked).
-    asked keys: tp, lnc, dtype (name), max_len."""
+    asked keys: tp, lnc, dtype (name), max_len, num_draft_tokens."""
     diff = [f"{k}={meta[k]} (asked {v})" for k, v in asked.items() if v is not None and meta[k] != v]
     if diff:
         raise ConvertError(f"{path} was converted for {', '.join(diff)}; convert again with the settings you want")
@@ -143,11 +150,11 @@ def _safetensors_dtype(name: str) -> str:
 
 
 def check_converted(path: str | os.PathLike, tp: int | None = None, lnc: int | None = None,
-                    dtype: str | None = None, max_len: int | None = None) -> dict:
+                    dtype: str | None = None, max_len: int | None = None, drafts: int | None = None) -> dict:
     """The validated meta of a converted directory: format, the asked settings (None: take the directory's),
     every rank's file complete."""
     meta = read_meta(path)
-    check_asked(meta, path, tp=tp, lnc=lnc, dtype=dtype, max_len=max_len)
+    check_asked(meta, path, tp=tp, lnc=lnc, dtype=dtype, max_len=max_len, num_draft_tokens=drafts)
     check_rank_files(path, meta)
     return meta
 
@@ -162,7 +169,8 @@ def check_compiled(compiled: str | os.PathLike, meta: dict, converted) -> None:
     c = json.loads(f.read_text())
     nc = c.get("neuron_config", {})
     have = {"backend": c.get("nxdi_backend"), "tp": nc.get("tp_degree"), "lnc": c.get("nxdi_lnc"),
-            "max_len": c.get("nxdi_max_len"), "dtype": nc.get("torch_dtype"), "param_specs": c.get("nxdi_param_specs")}
+            "max_len": c.get("nxdi_max_len"), "num_draft_tokens": c.get("nxdi_num_draft_tokens"),
+            "dtype": nc.get("torch_dtype"), "param_specs": c.get("nxdi_param_specs")}
     diff = [k for k in META_KEYS if have[k] != meta[k]]
     if diff:
         shown = ", ".join(f"{k}={have[k]} vs {meta[k]}" for k in diff if k != "param_specs")

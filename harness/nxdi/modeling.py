@@ -77,7 +77,7 @@ TAGS = {"round": "round_model", "step": "step_model", "reset": "reset_state_mode
 
 class Qwen36InferenceConfig(InferenceConfig):
     """The model's attributes (``harness.nxdi.config.model_attributes``) plus ``nxdi_backend``,
-    ``nxdi_max_len``, ``nxdi_lnc`` and ``nxdi_param_specs``."""
+    ``nxdi_max_len``, ``nxdi_lnc``, ``nxdi_num_draft_tokens`` (K) and ``nxdi_param_specs``."""
 
     def get_required_attributes(self) -> list[str]:
         return list(nxcfg.REQUIRED_ATTRIBUTES)
@@ -95,12 +95,13 @@ class Qwen36InferenceConfig(InferenceConfig):
         cfg = ModelConfig.from_json_file(Path(converted) / nxconv.CONFIG_FILE)
         kwargs = nxcfg.neuron_config_kwargs(cfg, meta["max_len"], meta["tp"], meta["lnc"], asm.dtype_of(meta["dtype"]))
         return cls(NeuronConfig(**kwargs), load_config=nxcfg.attribute_loader(
-            cfg, meta["backend"], meta["max_len"], meta["lnc"], meta["param_specs"]))
+            cfg, meta["backend"], meta["max_len"], meta["lnc"], meta["param_specs"], meta["num_draft_tokens"]))
 
 
 class Qwen36NeuronModel(NeuronBaseModel):
     """One graph of the application (``mode``: round, step or reset). Weights and the graph's decode-state
-    buffers are parameters with per-rank shapes. Traced by NxD; never run eagerly on trn2."""
+    buffers (K + 1 GDN checkpoint slots for rounds of K = ``nxdi_num_draft_tokens`` drafts) are parameters with
+    per-rank shapes. Traced by NxD; never run eagerly on trn2."""
 
     def __init__(self, config: Qwen36InferenceConfig, mode: str = "round"):
         self.mode = mode
@@ -130,8 +131,9 @@ class Qwen36NeuronModel(NeuronBaseModel):
             # here, since ParameterDict is not one of its parallel layer types (trace/trace.py line 752).
             set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1, num_partitions=tp)
             self.weights[name] = p
-        specs = asm.state_specs(self.cfg, tp, config.nxdi_max_len, self.act_dtype)
-        self.plan = None if self.mode == "reset" else asm.launch_plan(self.cfg, tp, self.lnc, self.mode)
+        drafts = config.nxdi_num_draft_tokens
+        specs = asm.state_specs(self.cfg, tp, config.nxdi_max_len, self.act_dtype, drafts)
+        self.plan = None if self.mode == "reset" else asm.launch_plan(self.cfg, tp, self.lnc, self.mode, drafts)
         # output order of the graph's states (a ParameterDict built from a dict iterates its keys SORTED)
         self.state_order = asm.graph_states(self.mode, specs)
         self.states = nn.ParameterDict({
@@ -187,7 +189,8 @@ class _GraphWrapper(ModelWrapper):
         self.mode = mode
 
     def input_generator(self):
-        ex = asm.runtime_example(self.config.model_config(), self.mode, self.neuron_config.torch_dtype)
+        ex = asm.runtime_example(self.config.model_config(), self.mode, self.neuron_config.torch_dtype,
+                                 self.config.nxdi_num_draft_tokens)
         return [tuple(ex[n] for n in asm.graph_inputs(self.mode))]
 
     def get_model_instance(self):
@@ -200,12 +203,14 @@ class _GraphWrapper(ModelWrapper):
 
 def graph_config(config, mode: str):
     """A graph's own config: a deep copy with ``is_prefill_stage=False`` (none of our graphs is a prefill
-    graph in NxDI's sense) and one bucket of ``seq_len``, as NxDI's ``enable_token_generation`` does."""
+    graph in NxDI's sense), one bucket of ``seq_len``, as NxDI's ``enable_token_generation`` does, and
+    ``n_active_tokens`` = the tokens the graph's trunk runs (the round plan's verify: K + 1)."""
     new = copy.deepcopy(config)
     nc = new.neuron_config
     nc.is_prefill_stage = False
     nc.buckets = [nc.seq_len]
-    nc.n_active_tokens = 2 if mode == "round" else 1
+    nc.n_active_tokens = 1 if mode != "round" else asm.launch_plan(
+        config.model_config(), nc.tp_degree, config.nxdi_lnc, mode, config.nxdi_num_draft_tokens).tokens
     return new
 
 
@@ -231,7 +236,8 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
     def enable_token_generation(self, *args, **kwargs):
         nxcfg.check_lnc(self.neuron_config.logical_nc_config, self.config.nxdi_lnc)
         cfg = self.config.model_config()
-        asm.check_routes({m: tuple(asm.runtime_example(cfg, m, self.neuron_config.torch_dtype).values())
+        drafts = self.config.nxdi_num_draft_tokens
+        asm.check_routes({m: tuple(asm.runtime_example(cfg, m, self.neuron_config.torch_dtype, drafts).values())
                           for m in asm.GRAPHS})
         for mode in asm.GRAPHS:  # the round graph first (module docstring)
             self._add(mode)
@@ -271,6 +277,7 @@ class NeuronEngine:
         self.cfg = app.config.model_config()
         self.dtype = app.neuron_config.torch_dtype
         self.max_len = int(app.config.nxdi_max_len)
+        self.drafts = int(app.config.nxdi_num_draft_tokens)  # K: the host loop runs rounds of K drafts
         self.launches = 0
 
     @staticmethod

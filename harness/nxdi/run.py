@@ -1,6 +1,7 @@
 """The NxDI path from the command line: convert a checkpoint, compile, decode.
 
-    python -m harness.nxdi.run convert --model-path HF_DIR --out CONVERTED --backend megakernel --max-len 4096
+    python -m harness.nxdi.run convert --model-path HF_DIR --out CONVERTED --backend megakernel --max-len 4096 \
+        --num-draft-tokens 2
     python -m harness.nxdi.run compile --converted CONVERTED --compiled COMPILED            # trn2 only
     python -m harness.nxdi.run decode --converted CONVERTED --compiled COMPILED --prompt-ids 1,2,3  # trn2 only
     python -m harness.nxdi.run decode --executor cpu --model-path HF_DIR --backend xla --prompt-ids 1,2,3
@@ -8,12 +9,14 @@
 
 ``decode --executor neuron`` (default) drives the compiled NxDI application; ``--executor cpu`` runs the
 same per-rank work on this machine (``harness.engines``: the xla backend over one thread per rank, the
-megakernel under nkisim) behind the same host loop, prefilled the same way (teacher-forced). Before touching the Neuron SDK, ``compile`` and
-``decode --executor neuron`` check the converted directory: its TP, LNC, dtype and max length against
-``--tp/--lnc/--dtype/--max-len`` when given and the LNC NxDI will run with (``NEURON_LOGICAL_NC_CONFIG``
-wins over the config in NxDI), every rank's checkpoint complete, and (decode) that the compiled directory
-comes from it. Bad input prints one line to stderr and exits with status 2; so does a neuron command on a
-machine without the Neuron SDK.
+megakernel under nkisim) behind the same host loop, prefilled the same way (teacher-forced). The chained MTP
+drafts per round (``--num-draft-tokens K``, 1..3) are fixed at conversion: the round graph's inputs and outputs
+and the decode state's K + 1 GDN checkpoint slots depend on K. Before touching the Neuron SDK, ``compile`` and
+``decode --executor neuron`` check the converted directory: its TP, LNC, dtype, max length and K against
+``--tp/--lnc/--dtype/--max-len/--num-draft-tokens`` when given and the LNC NxDI will run with
+(``NEURON_LOGICAL_NC_CONFIG`` wins over the config in NxDI), every rank's checkpoint complete, and (decode) that
+the compiled directory comes from it. Bad input prints one line to stderr and exits with status 2; so does a
+neuron command on a machine without the Neuron SDK.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+
+from megakernel.plan import DEFAULT_DRAFTS, MAX_DRAFTS  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -49,6 +54,10 @@ def parse_args(argv):
     c.add_argument("--tp", type=int, default=4)
     c.add_argument("--lnc", type=int, default=2)
     c.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    c.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
+                   help=f"chained MTP drafts per round the graphs are built for, 1..{MAX_DRAFTS} (default "
+                        f"{DEFAULT_DRAFTS}): the verify runs K + 1 tokens, the decode state holds K + 1 GDN "
+                        f"checkpoint slots")
 
     k = sub.add_parser("compile", help="trace and compile the application (trn2 only)")
     k.add_argument("--converted", type=Path, required=True, help="converted directory (`convert`)")
@@ -84,25 +93,29 @@ def _expected(parser, cpu: bool = False):
     parser.add_argument("--tp", type=int, help=what.format(4))
     parser.add_argument("--lnc", type=int, help=what.format(2))
     parser.add_argument("--dtype", choices=list(DTYPES), help=what.format("bfloat16"))
+    parser.add_argument("--num-draft-tokens", type=int, metavar="K",
+                        help="chained MTP drafts per round, 1..{}; {}".format(MAX_DRAFTS, what.format(DEFAULT_DRAFTS)))
     if not cpu:
         parser.add_argument("--max-len", type=int, help=what)
 
 
 def _checked_conversion(args, max_len=None) -> dict:
-    """The converted directory's meta after every check that needs no SDK (module docstring)."""
+    """The converted directory's meta after every check that needs no SDK (module docstring). ``max_len``: the
+    positions the sequence needs with rounds of one draft (:func:`_engine`)."""
     from harness.nxdi.config import check_lnc, env_lnc
     from harness.nxdi.convert import ConvertError, check_converted
     from model.config import ConfigError
     try:
         meta = check_converted(args.converted, tp=args.tp, lnc=args.lnc, dtype=args.dtype,
-                               max_len=getattr(args, "max_len", None))
+                               max_len=getattr(args, "max_len", None), drafts=args.num_draft_tokens)
         running = env_lnc(os.environ)
         if running is not None:
             check_lnc(running, meta["lnc"])
     except (ConvertError, ConfigError) as e:
         raise UsageError(str(e)) from None
-    if max_len is not None and max_len > meta["max_len"]:
-        raise UsageError(f"the sequence needs {max_len} positions (prompt + new tokens + 1); {args.converted} holds "
+    need = None if max_len is None else max_len + meta["num_draft_tokens"] - 1
+    if need is not None and need > meta["max_len"]:
+        raise UsageError(f"the sequence needs {need} positions (prompt + new tokens + K); {args.converted} holds "
                          f"{meta['max_len']} (convert again with a larger --max-len)")
     return meta
 
@@ -123,7 +136,7 @@ def cmd_convert(args) -> int:
     try:
         cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype])
         write_converted(args.out, cfg, params, args.backend, args.max_len, args.tp, args.lnc,
-                        progress=lambda s: print(s, file=sys.stderr))
+                        progress=lambda s: print(s, file=sys.stderr), drafts=args.num_draft_tokens)
     except (CheckpointError, ConfigError, AssemblyError) as e:
         raise UsageError(str(e)) from None
     return 0
@@ -137,7 +150,9 @@ def cmd_compile(args) -> int:
 
 
 def _engine(args, max_len: int):
-    """(engine, cfg) for the chosen executor."""
+    """(engine, cfg) for the chosen executor, running rounds of K drafts (``--num-draft-tokens``; neuron executor:
+    the converted K). ``max_len``: the positions the sequence needs with rounds of one draft (prompt + new tokens +
+    1); rounds of K drafts need K - 1 more (the last verify runs K positions past the last emitted token)."""
     if args.executor == "cpu":
         from harness.engines import make_engine
         from harness.nxdi.assembly import AssemblyError, check_sharding
@@ -148,7 +163,8 @@ def _engine(args, max_len: int):
         try:
             cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype or "bfloat16"])
             check_sharding(cfg, args.tp or 4, args.lnc or 2)
-            return make_engine(args.backend, cfg, params, tp=args.tp or 4, lnc=args.lnc or 2), cfg
+            return make_engine(args.backend, cfg, params, tp=args.tp or 4, lnc=args.lnc or 2,
+                               drafts=args.num_draft_tokens or DEFAULT_DRAFTS), cfg
         except (CheckpointError, ConfigError, AssemblyError) as e:
             raise UsageError(str(e)) from None
     if args.converted is None or args.compiled is None:
@@ -217,7 +233,8 @@ def cmd_decode(args) -> int:
     else:
         text = f"\n{tokenizer.decode(res.tokens)}\n" if tokenizer is not None else f"tokens: {res.tokens}"
         print(text)
-        mode = "plain greedy" if args.no_spec else f"{res.rounds} rounds, {res.tokens_per_round:.2f} tokens/round"
+        mode = "plain greedy" if args.no_spec else (f"{res.rounds} rounds of {res.drafts} draft(s), "
+                                                    f"{res.tokens_per_round:.2f} tokens/round")
         print(f"{len(res.tokens)} tokens, {mode}, {engine.launches} launches (prefill included), {seconds:.2f} s")
     return 0
 
@@ -225,6 +242,9 @@ def cmd_decode(args) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        K = getattr(args, "num_draft_tokens", None)
+        if K is not None and not 1 <= K <= MAX_DRAFTS:
+            raise UsageError(f"--num-draft-tokens must be in 1..{MAX_DRAFTS}, found {K}")
         if args.command == "check":
             from harness.nxdi import check
             return check.cmd(args, _engine, UsageError)

@@ -592,7 +592,7 @@ def test_link_rank_files_and_compiled_check(converted, tmp_path):
     with pytest.raises(nxconv.ConvertError, match="not a compiled"):
         nxconv.check_compiled(tmp_path / "k", meta, converted)
     nc = {"tp_degree": 4, "torch_dtype": "float32"}
-    good = {"neuron_config": nc, "nxdi_backend": "xla", "nxdi_lnc": 2, "nxdi_max_len": 32,
+    good = {"neuron_config": nc, "nxdi_backend": "xla", "nxdi_lnc": 2, "nxdi_max_len": 32, "nxdi_num_draft_tokens": 1,
             "nxdi_param_specs": meta["param_specs"]}
     (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps(good))
     nxconv.check_compiled(tmp_path / "k", meta, converted)
