@@ -7,7 +7,7 @@ NxD/NxDI (tests/harness/nxd_fakes.py; the K = 1 flow and the fakes themselves: t
   ``python -m harness.nxdi.run``), and so is a K outside 1..3.
 * The convert / compile / load / reset / prefill / round / step flow for K = 2 and 3, xla backend (forced drafts
   over every accept length 0..K, the MTP's own drafts, the step graph): tokens = plain greedy, the decode-state
-  invariant on the fake device state; through the CLI too; the megakernel backend under nkisim for K = 2.
+  invariant on the fake device state; through the CLI too; the megakernel backend under nkisim for K = 2, 3.
 """
 
 from __future__ import annotations
@@ -239,15 +239,16 @@ def test_run_cli_cpu_executor_with_k_drafts(tiny, plain, tmp_path, capsys):
     assert nxconv.read_meta(tmp_path / "conv")["num_draft_tokens"] == 3
 
 
-def test_trn2_megakernel_flow_with_two_drafts_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path):
-    """The megakernel graphs of a K = 2 conversion under nkisim (each rank's kernel call one TP=4 x LNC=2
-    launch): a round with two forced right drafts, one with a wrong first draft, prefill teacher-forced."""
+@pytest.mark.parametrize("K", [2, 3])
+def test_trn2_megakernel_flow_with_k_drafts_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path, K):
+    """The megakernel graphs of a K-draft conversion under nkisim (each rank's kernel call one TP=4 x LNC=2
+    launch): a round with K forced right drafts, one with a wrong first draft, prefill teacher-forced."""
     cfg, params = tiny
-    prompt = PROMPT[:3]
-    want = reference_greedy(cfg, params, prompt, 5)
-    conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", 16, drafts=2)
+    prompt, n = PROMPT[:3], K + 3
+    want = reference_greedy(cfg, params, prompt, n)
+    conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", 16, drafts=K)
     fake_nxd.NeuronEngine.compile(conv, tmp_path / "k")
     v = Decoder(fake_nxd.NeuronEngine.load(conv, tmp_path / "k", warmup=False))
-    res = generate(v, prompt, 5, draft_source=alternating(prompt, want, cfg.vocab_size, 2))
-    assert res.tokens == want and res.accepted_per_round[:2] == [3, 1]
-    assert v.launches == len(teacher_forced_launches(len(prompt), 2)) + res.rounds
+    res = generate(v, prompt, n, draft_source=alternating(prompt, want, cfg.vocab_size, K))
+    assert res.tokens == want and res.accepted_per_round[:2] == [K + 1, 1]
+    assert v.launches == len(teacher_forced_launches(len(prompt), K)) + res.rounds
