@@ -58,7 +58,7 @@ register values and one runtime loop)
    index of x into that row of the choice's own HBM table (one table per choice keeps the scatters of different
    choices independent: a scatter's written region is its whole table); the cores scatter disjoint halves of the
    choices, and after a ``core_barrier`` one ``dma_compute`` sum per row chunk merges the k tables into the index
-   table (every word repeated jc times; unwritten rows read as token 0, whose outputs are never read). Meanwhile
+   table (one word per row; unwritten rows read as token 0, whose outputs are never read). Meanwhile
    the **shared expert** runs as one job per 128-token tile on the resident x^T, its rows (rounded like the
    twin's) going to the scratch rows after the slots'.
 3. **Regular slots** (static loop over S; the slot's expert id is a register; its weight DMAs -- two per slot and
@@ -566,12 +566,28 @@ def _route(g, c, xr, rr, st):
 # 2. grouping and the index table
 # ---------------------------------------------------------------------------------------------
 
-def _group(g, c, run):
-    """Per-expert counts -> regular slots, heavy windows and every expert's base row. Returns (BB [128, E] fp32:
-    base row of expert e on every partition, ids [1, S] int32: slot expert ids (out of bounds = unused), nhw
-    [1, 1] int32: heavy windows used, hid HBM [NHW, 1] int32: expert id of a heavy expert's first window, out of
-    bounds for the others; None without heavy windows)."""
-    E, cap, S, NHW, HB, N, oob = g["E"], g["cap"], g["S"], g["NHW"], g["HB"], g["N"], g["oob"]
+def _id_tables(g):
+    """(ids_h HBM [S, 1], hid HBM [NHW, 1] or None) int32, every row out of bounds (unused slot / continuation
+    window): made before the routing (they do not depend on it), filled in by :func:`_group`."""
+    S, NHW, oob = g["S"], g["NHW"], g["oob"]
+    fill = nl.ndarray((P, max(1, -(-max(S, NHW) // P))), dtype=I32, buffer=nl.sbuf, name="moe_pf_oob_fill")
+    nisa.memset(dst=fill, value=oob)
+    ids_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_ids_hbm")
+    _fill_rows(ids_h, fill, S)
+    hid = None
+    if NHW > 0:
+        hid = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_ids_hbm")
+        _fill_rows(hid, fill, NHW)
+    return ids_h, hid
+
+
+def _group(g, c, run, ids_h, hid):
+    """Per-expert counts -> regular slots, heavy windows and every expert's base row, scattered into the id
+    tables of :func:`_id_tables`. Returns (BB [128, E] fp32: base row of expert e on every partition, ids [1, S]
+    int32: slot expert ids (out of bounds = unused), nhw [1, 1] int32: heavy windows used, hid HBM [NHW, 1]
+    int32: expert id of a heavy expert's first window, out of bounds for the others; None without heavy
+    windows)."""
+    E, cap, S, NHW, HB, N = g["E"], g["cap"], g["S"], g["NHW"], g["HB"], g["N"]
     echunks = chunks(E, P)
     nth = -(-N // WIN)
     thr = nl.ndarray((P, nth), dtype=F32, buffer=nl.sbuf, name="moe_pf_win_thr")
@@ -598,14 +614,6 @@ def _group(g, c, run):
     nhw = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_nhw")
     nisa.tensor_copy(dst=nhw, src=tot_ps[:, 1:2])
 
-    fill = nl.ndarray((P, max(1, -(-max(S, NHW) // P))), dtype=I32, buffer=nl.sbuf, name="moe_pf_oob_fill")
-    nisa.memset(dst=fill, value=oob)
-    ids_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_ids_hbm")
-    _fill_rows(ids_h, fill, S)
-    hid = None
-    if NHW > 0:
-        hid = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_ids_hbm")
-        _fill_rows(hid, fill, NHW)
     bb_ps = nl.ndarray((P, E), dtype=F32, buffer=nl.psum, name="moe_pf_base_ps")
     for i in range(len(echunks)):
         e0, ec = echunks[i]
@@ -665,34 +673,39 @@ def _scatter_index(table, row_f, flag, rows, payload, name):
                   oob_mode=nisa.oob_mode.skip)
 
 
-def _zero_rows(t, rows, width, r_lo, r_hi, name):
-    """Rows r_lo..r_hi-1 of the int32 HBM table t [rows, width] <- 0 (DMAs of up to 128 x 256 rows)."""
-    m = max(1, 256 // width)
-    z = nl.ndarray((P, m * width), dtype=I32, buffer=nl.sbuf, name=name)
-    nisa.memset(dst=z, value=0)
-    for r0, nr in chunks(r_hi - r_lo, P * m):
+def _zero_rows(t, rows, z):
+    """The int32 HBM table t [rows, 1] <- 0 from the zeroed SBUF tile z [128, m] (DMAs of up to 128 x m rows)."""
+    m = z.shape[1]
+    for r0, nr in chunks(rows, P * m):
         full = nr // m
         if full > 0:
-            nisa.dma_copy(dst=t.ap(pattern=[[m * width, full], [1, m * width]], offset=(r_lo + r0) * width),
-                          src=z[0:full, :])
+            nisa.dma_copy(dst=t.ap(pattern=[[m, full], [1, m]], offset=r0), src=z[0:full, :])
         rest = nr - full * m
         if rest > 0:
-            nisa.dma_copy(dst=t.ap(pattern=[[rest * width, 1], [1, rest * width]],
-                                   offset=(r_lo + r0 + full * m) * width), src=z[0:1, 0:rest * width])
+            nisa.dma_copy(dst=t.ap(pattern=[[rest, 1], [1, rest]], offset=r0 + full * m), src=z[0:1, 0:rest])
 
 
-def _scatter_entries(g, BB, st):
+def _choice_tables(g):
+    """The k choice tables [TR, 1] int32 HBM of :func:`_scatter_entries`, this core's choices zeroed (unwritten
+    rows read as token 0): made before the routing (they do not depend on it)."""
+    TR = g["ROWS"] + WIN
+    tabs = []
+    for j in range(g["k"]):
+        tabs.append(nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_choice_table" + str(j)))
+    z = nl.ndarray((P, 256), dtype=I32, buffer=nl.sbuf, name="moe_pf_zero_rows")    # one source: the DMAs overlap
+    nisa.memset(dst=z, value=0)
+    for j in range(g["jlo"], g["jhi"]):
+        _zero_rows(tabs[j], TR, z)
+    return tabs
+
+
+def _scatter_entries(g, BB, st, tabs):
     """dest[t, j] = base(e_tj) + rank_tj for every (token, choice) (kept in st["DEST"] for the combine); this
     core's choices j write t*J (the index of the token's first 128-feature row of x) to row dest of the choice's
-    own table ``tabs[j]`` [TR, 1] (zeroed first: unwritten rows read as token 0). One table per choice keeps the
-    scatters of different choices independent (a scatter's written region is the whole table, so scatters into
-    one table are ordered)."""
-    T, k, J, TR = g["T"], g["k"], g["J"], g["ROWS"] + WIN
-    tabs = []
-    for j in range(k):
-        tabs.append(nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_choice_table" + str(j)))
-    for j in range(g["jlo"], g["jhi"]):
-        _zero_rows(tabs[j], TR, 1, 0, TR, "moe_pf_zero_rows")
+    own zeroed table ``tabs[j]`` [TR, 1] (:func:`_choice_tables`). One table per choice keeps the scatters of
+    different choices independent (a scatter's written region is the whole table, so scatters into one table are
+    ordered)."""
+    T, k, J = g["T"], g["k"], g["J"]
     pays = []
     for ti in range(T):         # every row first: the scatters below then queue on POOL behind nothing else
         t0, n = g["tiles"][ti]
@@ -715,17 +728,17 @@ def _scatter_entries(g, BB, st):
 
 
 def _merge_tables(g, tabs, tab):
-    """tab [TR, u] (this core's half of the rows) = sum of the choice tables (each row is written in at most one
-    of them), each word repeated u times: the gather index tiles then read tab rows as flat words."""
-    TR, u, L, pid, k = g["ROWS"] + WIN, g["u"], g["L"], g["pid"], g["k"]
+    """tab [TR, 1] (this core's half of the rows) = sum of the choice tables (each row is written in at most one
+    of them): contiguous runs in and out (the gather index tiles repeat each word in their own access pattern)."""
+    TR, L, pid, k = g["ROWS"] + WIN, g["L"], g["pid"], g["k"]
     half = -(-TR // L)
     r_lo = pid * half
     r_hi = min(TR, r_lo + half)
     for r0, nr in chunks(r_hi - r_lo, 8192):
         srcs = []
         for j in range(k):
-            srcs.append(tabs[j].ap(pattern=[[1, nr], [0, u]], offset=r_lo + r0))
-        nisa.dma_compute(dst=tab.ap(pattern=[[u, nr], [1, u]], offset=(r_lo + r0) * u), srcs=srcs, reduce_op=nl.add)
+            srcs.append(tabs[j].ap(pattern=[[1, nr]], offset=r_lo + r0))
+        nisa.dma_compute(dst=tab.ap(pattern=[[1, nr]], offset=r_lo + r0), srcs=srcs, reduce_op=nl.add)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -848,17 +861,19 @@ def _down_rows(g, c, geo, wd, h, w0, wr, tag):
 def _gather_x(g, c, x, tab, row0, rows, rreg, tag):
     """xg [128, rows, jc]: x^T of the tokens in ``tab`` rows row0.. (static) or at the register ``rreg``, on
     this core's partitions. bfloat16: one gather-transpose DMA (SW-DGE; flat index m*128 + p = (row, h-block
-    p % jc), the index tile is the table's words read flat plus jb0 + p % jc); float32: row gathers of <= 128
-    tokens, then PE transposes."""
-    J, jc, p0, npart, u, adt = g["J"], g["jc"], g["p0"], g["np"], g["u"], g["adt"]
+    p % jc), the index tile [128, m] holds at (p, i) table row row0 + p // jc + i * 128 / jc -- each row read jc
+    times by the load's access pattern -- plus jb0 + p % jc); float32: row gathers of <= 128 tokens, then PE
+    transposes."""
+    J, jc, p0, npart, adt = g["J"], g["jc"], g["p0"], g["np"], g["adt"]
     xg = _tile(c, tag + "_xg", (P, rows, jc), adt, GATHER_AHEAD + 1)
     if adt == nl.bfloat16:
         m = -(-rows * jc // P)
         idx = _tile(c, tag + "_idx", (P, m), I32, GATHER_AHEAD + 1)
+        rep = [[1, P // jc], [0, jc], [P // jc, m]]            # (p // jc, p % jc, i) -> row p // jc + i * 128 / jc
         if rreg == None:
-            src = tab.ap(pattern=[[1, P], [P, m]], offset=row0 * u)
+            src = tab.ap(pattern=rep, offset=row0)
         else:
-            src = tab.ap(pattern=[[1, P], [P, m]], offset=0, scalar_offset=rreg, indirect_dim=0)
+            src = tab.ap(pattern=rep, offset=0, scalar_offset=rreg, indirect_dim=0)
         nisa.dma_copy(dst=idx, src=src, dge_mode=nisa.dge_mode.hwdge)
         nisa.tensor_tensor(dst=idx, data1=idx, data2=c["jcol"].ap(pattern=[[1, P], [0, m]], offset=0), op=nl.add,
                            engine=POOL_ENG)
@@ -870,9 +885,9 @@ def _gather_x(g, c, x, tab, row0, rows, rreg, tag):
     for w0, wr in chunks(rows, P):
         col = nl.ndarray((wr, 1), dtype=I32, buffer=nl.sbuf, name=tag + "_rowidx")
         if rreg == None:
-            src = tab.ap(pattern=[[u, wr], [1, 1]], offset=(row0 + w0) * u)
+            src = tab.ap(pattern=[[1, wr], [1, 1]], offset=row0 + w0)
         else:
-            src = tab.ap(pattern=[[u, wr], [1, 1]], offset=w0 * u, scalar_offset=rreg, indirect_dim=0)
+            src = tab.ap(pattern=[[1, wr], [1, 1]], offset=w0, scalar_offset=rreg, indirect_dim=0)
         nisa.dma_copy(dst=col, src=src, dge_mode=nisa.dge_mode.hwdge)
         for jj in range(jc):
             cj = nl.ndarray((wr, 1), dtype=I32, buffer=nl.sbuf, name=tag + "_rowidx_j")
@@ -977,17 +992,25 @@ def _refill(g, geo, w, i):
         _slot_weights(g, geo, w["experts"], w["ids"], i + D, w["regs"][i % D], w["bufs"][i % D])
 
 
-def _regular_slots(g, c, geo, tab, scratch, ids, experts_w):
-    """Static slots 0..S-1: expert ids[s] (out of bounds: unused slot, no weight bytes) on tab rows s*cap..;
-    weights in a ring of D buffers, slot s + D refilled once slot s is done."""
-    S, cap, isz = g["S"], g["cap"], (2 if g["adt"] == nl.bfloat16 else 4)
+def _weight_ring(g, geo, experts_w):
+    """The regular slots' weight ring: D cleared buffers (within RING_BUDGET beside the resident x^T) and their
+    id registers, made before the routing (they do not depend on it)."""
+    S, isz = g["S"], (2 if g["adt"] == nl.bfloat16 else 4)
     per = (g["L"] * g["jc"] * 2 * geo["ic"] + g["HL"]) * isz           # bytes per partition of one buffer
     room = RING_BUDGET - g["N"] * g["jc"] * isz                          # beside the resident x^T
     D = max(2, min(RING, S, room // per))
-    w = {"D": D, "experts": experts_w, "ids": ids, "bufs": [], "regs": []}
+    w = {"D": D, "experts": experts_w, "ids": None, "bufs": [], "regs": []}
     for i in range(D):
         w["bufs"].append(_weight_buffers(g, geo, "moe_pf_w" + str(i), True))
         w["regs"].append(nisa.register_alloc())
+    return w
+
+
+def _regular_slots(g, geo, tab, ids, w):
+    """Static slots 0..S-1: expert ids[s] (out of bounds: unused slot, no weight bytes) on tab rows s*cap..;
+    weights in the ring ``w`` of :func:`_weight_ring` (D buffers), slot s + D refilled once slot s is done."""
+    S, cap, D, experts_w = g["S"], g["cap"], w["D"], w["experts"]
+    w["ids"] = ids
     for s in range(D):
         _slot_weights(g, geo, experts_w, ids, s, w["regs"][s], w["bufs"][s])
     jobs = []
@@ -1152,7 +1175,7 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     tiles = chunks(N, P)
     g = {"x": x, "SHB": ROWS, "N": N, "H": H, "J": J, "E": E, "Eh": E // L, "k": top_k, "L": L, "pid": pid, "adt": adt, "jb0": jb0,
          "jc": jc, "p0": p0, "np": npart, "HL": H // L, "col0": pid * (H // L), "cap": cap, "S": S, "NHW": NHW,
-         "HB": HB, "ROWS": ROWS, "u": jc, "tiles": tiles, "T": len(tiles),
+         "HB": HB, "ROWS": ROWS, "tiles": tiles, "T": len(tiles),
          "oob": E * (Ltab - (0 if layer == None else layer)),
          "jlo": pid * top_k // L, "jhi": (pid + 1) * top_k // L}
     experts_w = (stacked, base, 0 if layer == None else 1)
@@ -1165,6 +1188,10 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
     xr = _load_x(g, c, x)
 
+    # routing-independent setup, off the grouping's critical path: id tables, choice tables, weight ring
+    ids_h, hid = _id_tables(g)
+    ring = _weight_ring(g, geo, experts_w)
+
     # 1. routing
     T, k = g["T"], top_k
     st = {"E8": nl.ndarray((P, T, k), dtype=U32, buffer=nl.sbuf, name="moe_pf_e8"),
@@ -1175,6 +1202,7 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
           "fin": nl.ndarray((1, 1), dtype=F32, buffer=nl.psum, name="moe_pf_finite_ps")}
     st["nfin"] = 0
     run = _route(g, c, xr, rr, st)
+    tabs = _choice_tables(g)
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
     nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
     st["fin"] = None
@@ -1182,14 +1210,15 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     # 2. grouping: slots, heavy windows, every assignment's row; the shared expert meanwhile
     TR = ROWS + WIN
     scratch = nl.ndarray((g["SHB"] + N, H), dtype=adt, buffer=nl.shared_hbm, name="moe_pf_expert_rows")
-    BB, ids, nhw, hid = _group(g, c, run)
+    BB, ids, nhw, hid = _group(g, c, run, ids_h, hid)
     c["psum"] = _psum_pool()
     c["rings"] = {}
-    jobs, w = _regular_slots(g, c, geo, None, scratch, ids, experts_w)     # weight prefetch of slots 0..D-1
-    tabs = _scatter_entries(g, BB, st)
+    jobs, w = _regular_slots(g, geo, None, ids, ring)      # weight prefetch of slots 0..D-1
+    ring = None
+    _scatter_entries(g, BB, st, tabs)
     _run_jobs(g, c, geo_s, _shared_jobs(g, shw, xr), scratch, None)
     xr = None
-    tab = nl.ndarray((TR, g["u"]), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
+    tab = nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
     if L == 2:
         nisa.core_barrier(data=tabs[0], cores=(0, 1))
     _merge_tables(g, tabs, tab)
