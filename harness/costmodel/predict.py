@@ -340,7 +340,10 @@ def _summarise(P, T, stage, name):
             crit_stage[st] += contrib
             crit_cat["hand-off"] += wait
             crit_cat[category(T, cur)] += own
-            t = rel_t
+            # a stream-order binder can release its successor before it finishes itself (a DMA queue frees at the
+            # trigger, not the completion), so its own release may lie after t: the path goes on from t, never
+            # forward in time (the segments stay disjoint and add up to the latency)
+            t = min(rel_t, t)
             cur = b[0] if b else None
     critical = sorted(((v[0], k[0], k[1], k[2], v[1]) for k, v in crit.items()), reverse=True)
     for s in crit_stage:
