@@ -174,7 +174,7 @@ class Decoder:
         invariant: it must equal plain token-by-token decoding's), when the engine can read its state back."""
         read_back = getattr(self.engine, "reference_state", None)
         if read_back is None:
-            raise NotImplementedError(f"{type(self.engine).__name__} cannot read its decode state back")
+            raise TypeError(f"{type(self.engine).__name__} cannot read its decode state back")
         return read_back(self.slots.read_slot).committed(length)
 
 

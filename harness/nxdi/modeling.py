@@ -247,7 +247,7 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
 
     @classmethod
     def get_state_dict(cls, model_name_or_path, config) -> dict:
-        raise NotImplementedError("the converted checkpoint is pre-sharded per rank (harness.nxdi.convert); the whole "
+        raise RuntimeError("the converted checkpoint is pre-sharded per rank (harness.nxdi.convert); the whole "
                                   "model is never loaded into host memory")
 
     def checkpoint_loader_fn(self, mmap: bool = False):

@@ -347,7 +347,7 @@ def test_decoder_prefill_and_slot_selection(tiny_cfg):
     assert [rt["read_slot"] for _, rt in eng.calls[3:]] == [[[0]], [[1]], [[0]]]
     with pytest.raises(ValueError, match="holds 64"):
         v.prefill(prompt, max_len=65)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(TypeError, match="cannot read its decode state back"):
         v.committed(3)
 
 
@@ -785,7 +785,7 @@ def test_trn2_application_against_the_fakes(fake_nxd, converted, tmp_path, monke
     assert all(w.neuron_config.is_prefill_stage is False and w.neuron_config.buckets == [32] for w in app.models)
     assert app.config.neuron_config.is_prefill_stage is None  # each graph has its own copy
     assert "--cc-pipeline-tiling-factor=1" in app.models[0].compiler_args
-    with pytest.raises(NotImplementedError, match="pre-sharded per rank"):
+    with pytest.raises(RuntimeError, match="pre-sharded per rank"):
         nxd_fakes.NeuronApplicationBase.shard_weights(app, tmp_path / "nxd_path")  # NxD's own sharding path
     m.NeuronEngine.compile(converted, tmp_path / "k")
     for r in range(4):
