@@ -116,7 +116,7 @@ WIN = 128           # rows of one down-projection window (token-major output row
 RING = 8            # expert weight buffers in flight (6 KB per partition each at the real shapes) ...
 RING_BUDGET = 112 * 1024    # ... within this many SBUF bytes per partition together with the resident x^T
 XR_BUDGET = 64 * 1024       # SBUF bytes per partition the resident x^T may take (4,096 bf16 tokens at LNC=2)
-XCH = 512           # tokens per x^T transpose DMA
+XCH = 256           # tokens per x^T transpose DMA
 PSUM_POOL = 7       # PSUM banks handed out round-robin to the slot and combine phases
 UP_AHEAD = 2        # slots whose gate|up is issued before the down projection of the current slot
 GATHER_AHEAD = 6    # slots whose x^T gather is issued ahead
@@ -275,23 +275,35 @@ def _consts(g):
 
 
 def _load_x(g, c, x):
-    """xr [128, N, jc]: x^T of this core's contraction rows, token-major within each partition."""
-    N, J, jc, p0, npart, jb0, adt = g["N"], g["J"], g["jc"], g["p0"], g["np"], g["jb0"], g["adt"]
-    xr = nl.ndarray((P, N, jc), dtype=adt, buffer=nl.sbuf, name="moe_pf_xr")
-    for t0, n in chunks(N, XCH):
-        if adt == nl.bfloat16:      # DMA transpose [jc, n, np] -> [np, n, jc] (SDK-TRN2: up to 90 % of DMA rate)
-            nisa.dma_transpose(dst=xr[p0:p0 + npart, t0:t0 + n, :],
-                               src=x.ap(pattern=[[P, jc], [J * P, n], [1, npart]], offset=(t0 * J + jb0) * P + p0))
-        else:                       # float32: rows to SBUF, PE transposes
-            for s0, m in chunks(n, P):
-                for jj in range(jc):
-                    rows = nl.ndarray((m, npart), dtype=adt, buffer=nl.sbuf, name="moe_pf_xrows")
-                    nisa.dma_copy(dst=rows, src=x.ap(pattern=[[J * P, m], [1, npart]],
-                                                     offset=((t0 + s0) * J + jb0 + jj) * P + p0))
-                    ps = nl.ndarray((npart, m), dtype=F32, buffer=nl.psum, name="moe_pf_xT_ps")
-                    nisa.nc_transpose(dst=ps, data=rows, engine=nisa.engine.tensor)
-                    nisa.tensor_copy(dst=xr[p0:p0 + npart, t0 + s0:t0 + s0 + m, jj], src=ps)
-    return xr
+    """xr [128, N, jc]: x^T of this core's contraction rows, token-major within each partition; the loads are
+    issued chunk by chunk by :func:`_x_upto` (the routing of the first tiles need not wait for all of x)."""
+    xr = nl.ndarray((P, g["N"], g["jc"]), dtype=g["adt"], buffer=nl.sbuf, name="moe_pf_xr")
+    return {"xr": xr, "x": x, "chunks": chunks(g["N"], XCH), "next": 0}
+
+
+def _x_upto(g, c, xl, t_end):
+    """Issue the x^T chunk loads of :func:`_load_x` up to the one holding token t_end - 1 and one more."""
+    while xl["next"] < len(xl["chunks"]) and (xl["next"] == 0 or xl["chunks"][xl["next"] - 1][0] < t_end):
+        t0, n = xl["chunks"][xl["next"]]
+        _load_x_chunk(g, c, xl["x"], xl["xr"], t0, n)
+        xl["next"] = xl["next"] + 1
+
+
+def _load_x_chunk(g, c, x, xr, t0, n):
+    """Tokens t0..t0+n-1 of xr (DMA transposes in bfloat16, row loads + PE transposes in float32)."""
+    J, jc, p0, npart, jb0, adt = g["J"], g["jc"], g["p0"], g["np"], g["jb0"], g["adt"]
+    if adt == nl.bfloat16:          # DMA transpose [jc, n, np] -> [np, n, jc] (SDK-TRN2: up to 90 % of DMA rate)
+        nisa.dma_transpose(dst=xr[p0:p0 + npart, t0:t0 + n, :],
+                           src=x.ap(pattern=[[P, jc], [J * P, n], [1, npart]], offset=(t0 * J + jb0) * P + p0))
+    else:                           # float32: rows to SBUF, PE transposes
+        for s0, m in chunks(n, P):
+            for jj in range(jc):
+                rows = nl.ndarray((m, npart), dtype=adt, buffer=nl.sbuf, name="moe_pf_xrows")
+                nisa.dma_copy(dst=rows, src=x.ap(pattern=[[J * P, m], [1, npart]],
+                                                 offset=((t0 + s0) * J + jb0 + jj) * P + p0))
+                ps = nl.ndarray((npart, m), dtype=F32, buffer=nl.psum, name="moe_pf_xT_ps")
+                nisa.nc_transpose(dst=ps, data=rows, engine=nisa.engine.tensor)
+                nisa.tensor_copy(dst=xr[p0:p0 + npart, t0 + s0:t0 + s0 + m, jj], src=ps)
 
 
 def _load_router(g, router):
@@ -440,7 +452,7 @@ def _tile_counts(g, c, sel, n):
     return cs_ps
 
 
-def _route(g, c, xr, rr, st):
+def _route(g, c, xl, rr, st):
     """Routing of every token tile -> st (E8, RK8, W8, GATE, fin) and the per-expert counts ``run [1, E]``.
 
     LNC=1: tile by tile, the ranks continuing the running counts. LNC=2: the tiles are paired (2i, 2i+1) and
@@ -451,12 +463,14 @@ def _route(g, c, xr, rr, st):
     gate). An unpaired last tile is routed by both cores (the symmetric partial swap)."""
     L, T, E, k, adt = g["L"], g["T"], g["E"], g["k"], g["adt"]
     tiles = g["tiles"]
+    xr = xl["xr"]
     Wc = L * (g["Eh"] + 1)
     run = nl.ndarray((1, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_counts")
     if L == 1:
         nisa.memset(dst=run, value=0.0)
         for ti in range(T):
             t0, n = tiles[ti]
+            _x_upto(g, c, xl, t0 + n)
             ps = _partial_logits(g, xr, rr, t0, n)
             full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
             nisa.tensor_copy(dst=full, src=ps)
@@ -479,6 +493,7 @@ def _route(g, c, xr, rr, st):
         for half in range(2):
             ti = 2 * i + half
             t0, n = tiles[ti]
+            _x_upto(g, c, xl, t0 + n)
             ps = _partial_logits(g, xr, rr, t0, n)
             if half == pid:
                 mine = ps
@@ -501,6 +516,7 @@ def _route(g, c, xr, rr, st):
         ti = T - 1
         t0, n = tiles[ti]
         full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
+        _x_upto(g, c, xl, t0 + n)
         _swap_add(g, c, _partial_logits(g, xr, rr, t0, n), full, "moe_pf_logits")
         last = (ti, _route_math(g, c, full, n, ti, st))
     # counts of every tile: mine (tile 2i + pid) and the other core's (tile 2i + 1 - pid) of every pair
@@ -1184,9 +1200,10 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     g["jcol"] = c.get("jcol")
     # weights that do not depend on the routing: router rows, the shared expert; x^T resident
     rr = _load_router(g, router)
+    xl = _load_x(g, c, x)
+    _x_upto(g, c, xl, 1)
     shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)
     _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
-    xr = _load_x(g, c, x)
 
     # routing-independent setup, off the grouping's critical path: id tables, choice tables, weight ring
     ids_h, hid = _id_tables(g)
@@ -1201,7 +1218,8 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
           "DEST": nl.ndarray((P, T, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_dest"),
           "fin": nl.ndarray((1, 1), dtype=F32, buffer=nl.psum, name="moe_pf_finite_ps")}
     st["nfin"] = 0
-    run = _route(g, c, xr, rr, st)
+    run = _route(g, c, xl, rr, st)
+    xr = xl["xr"]
     tabs = _choice_tables(g)
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
     nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
