@@ -91,14 +91,15 @@ Predicted (``python -m harness.bench kernel nki_kernels/moe_prefill.py::moe_pref
 --arg router=2,128,16,129:bfloat16 --arg experts=256,2,128,3072:bfloat16 --arg shared=2,128,3072:bfloat16
 --int top_k=8 --lnc 2``: real per-rank shapes, TP=4, LNC=2, bf16; the registers of a shape-only launch read 0,
 which is the realistic routing at N k >= E -- all 256 slots used, no heavy expert -- and an executing 1K run on
-random data predicts the same): N = 1024: 1,179 us central (1,027 - 1,526), 608 MB HBM per rank (DMA roofline
-958 us); N = 4096: 2,165 us (1,906 - 2,521), 1,028 MB (roofline 1,619 us). The weight floor is 404 MB per rank
+random data predicts the same): N = 1024: 1,139 us central (1,005 - 1,488), 598 MB HBM per rank (DMA roofline
+942 us); N = 4096: 2,088 us (1,853 - 2,450), 1,002 MB (roofline 1,579 us). The weight floor is 404 MB per rank
 per layer (256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the compute floor (15.2 MFLOP per
 token and rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the kernel moves every assignment's x
 rows in and its output rows out and back (4 KB each per rank), plus the slots' padding (capacity 64 / 176
-against mean counts 32 / 128); at 4K its timeline is routing ~230 us (DVE), grouping and index tables ~300 us
-(the per-choice scatters are POOL-issue bound; the shared expert runs meanwhile), the slots ~1.3 ms at the DMA
-bound, the combine ~310 us (DMA bound).
+against mean counts 32 / 128); at 4K its timeline is routing ~255 us (DVE), grouping and index tables ~200 us
+(the per-choice scatters, one SW-DGE instruction per 128 rows, are POOL-issue bound; the shared expert runs
+meanwhile), the slots ~1.3 ms at the HBM and DMA-engine bounds together (weights, x gathers, output rows), the
+combine ~310 us (DMA bound). Levers tried and their measured effect: ``bench/prefill_moe.md``.
 """
 
 from __future__ import annotations
