@@ -557,8 +557,33 @@ def _route(g, c, xl, rr, st):
         else:
             _tile_ranks(g, c, sel, n, ti, st, [(c["ones"][0:1, 0:n], run)])
         nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
-    # swap the compact results of the pair's tiles: experts, ranks, weights (exact in fp32), gate
-    for i in range(Tp):
+    # swap the compact results of the pairs' tiles: experts, ranks, weights (exact in fp32), gate -- ONE packed
+    # sendrecv for the leading pairs of full tiles, then one per remaining pair (a partial last tile)
+    F = 0
+    while F < Tp and tiles[2 * F][1] == P and tiles[2 * F + 1][1] == P:
+        F = F + 1
+    if F > 0:
+        W = 3 * k + 1
+        pk = nl.ndarray((P, F, W), dtype=F32, buffer=nl.sbuf, name="moe_pf_route_packs")
+        got = nl.ndarray((P, F, W), dtype=F32, buffer=nl.sbuf, name="moe_pf_route_packs_peer")
+        for side in range(2):           # 0: pack this core's tiles 2i + pid; 1: unpack the other's 2i + 1 - pid
+            tsel = pid if side == 0 else 1 - pid
+            buf = pk if side == 0 else got
+            for q, key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+                mine = st[key].ap(pattern=[[T * k, P], [2 * k, F], [1, k]], offset=tsel * k)
+                pack = buf.ap(pattern=[[F * W, P], [W, F], [1, k]], offset=q * k)
+                if side == 0:
+                    nisa.tensor_copy(dst=pack, src=mine)
+                else:
+                    nisa.tensor_copy(dst=mine, src=pack)
+            gate = st["GATE"].ap(pattern=[[T, P], [2, F], [1, 1]], offset=tsel)
+            pack = buf.ap(pattern=[[F * W, P], [W, F], [1, 1]], offset=3 * k)
+            if side == 0:
+                nisa.tensor_copy(dst=pack, src=gate)
+                nisa.sendrecv(src=pk, dst=got, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+            else:
+                nisa.tensor_copy(dst=gate, src=pack)
+    for i in range(F, Tp):
         pk = nl.ndarray((P, 3 * k + 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_route_pack")
         ti = 2 * i + pid
         n = tiles[ti][1]
