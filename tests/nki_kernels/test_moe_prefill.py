@@ -85,10 +85,12 @@ def tiny_x(cfg, N, seed, dtype):
 
 
 # chunk lengths around the 16-row slot granularity and the 128-token tiles, each with a different
-# (LNC, TP, dtype): LNC=2 at TP=4 splits the single 128-row h-block into two 64-partition halves
+# (LNC, TP, dtype): LNC=2 at TP=4 splits the single 128-row h-block into two 64-partition halves; at LNC=2, 512
+# swaps the routing results of its two full pairs in one packed sendrecv, 129 its one partial pair alone, and 400
+# both (one full pair packed, then the partial pair)
 LENGTHS = [(1, 2, 4, torch.bfloat16), (63, 2, 2, torch.float32), (64, 1, 4, torch.bfloat16),
            (65, 2, 1, torch.bfloat16), (127, 1, 2, torch.float32), (128, 2, 4, torch.float32),
-           (129, 2, 2, torch.bfloat16), (512, 2, 4, torch.bfloat16)]
+           (129, 2, 2, torch.bfloat16), (400, 2, 2, torch.float32), (512, 2, 4, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("N,lnc,tp,dtype", LENGTHS, ids=[f"N{n}-lnc{l}-tp{t}-{str(d)[6:]}" for n, l, t, d in LENGTHS])
