@@ -49,7 +49,7 @@ register values and one runtime loop)
    fp32); ``nc_n_gather`` picks the rank and weight of the k chosen experts. At LNC=2 the tiles are paired and
    each core routes one tile of every pair (one sendrecv per pair brings it the other core's partial logits;
    the per-pair counts are swapped and prefix-summed on the PE; a second sendrecv per pair swaps the compact
-   results), which halves the DVE-bound routing.
+   results of all full-tile pairs in one packed transfer), which halves the DVE-bound routing.
 2. **Grouping**: per-expert counts c_e. An expert is *regular* if 0 < c_e <= ``capacity`` (compile-time,
    :func:`default_capacity`: mean + 3.5 sigma + 8 of uniform routing, a multiple of 16) and *heavy* above. The
    regular experts, ascending, take static slots 0..S-1 (S = min(E, N k)), slot s owning rows
@@ -91,12 +91,12 @@ Predicted (``python -m harness.bench kernel nki_kernels/moe_prefill.py::moe_pref
 --arg router=2,128,16,129:bfloat16 --arg experts=256,2,128,3072:bfloat16 --arg shared=2,128,3072:bfloat16
 --int top_k=8 --lnc 2``: real per-rank shapes, TP=4, LNC=2, bf16; the registers of a shape-only launch read 0,
 which is the realistic routing at N k >= E -- all 256 slots used, no heavy expert -- and an executing 1K run on
-random data predicts the same): N = 1024: 1,139 us central (1,005 - 1,488), 598 MB HBM per rank (DMA roofline
-942 us); N = 4096: 2,088 us (1,853 - 2,450), 1,002 MB (roofline 1,579 us). The weight floor is 404 MB per rank
+random data predicts the same): N = 1024: 1,133 us central (1,000 - 1,482), 598 MB HBM per rank (DMA roofline
+942 us); N = 4096: 2,058 us (1,828 - 2,420), 1,002 MB (roofline 1,579 us). The weight floor is 404 MB per rank
 per layer (256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the compute floor (15.2 MFLOP per
 token and rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the kernel moves every assignment's x
 rows in and its output rows out and back (4 KB each per rank), plus the slots' padding (capacity 64 / 176
-against mean counts 32 / 128); at 4K its timeline is routing ~255 us (DVE), grouping and index tables ~200 us
+against mean counts 32 / 128); at 4K its timeline is routing ~225 us (DVE), grouping and index tables ~200 us
 (the per-choice scatters, one SW-DGE instruction per 128 rows, are POOL-issue bound; the shared expert runs
 meanwhile), the slots ~1.3 ms at the HBM and DMA-engine bounds together (weights, x gathers, output rows), the
 combine ~310 us (DMA bound). Levers tried and their measured effect: ``bench/prefill_moe.md``.
