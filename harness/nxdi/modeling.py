@@ -217,7 +217,8 @@ def graph_config(config, mode: str):
 class Qwen36ForCausalLM(NeuronBaseForCausalLM):
     """The application: graphs ``round_model``, ``step_model``, ``reset_state_model`` sharing weights and
     decode state. No context-encoding graph: prompts are teacher-forced through step/round
-    (``harness.nxdi.host`` docstring). ``model_path`` is a converted directory (``harness.nxdi.convert``)."""
+    (``harness.teacher_forcing``, ``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory
+    (``harness.nxdi.convert``)."""
 
     _model_cls = Qwen36NeuronModel
 
