@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill", default="auto", choices=["auto", "nki", "host", "teacher-forced"],
                     help="how the prompt is encoded: nki = the NKI prefill kernels, chunk by chunk (harness/prefill.py); "
                          "host = the PyTorch model on the host hands its state over; teacher-forced = through the "
-                         "decode launches; auto (default) = nki for layerwise / megakernel, host for xla")
+                         "decode launches; auto (default) = host for every variant (one decode state to compare; "
+                         "in bfloat16 the NKI pass rounds differently and greedy tokens can part after a near tie)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt tokens per NKI prefill chunk (a multiple of 64; default 4096)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text (with the prefill's "

@@ -235,3 +235,14 @@ def test_bench_prefill_bad_input():
     r = subprocess.run([sys.executable, "-m", "harness.bench", "prefill", "--context", "100", "--chunk", "100"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "multiple of 64" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_prefill_backend_of_each_mode():
+    """auto = host for every variant (decode.py compares the variants from one decode state); nki runs the NKI pass
+    for the kernel variants only (the xla variant has no NKI kernels and keeps the host model)."""
+    from harness.prefill import backend_of
+    for v in ("xla", "layerwise", "megakernel"):
+        assert backend_of(v, "auto") == backend_of(v, "host") == "xla"
+        assert backend_of(v, "teacher-forced") == "teacher-forced"
+    assert backend_of("xla", "nki") == "xla"
+    assert backend_of("layerwise", "nki") == backend_of("megakernel", "nki") == "nki"
