@@ -690,7 +690,8 @@ def _group(g, c, run, ids_h, hid):
 
 
 def _fill_rows(t, fill, rows):
-    """t [rows, 1] HBM int32 <- the value held by ``fill`` [128, m]."""
+    """t [rows, 1] HBM int32 <- the value held by ``fill`` [128, m] (e.g. a zeroed tile; DMAs of up to 128 x m
+    rows)."""
     m = fill.shape[1]
     for r0, nr in chunks(rows, P * m):
         full = nr // m
@@ -715,18 +716,6 @@ def _scatter_index(table, row_f, flag, rows, payload, name):
                   oob_mode=nisa.oob_mode.skip)
 
 
-def _zero_rows(t, rows, z):
-    """The int32 HBM table t [rows, 1] <- 0 from the zeroed SBUF tile z [128, m] (DMAs of up to 128 x m rows)."""
-    m = z.shape[1]
-    for r0, nr in chunks(rows, P * m):
-        full = nr // m
-        if full > 0:
-            nisa.dma_copy(dst=t.ap(pattern=[[m, full], [1, m]], offset=r0), src=z[0:full, :])
-        rest = nr - full * m
-        if rest > 0:
-            nisa.dma_copy(dst=t.ap(pattern=[[rest, 1], [1, rest]], offset=r0 + full * m), src=z[0:1, 0:rest])
-
-
 def _choice_tables(g):
     """The k choice tables [TR, 1] int32 HBM of :func:`_scatter_entries`, this core's choices zeroed (unwritten
     rows read as token 0): made before the routing (they do not depend on it)."""
@@ -737,7 +726,7 @@ def _choice_tables(g):
     z = nl.ndarray((P, 256), dtype=I32, buffer=nl.sbuf, name="moe_pf_zero_rows")    # one source: the DMAs overlap
     nisa.memset(dst=z, value=0)
     for j in range(g["jlo"], g["jhi"]):
-        _zero_rows(tabs[j], TR, z)
+        _fill_rows(tabs[j], z, TR)
     return tabs
 
 
