@@ -136,8 +136,8 @@ class NkiTensor:
         raise TypeError("NkiTensor is not iterable; index it explicitly")
 
     def __setitem__(self, key, value):
-        raise NotImplementedError("NkiTensor.__setitem__ (tensor assignment) is not implemented by nkisim; "
-                                  "write with an nisa.* instruction (dst=t[...])")
+        raise NkiValidationError("NkiTensor.__setitem__ (tensor assignment) is refused: nkisim does not model it; "
+                                 "write with an nisa.* instruction (dst=t[...])")
 
     @classmethod
     def _fast(cls, storage, dtype, shape, bstrides, boffset, size=None):

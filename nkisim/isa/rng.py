@@ -195,7 +195,8 @@ def dropout(dst, data, prob, name=None):
     if dst.dtype != data.dtype:
         raise NkiValidationError(f"{w}: dst dtype {dst.dtype} must match data dtype {data.dtype} (SDK-ISA dropout)")
     if data.dtype in dtypes.PACKED:
-        raise NotImplementedError(f"{w}: x4 packed data ({data.dtype}) is not modelled by nkisim")
+        raise NkiValidationError(f"{w}: x4 packed data ({data.dtype}) is refused: nkisim does not model its dropout "
+                                 f"(its bit layout is undocumented), so it cannot vouch for it")
     reads = [("data", data)]
     if isinstance(prob, NkiTensor):
         tensor(w, "prob", prob, ON_CHIP, "DVE")
