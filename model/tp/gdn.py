@@ -106,6 +106,18 @@ def gdn_rank(dims: GdnDims, w: dict[str, torch.Tensor], x_norm: torch.Tensor, wi
     Returns (partial [T, H] float32, windows [T, K-1, C_rank] activation dtype, states [T, Hv_r, Dk, Dv]
     float32): the rank's out_proj contribution, and the conv window / recurrent state after token j.
     """
+    q, k, v, z, g, beta, windows = mixer_inputs(dims, w, x_norm, window)
+    o, states = fn.gdn_recurrent(q, k, v, g, beta, state)
+    return out_partial(dims, w, o, z, x_norm.dtype), windows, states
+
+
+def mixer_inputs(dims: GdnDims, w: dict[str, torch.Tensor], x_norm: torch.Tensor, window: torch.Tensor):
+    """The rank's projections, causal conv, l2norms and gates for T tokens (shared by decode and prefill).
+
+    Returns (q [T, Hk_r, Dk] fp32 l2-normed and scaled by Dk^-0.5, k [T, Hk_r, Dk] fp32 l2-normed,
+    v [T, Hv_r, Dv] activation dtype, z [T, Hv_r, Dv] activation dtype, g and beta [T, Hv_r] fp32,
+    windows [T, K-1, C_rank] activation dtype: the conv window after token j).
+    """
     t = x_norm.shape[0]
     u = F.linear(x_norm, w["in_proj_qkv"])  # [T, C_rank]
     z = F.linear(x_norm, w["in_proj_z"]).reshape(t, dims.hv, dims.dv)
@@ -119,10 +131,14 @@ def gdn_rank(dims: GdnDims, w: dict[str, torch.Tensor], x_norm: torch.Tensor, wi
     q = fn.l2norm(q.float()) * dims.dk ** -0.5
     k = fn.l2norm(k.float())
     g, beta = fn.gdn_gates(a, b, w["A_log"], w["dt_bias"])
-    o, states = fn.gdn_recurrent(q, k, v, g, beta, state)
-    y = fn.gated_rms_norm(o.to(x_norm.dtype), z, w["norm"], dims.eps)
-    partial = F.linear(y.reshape(t, dims.value_dim).float(), w["out_proj"].float())
-    return partial, windows, states
+    return q, k, v, z, g, beta, windows
+
+
+def out_partial(dims: GdnDims, w: dict[str, torch.Tensor], o: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
+    """The gated RMSNorm of the recurrent output o [T, Hv_r, Dv] (cast to ``dtype`` first) and the rank's
+    out_proj partial [T, H] float32."""
+    y = fn.gated_rms_norm(o.to(dtype), z, w["norm"], dims.eps)
+    return F.linear(y.reshape(o.shape[0], dims.value_dim).float(), w["out_proj"].float())
 
 
 def gather_windows(windows: list[torch.Tensor], dims: GdnDims) -> torch.Tensor:

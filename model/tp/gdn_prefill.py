@@ -10,10 +10,9 @@ and state after the last token are returned (what a prefill writes into its deco
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from model import functional as fn
-from model.tp.gdn import GdnDims
+from model.tp.gdn import GdnDims, mixer_inputs, out_partial
 
 
 def gdn_prefill_rank(dims: GdnDims, w: dict[str, torch.Tensor], x_norm: torch.Tensor, window: torch.Tensor,
@@ -26,22 +25,8 @@ def gdn_prefill_rank(dims: GdnDims, w: dict[str, torch.Tensor], x_norm: torch.Te
     (FLA's option; not used by Qwen3.6 -- it exercises the inverse's worst case, beta near 2).
     Returns (partial [L, H] float32, window [K-1, C_rank] after the last token, state [Hv_r, Dk, Dv] float32).
     """
-    t = x_norm.shape[0]
-    u = F.linear(x_norm, w["in_proj_qkv"])
-    z = F.linear(x_norm, w["in_proj_z"]).reshape(t, dims.hv, dims.dv)
-    b = F.linear(x_norm, w["in_proj_b"])
-    a = F.linear(x_norm, w["in_proj_a"])
-    conv_out, windows = fn.causal_conv(u, window, w["conv1d"])
-    kd = dims.key_dim
-    q = conv_out[:, :kd].reshape(t, dims.hk, dims.dk)
-    k = conv_out[:, kd:2 * kd].reshape(t, dims.hk, dims.dk)
-    v = conv_out[:, 2 * kd:].reshape(t, dims.hv, dims.dv)
-    q = fn.l2norm(q.float()) * dims.dk ** -0.5
-    k = fn.l2norm(k.float())
-    g, beta = fn.gdn_gates(a, b, w["A_log"], w["dt_bias"])
+    q, k, v, z, g, beta, windows = mixer_inputs(dims, w, x_norm, window)
     if allow_neg_eigval:
         beta = 2.0 * beta
     o, final = fn.gdn_chunked(q, k, v, g, beta, state)
-    y = fn.gated_rms_norm(o.to(x_norm.dtype), z, w["norm"], dims.eps)
-    partial = F.linear(y.reshape(t, dims.value_dim).float(), w["out_proj"].float())
-    return partial, windows[-1], final
+    return out_partial(dims, w, o, z, x_norm.dtype), windows[-1], final
