@@ -143,6 +143,7 @@ def cmd_predict(a):
         "round_us": mks["round_us"], "stages_us": mks["stages_us"], "layer_us": _layer_kinds(mk, cfg),
         "distinct_experts": mk.notes["distinct_experts"], "kernel_parameters": mk.notes["kernel_parameters"],
         "tokens_per_s": mks["tokens_per_s"], "acceptance": acc,
+        "end_to_end_round_us": mks["end_to_end_round_us"], "end_to_end_tokens_per_s": mks["end_to_end_tokens_per_s"],
         "critical_by_category_us": mk.notes["critical_by_category_us"],
         "band_anomalies_us": mk.notes["band_anomalies_us"],
         "instructions": mk.notes["instructions"], "runtime_loops": mk.notes["runtime_loops"],
@@ -153,7 +154,8 @@ def cmd_predict(a):
         "layerwise": {"round_us": lws["round_us"], "stages_us": lws["stages_us"],
                       "layer_us": _layerwise_layers(lw, cfg, a.tp), "distinct_experts": lw.notes["distinct_experts"],
                       "kernel_calls": lw.notes["kernel_calls"], "parts_us": lws["parts_us"],
-                      "tokens_per_s": lws["tokens_per_s"], "bottlenecks": lws["bottlenecks"],
+                      "tokens_per_s": lws["tokens_per_s"], "end_to_end_round_us": lws["end_to_end_round_us"],
+                      "end_to_end_tokens_per_s": lws["end_to_end_tokens_per_s"], "bottlenecks": lws["bottlenecks"],
                       "launches": [{"stage": s, "kernel": k, "count": n, "us_each": {e: v / 1e3 for e, v in d.items()}}
                                    for s, k, n, d in lw.launches], "label": lw.label},
         "roofline_us": {"megakernel": mks["roofline_us"], "layerwise": lws["roofline_us"]},
@@ -207,6 +209,9 @@ def _print_predict(out, mk, lw, layers):
     print("band = central (low - high); the ends come from the uncertain constants listed in the JSON 'assumptions'\n")
     print(f"megakernel round   {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
           f"acceptance {out['acceptance']}")
+    print(f"  end to end       {_band(out['end_to_end_round_us'])}   tokens/s "
+          f"{out['end_to_end_tokens_per_s']['central']:,.0f}  (device + {out['host_dispatch_us_outside_device_time']:,.0f} us "
+          f"host dispatch per host-driven round, measured around the public kernel)")
     print("  stages           " + "   ".join(f"{s} {_band(v)}" for s, v in out["stages_us"].items()))
     for k, v in out["layer_us"].items():
         print(f"  {k} layer (critical path, mean)  {_band(v)}   parts: " +
@@ -219,6 +224,7 @@ def _print_predict(out, mk, lw, layers):
           f"per rank)")
     print(f"layerwise round    {_band(out['layerwise']['round_us'])}   ({out['layerwise']['kernel_calls']} NKI calls "
           f"in one XLA graph)")
+    print(f"  end to end       {_band(out['layerwise']['end_to_end_round_us'])}")
     print("  stages           " + "   ".join(f"{s} {_band(v)}" for s, v in out["layerwise"]["stages_us"].items()))
     for name in ("megakernel", "layerwise"):
         print(f"roofline ({name} bytes, {out['hbm_MB_per_rank'][name]:,.0f} MB/rank)  {_band(out['roofline_us'][name])}")

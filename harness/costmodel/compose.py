@@ -54,6 +54,11 @@ class RoundEstimate:
             "variant": self.variant, "label": self.label,
             "round_us": us(self.round_ns),
             "tokens_per_s": {e: (1.0 + acceptance) / (self.round_ns[e] * 1e-9) for e in C.ENDS},
+            # device time + the host dispatch measured around a host-driven public round (C.HOST_ROUND_NS):
+            # our rounds are host-driven too (the host reads the ids, accepts, builds the next launch's inputs)
+            "end_to_end_round_us": {e: (self.round_ns[e] + C.HOST_ROUND_NS) / 1e3 for e in C.ENDS},
+            "end_to_end_tokens_per_s": {e: (1.0 + acceptance) / ((self.round_ns[e] + C.HOST_ROUND_NS) * 1e-9)
+                                        for e in C.ENDS},
             "stages_us": {s: us(v) for s, v in self.stage_ns.items()},
             "parts_us": {f"{s}/{p}": us(v) for (s, p), v in self.part_ns.items()},
             "hbm_MB_per_rank": self.hbm_bytes_per_rank / 1e6,

@@ -150,6 +150,12 @@ def test_predict_contract_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     assert d["context"] == 600 and d["routing"]["mode"] == "expected"
     assert len(d["distinct_experts"]) == 8 and d["kernel_parameters"]["count"] > 0
     band(d["layerwise"]["round_us"])
+    # end to end = device round + the measured host dispatch of a host-driven round, at every end
+    for x in (d, d["layerwise"]):
+        band(x["end_to_end_round_us"])
+        for e in ends:
+            assert x["end_to_end_round_us"][e] == pytest.approx(x["round_us"][e] + C.HOST_ROUND_NS / 1e3)
+            assert x["end_to_end_tokens_per_s"][e] < x["tokens_per_s"][e]
     assert set(d["layerwise"]["stages_us"]) == {"D1", "V", "D2"} and d["layerwise"]["layer_us"]
     band(d["roofline_us"]["megakernel"])
     band(d["roofline_us"]["layerwise"])
