@@ -34,6 +34,10 @@ Algorithm (per core)
    whose partition stride equals its free size (trn2-costs pitfalls); fp32 matmul is a two-pass
    LOW/HIGH decomposition whose exactness against an identity is not documented. Entry ``(p, c)`` is local vocab ``c*128 + p``.
    Columns no transpose fills (a partial last chunk, padding up to max8's minimum of 8) hold -FLT_MAX.
+   Sampling (optional ``noise``, ``harness.sampling``'s shared Gumbel noise, pre-scaled by the temperature):
+   ONE DVE add ``scores[p, c*T + t] = lt[p, c*S + t] + noise[p, c*T + t]`` (fp32, into SBUF; the noise
+   DMA rides behind the first weight block), and the scan below runs on ``scores``: the index is the
+   Gumbel-max sample argmax(logit + T*g), lowest index on ties. Greedy launches have no such op.
 3. Scan on all 128 partitions (trn2-costs finding #4): per token one ``max8`` and one ``nc_find_index8``
    over ``[128, Cp]`` (Cp = 243 at real shapes, instead of [1, 31040] on one lane); the first match is
    the lowest chunk c, i.e. the lowest vocab index within the partition.
@@ -110,14 +114,18 @@ def select_max_lowest_index(out, vals, idx):
 
 
 # ---- body -----------------------------------------------------------------------------------------
-def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
+def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None):
     """Body: greedy (value, index) of this core's vocabulary shard for each of T tokens.
 
     xT: SBUF ``[P, KT, T]`` activation dtype (normed hidden, feature-major). w: HBM ``[P, KT*Vc]``
     block-packed shard (:func:`lm_head_layout`), same dtype. index_base: compile-time int added to the
     local index (0 when :func:`nki_kernels.collectives.argmax_combine` adds the core offsets).
     logits_out: optional HBM ``[T, Vc]`` (activation dtype) receiving the rounded logits (tests, top-k
-    on the host). Returns ``best`` SBUF ``[T, 2]`` float32 (value, index).
+    on the host). noise: optional HBM ``[P, Cp*T]`` float32, vocab on partitions like ``lt``
+    (:func:`noise_layout`: entry ``(p, c*T + t)`` = the noise of local vocab ``c*P + p`` for token t, 0 in
+    the padding): sampling by Gumbel-max (``harness.sampling``); the scan then runs on ``lt + noise``
+    (ONE DVE add, fp32, into SBUF) and ``best`` holds the noisy score. None: greedy, no extra instruction.
+    Returns ``best`` SBUF ``[T, 2]`` float32 (value, index).
     """
     Pp, KT, T = xT.shape
     if Pp != P:
@@ -137,8 +145,13 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
         raise ValueError(f"lm_head: transposed logits need {Cp * S * 4} B of PSUM per partition; at most 4 banks "
                          f"(8192 B) are budgeted ({vc} vocab rows x stride {S})")
 
+    if noise != None and (tuple(noise.shape) != (P, Cp * T) or noise.dtype != nl.float32):
+        raise ValueError(f"lm_head: noise {list(noise.shape)} {noise.dtype} is not [P={P}, Cp*T={Cp * T}] float32 "
+                         f"(noise_layout of {vc} vocab rows x {T} tokens)")
+
     # transposed, rounded logits: vocab on partitions, entry (p, c*S + t) = logit of vocab c*P + p
     lt = nl.ndarray((P, Cp * S), nl.float32, buffer=nl.psum, name="logits_vocab_major")
+    noise_sb = None
     c_full = vc // P
     if c_full < Cp:     # partial last chunk and max8 padding: never the max
         nisa.memset(dst=lt[:, c_full * S:Cp * S], value=FP32_MIN)
@@ -156,6 +169,9 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
     for bi, (b0, nb) in enumerate(vocab_blocks(vc)):
         wt = wring[bi % nbuf][:, :, 0:nb]
         nisa.dma_copy(dst=wt, src=w[:, KT * b0:KT * (b0 + nb)])
+        if noise != None and bi == 0:     # behind the first weight block: hidden under the stream
+            noise_sb = nl.ndarray((P, Cp * T), nl.float32, buffer=nl.sbuf, name="sample_noise")
+            nisa.dma_copy(dst=noise_sb, src=noise)
         ps = nl.ndarray((T, nb), nl.float32, buffer=nl.psum, name="logits_psum")
         for j in range(KT):
             nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=wt[:, j, :], accumulate=(j > 0))
@@ -179,11 +195,17 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
                     nisa.dma_copy(dst=logits_out[:, b0 + q0:b0 + q0 + wc], src=lgc)
                 nisa.nc_transpose(dst=dst, data=lgc, engine=nisa.engine.tensor)
 
+    scores, stride = lt, S
+    if noise_sb != None:    # Gumbel-max: logits + noise, fp32 (padding: -FLT_MAX + 0 stays the minimum);
+        scores, stride = nl.ndarray((P, Cp * T), nl.float32, buffer=nl.sbuf, name="noisy_logits"), T
+        nisa.tensor_tensor(dst=scores.reshape((P, Cp, T)), data1=lt.reshape((P, Cp, S))[:, :, 0:T],
+                           data2=noise_sb.reshape((P, Cp, T)), op=nl.add)      # token columns T..S-1 unread
+
     # per-partition top-1 per token (first occurrence = lowest chunk)
     m8 = nl.ndarray((P, T, 8), nl.float32, buffer=nl.sbuf, name="top8_vals")
     i8 = nl.ndarray((P, T, 8), nl.uint32, buffer=nl.sbuf, name="top8_idx")
     for t in range(T):
-        view = lt[:, t:Cp * S:S]
+        view = scores[:, t:Cp * stride:stride]
         nisa.max8(dst=m8[:, t, :], src=view)
         nisa.nc_find_index8(dst=i8[:, t, :], data=view, vals=m8[:, t, :])
     vals = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="part_best_val")
@@ -208,10 +230,11 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None):
 
 # ---- wrapper --------------------------------------------------------------------------------------
 @nki.jit
-def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False):
+def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False, noise=None):
     """Wrapper: xT HBM ``[P, KT, T]``, w HBM ``[n_cores, P, KT*Vc]`` (one block-packed shard per
     physical core) -> ``best [n_cores, T, 2]`` float32 (value, vocab_base + core*Vc + local index), and
-    with ``with_logits=True`` also ``logits [n_cores, T, Vc]`` (activation dtype).
+    with ``with_logits=True`` also ``logits [n_cores, T, Vc]`` (activation dtype). ``noise``: optional
+    HBM ``[n_cores, P, Cp*T]`` float32 (:func:`rank_noise_layout`): Gumbel-max sampling instead of argmax.
 
     Launch ``lm_head_argmax_kernel(...)`` for one core (n_cores = 1) or ``[2]`` for a rank's two cores;
     ``vocab_base`` = the first vocab row of this launch (rank * 2 * Vc for a rank).
@@ -228,7 +251,8 @@ def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False):
     xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf, name="xT")
     nisa.dma_copy(dst=xs, src=xT)
     best = lm_head_argmax_body(xs, w[core], index_base=vocab_base + core * vc,
-                               logits_out=logits[core] if with_logits else None)
+                               logits_out=logits[core] if with_logits else None,
+                               noise=noise[core] if noise != None else None)
     nisa.dma_copy(dst=best_out[core], src=best)
     if with_logits:
         return best_out, logits
@@ -252,3 +276,26 @@ def lm_head_layout(w_shard) -> torch.Tensor:
 def rank_lm_head_layout(shards) -> torch.Tensor:
     """Tuple of a rank's per-core shards ``[Vc, H]`` -> ``[n_cores, P, KT*Vc]`` (the wrapper's ``w``)."""
     return torch.stack([lm_head_layout(s) for s in shards])
+
+
+def noise_layout(noise) -> torch.Tensor:
+    """One core's noise ``[T, Vc]`` (token-major, float32: the pre-scaled Gumbel noise of the core's vocab rows,
+    ``harness.sampling``) -> ``[P, Cp*T]`` float32, vocab on partitions as in the kernel's ``lt``: entry
+    ``(p, c*T + t)`` = ``noise[t, c*P + p]``; the padding (a partial last chunk, chunks up to max8's minimum)
+    holds 0, so the -FLT_MAX padding of ``lt`` stays the minimum."""
+    g = as_torch(noise).float()
+    T, vc = g.shape
+    C, Cp, S = scan_geometry(vc, T)
+    full = torch.zeros(T, Cp * P, dtype=torch.float32)
+    full[:, :vc] = g
+    return full.reshape(T, Cp, P).permute(2, 1, 0).reshape(P, Cp * T).contiguous()   # [t, c, p] -> [p, c, t]
+
+
+def rank_noise_layout(noise, n_cores: int) -> torch.Tensor:
+    """A rank's noise ``[T, n_cores*Vc]`` (its cores' vocab rows in order) -> ``[n_cores, P, Cp*T]`` (the
+    wrapper's ``noise``)."""
+    g = as_torch(noise)
+    vc = g.shape[1] // n_cores
+    if vc * n_cores != g.shape[1]:
+        raise ValueError(f"lm_head: noise over {g.shape[1]} vocab rows does not split over {n_cores} cores")
+    return torch.stack([noise_layout(g[:, c * vc:(c + 1) * vc]) for c in range(n_cores)])
