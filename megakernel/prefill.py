@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 import nki
+import nki.collectives as ncc
 import nki.isa as nisa
 import nki.language as nl
 from megakernel import plan as rp
@@ -314,6 +315,50 @@ def _group_rows(t, base, rows, kk, H):
     return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=base)
 
 
+def _allreduce_loads(x, partial, group, c, per_core, mine, peer, xs):
+    """The loads of one group ``(t0, rows, kk)`` of :func:`residual_allreduce_stage` on core c into its ring tiles
+    ``[P, >= kk H]``: ``mine`` this core's partial (float32; the rows' partial with disjoint rows), ``peer`` the
+    other core's partial of the same rows (``per_core`` with two cores, else None; the partial is one HBM tensor
+    both cores read), ``xs`` the residual rows."""
+    N, H = x.shape
+    t0, rows, kk = group
+    F = kk * H
+    nisa.dma_copy(dst=mine[0:rows, 0:F], src=_group_rows(partial, (c * N + t0) * H if per_core else t0 * H,
+                                                         rows, kk, H))
+    if peer != None:
+        nisa.dma_copy(dst=peer[0:rows, 0:F], src=_group_rows(partial, ((1 - c) * N + t0) * H, rows, kk, H))
+    nisa.dma_copy(dst=xs[0:rows, 0:F], src=_group_rows(x, t0 * H, rows, kk, H))
+
+
+def _allreduce_reduce(group, H, rg, mine, peer, total):
+    """The cross-core add (``mine + peer`` when ``peer`` is given) and the collective over the ranks of one group
+    into ``total`` (float32, dense); returns the tile holding the group's float32 sum (``mine`` without ranks to
+    reduce over)."""
+    t0, rows, kk = group
+    F = kk * H
+    if peer != None:
+        nisa.tensor_tensor(dst=mine[0:rows, 0:F], data1=mine[0:rows, 0:F], data2=peer[0:rows, 0:F], op=nl.add)
+    if rg == None:
+        return mine
+    ncc.all_reduce(srcs=[mine[0:rows, 0:F]], dsts=[total[0:rows, 0:F]], replica_group=rg, op=nl.add)
+    return total
+
+
+def _dense_tile(group, H, ring_tile, name):
+    """``ring_tile``, or for a partial last group (fewer sub-tiles) a float32 tile of its own width: collective
+    operands must be densely packed."""
+    if group[2] * H != ring_tile.shape[1]:
+        return nl.ndarray((P, group[2] * H), F32, buffer=nl.sbuf, name=name)
+    return ring_tile
+
+
+def _ring(shape, dtype, name, depth):
+    out = []
+    for i in range(depth):
+        out.append(nl.ndarray(shape, dtype, buffer=nl.sbuf, name=name))
+    return out
+
+
 @nki.jit
 def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, norm_out="none"):
     """``x + all-reduce(partial)`` of a chunk on one rank's cores, the step between the prefill kernels on chip,
@@ -325,10 +370,12 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
 
     The rows are split over the cores in groups of k 128-token sub-tiles (core c: groups c, c + n, ...; k x H x 4
     bytes per partition <= :data:`AR_TILE_BYTES`; partition p of sub-tile i = token t0 + 128 i + p, so a sub-tile
-    is an ordinary token tile for the norm): with ``per_core`` the cores first swap their partials of the group the
-    other one owns (one ``sendrecv``) and add, then each core all-reduces its group over the TP ranks (one
-    collective per group and lane), adds the residual, writes its rows (and normalises them)."""
-    import nki.collectives as ncc
+    is an ordinary token tile for the norm): with ``per_core`` a core loads both cores' partials of its group (the
+    partial is one HBM tensor) and adds them, then each core all-reduces its group over the TP ranks (one
+    collective per group and lane), adds the residual, writes its rows (and normalises them). The groups are
+    software-pipelined (loads two groups ahead, the collective one ahead of the residual add, stores and norm):
+    4K tokens at the real shapes, per_core + rows 564 -> 269 us, disjoint rows + xT 491 -> 245 us predicted
+    central (``bench/prefill_speed.md``)."""
     N, H = x.shape
     J = H // P
     n, c = program_sharding()
@@ -354,41 +401,43 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
         groups.append((t0, rows, kk))
         t0 = t0 + rows * kk
     Fmax = k * H
-    for i in range(0, len(groups), n):
-        gi = i + c
-        if per_core and n > 1:
-            # swap: this core sends its partial of the peer's group and receives the peer's partial of its own
-            gp = i + 1 - c
-            theirs = nl.ndarray((P, Fmax), F32, buffer=nl.sbuf, name="ar_pf_theirs")
-            if not (gp < len(groups) and groups[gp][1] == P and groups[gp][2] == k):
-                nisa.memset(dst=theirs, value=0.0)
-            if gp < len(groups):
-                t0, rows, kk = groups[gp]
-                nisa.dma_copy(dst=theirs[0:rows, 0:kk * H], src=_group_rows(partial, (c * N + t0) * H, rows, kk, H))
-            peer = nl.ndarray((P, Fmax), F32, buffer=nl.sbuf, name="ar_pf_peer")
-            nisa.sendrecv(src=theirs, dst=peer, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
-        if gi >= len(groups):
+    mine_groups = []      # this core's groups: c, c + n, ...
+    for g in range(c, len(groups), n):
+        mine_groups.append(groups[g])
+    # software pipeline over this core's groups q, in program order: the loads of q + 2, the add + collective of
+    # q + 1, then q's residual add, stores and norm (engines and DMA trigger queues run in program order: a store
+    # or norm waiting for its collective would otherwise hold the next group's loads and adds behind it). Ring
+    # depths: a tile written at step q - 2 and read at step q needs 3, one read at step q - 1 needs 2.
+    Q = len(mine_groups)
+    two = per_core and n > 1
+    mine = _ring((P, Fmax), F32, "ar_pf_mine", 2 if rg != None else 3)
+    peer = _ring((P, Fmax), F32, "ar_pf_peer", 2) if two else [None, None]
+    total = _ring((P, Fmax), F32, "ar_pf_total", 2)
+    xs = _ring((P, Fmax), x.dtype, "ar_pf_x", 3)
+    mines = [None, None, None]
+    sums = [None, None, None]
+    for q in range(-2, Q):
+        if 0 <= q + 1 < Q:
+            g = mine_groups[q + 1]
+            sums[(q + 1) % 3] = _allreduce_reduce(g, H, rg, mines[(q + 1) % 3], peer[(q + 1) % 2],
+                                                  _dense_tile(g, H, total[(q + 1) % 2], "ar_pf_total_tail"))
+        if q + 2 < Q:
+            g = mine_groups[q + 2]
+            mines[(q + 2) % 3] = _dense_tile(g, H, mine[(q + 2) % len(mine)], "ar_pf_mine_tail")
+            _allreduce_loads(x, partial, g, c, per_core, mines[(q + 2) % 3], peer[(q + 2) % 2], xs[(q + 2) % 3])
+        if q < 0:
             continue
-        t0, rows, kk = groups[gi]
+        t0, rows, kk = mine_groups[q]
         F = kk * H
-        mine = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="ar_pf_mine")
-        nisa.dma_copy(dst=mine[0:rows, :], src=_group_rows(partial, (c * N + t0) * H if per_core else t0 * H, rows, kk, H))
-        if per_core and n > 1:
-            nisa.tensor_tensor(dst=mine[0:rows, :], data1=mine[0:rows, :], data2=peer[0:rows, 0:F], op=nl.add)
-        total = mine
-        if rg != None:
-            total = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="ar_pf_total")
-            ncc.all_reduce(srcs=[mine[0:rows, :]], dsts=[total[0:rows, :]], replica_group=rg, op=nl.add)
-        xs = nl.ndarray((P, F), x.dtype, buffer=nl.sbuf, name="ar_pf_x")
-        nisa.dma_copy(dst=xs[0:rows, :], src=_group_rows(x, t0 * H, rows, kk, H))
-        nisa.tensor_tensor(dst=xs[0:rows, :], data1=xs[0:rows, :], data2=total[0:rows, :], op=nl.add)
-        nisa.dma_copy(dst=_group_rows(out, t0 * H, rows, kk, H), src=xs[0:rows, :])
+        xq = xs[q % 3]
+        nisa.tensor_tensor(dst=xq[0:rows, 0:F], data1=xq[0:rows, 0:F], data2=sums[q % 3][0:rows, 0:F], op=nl.add)
+        nisa.dma_copy(dst=_group_rows(out, t0 * H, rows, kk, H), src=xq[0:rows, 0:F])
         if norm_t != None:
             xt = None
             if norm_out == "xT":
                 xt = nl.ndarray((P, J, kk * P), x.dtype, buffer=nl.sbuf, name="ar_pf_xT")
             for s in range(kk):
-                normed = rmsnorm_rows_tile(xs[:, s * H:(s + 1) * H], wb, rows, eps)
+                normed = rmsnorm_rows_tile(xq[:, s * H:(s + 1) * H], wb, rows, eps)
                 if norm_out == "rows":
                     nisa.dma_copy(dst=norm_t[t0 + s * P:t0 + s * P + rows, :], src=normed[0:rows, :])
                 else:
