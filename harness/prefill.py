@@ -12,7 +12,8 @@ sum, per chunk, of
 * after every mixer and MoE the residual all-reduce fused with the RMSNorm that follows it (the post-attention
   norm's rows, the next layer's input norm's xT, after the last layer the final norm's rows:
   ``megakernel.prefill.residual_allreduce_stage``, traced on 4 ranks with its collectives),
-* the MTP fc and the MTP layer's attention over the chunk's rows (its KV rows),
+* the MTP fc and the MTP layer's K/V rows over the chunk's rows (``attention_prefill_kv_kernel``: its attention
+  output is not needed),
 * on the last chunk the decode head stage on the last position (final norm + LM head + argmax),
 * one launch overhead per kernel launch (``costmodel.constants.LAUNCH_OVERHEAD_NS``: the kernels run one after
   the other, the composition does not overlap them).
@@ -94,6 +95,21 @@ class Costs:
             kern, args = attention_prefill_launch(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype)
             return _case(kern, [args], lnc=1)
         return _traced(("attention", self.key, N, start), build)
+
+    def mtp_kv(self, N):
+        """The MTP layer's K/V rows of N prompt rows (``attention_prefill_kv_kernel``; no start dependence: the
+        start only offsets the cache-row DMAs)."""
+        from nki_kernels import attention_prefill as ap
+        H, D, R = self.cfg.hidden_size, self.cfg.head_dim, self.cfg.rotary_dim
+        L = max(ap.KEY_BLOCK, -(-N // ap.KEY_BLOCK) * ap.KEY_BLOCK)
+
+        def build():
+            args = (self._sd((ap.P, H // ap.P, N)), self._sd((H, D)), self._sd((H, D)), self._sd((2, D), "float32"),
+                    self._sd((N, R), "float32"), self._sd((N, R), "float32"), self._sd((1, L, D)),
+                    self._sd((1, L, D)), self._sd((1, 1), "int32"), float(self.cfg.rms_norm_eps))
+            return _case(ap.attention_prefill_kv_kernel[self.lnc] if self.lnc > 1 else ap.attention_prefill_kv_kernel,
+                         [args], lnc=1)
+        return _traced(("mtp_kv", self.key, N), build)
 
     def moe(self, N):
         from harness.kernel_cases import moe_prefill_launch
@@ -250,9 +266,7 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
             add("embedding", costs.embed(P) if m >= P else costs.embed(m), -(-m // P))
             add("rmsnorm", costs.norm(m, "xT"))
             add("mtp", costs.mtp_fc(m))
-            att_m, _ = (_attention_chunk(costs, m, ch.start, {}) if ch.start <= MAX_TRACED_START or m == N
-                        else (att, True))
-            add("mtp", att_m)
+            add("mtp", costs.mtp_kv(m))                          # its K/V rows only: the output is not needed
             k += 3 + -(-m // P)
         if ch is plan.last:
             add("lm_head", costs.head())

@@ -12,8 +12,9 @@ What a prefill pass runs, per chunk of ``C`` prompt tokens at positions s .. s+C
 3. the final RMSNorm of every chunk token (the post-norm hidden h_p the MTP head reads);
 4. the MTP head over the prompt: for rows p = s .. min(s+C, n-1) - 1, fc(concat[norm_emb(embed(x_{p+1})),
    norm_hidden(h_p)]) (:func:`mtp_fc_prefill_stage`, this core's fc columns; all-gathered), input norm and the
-   MTP layer's ``attention_prefill`` at start s: it writes MTP KV rows p (its output is not needed: the first
-   draft, D1 of the first round, runs the MTP head at p = n-1 with the returned hidden);
+   MTP layer's K/V rows p only (``attention_prefill_kv_kernel``, bit-identical to the rows the full attention
+   kernel writes): its attention output is not needed -- the first draft, D1 of the first round, runs the MTP
+   head at p = n-1 with the returned hidden;
 5. after the last chunk only: final norm + LM head + argmax on the LAST position (the decode ``head_stage``),
    giving the first generated token and h_{n-1}.
 
@@ -247,6 +248,22 @@ class LayerwisePrefill:
             total = part if total is None else total + part
         return total
 
+    def kv_rows(self, layer, xT, start: int):
+        """K/V cache rows start.. of an attention layer whose output is not needed (``attention_prefill_kv_kernel``)."""
+        from nki_kernels.attention_prefill import attention_prefill_kv_kernel
+        N = xT.shape[2]
+        cos, sin = rp.rope_rows(self.cfg, start, N)
+        st_in = np.array([[start]], np.int32)
+        for g in range(layer.groups):
+            a = layer.mixer * layer.groups + g
+            outs = self._all(attention_prefill_kv_kernel, [
+                (xT, w["attn_wk"][a], w["attn_wv"][a], w["attn_norm_w"][a], cos, sin, st["attn_k"][a:a + 1],
+                 st["attn_v"][a:a + 1], st_in, self.plan.eps) for w, st in zip(self.e.weights, self.e.states)])
+            bad = sum(float(np.asarray(o[0]).sum()) for o in outs)
+            if bad:
+                raise FloatingPointError(f"prefill {layer.name}: attention_prefill_kv reports {int(bad)} non-finite "
+                                         f"K/V rows (NaN or Inf in the hidden states or weights)")
+
     def moe(self, layer, rows):
         from nki_kernels.moe_prefill import check_finite, moe_prefill, token_rows
         table, i = layer.experts
@@ -274,7 +291,7 @@ class LayerwisePrefill:
                                                  self.plan.eps) for w in self.e.weights])
         x = torch.cat([torch.as_tensor(o[c]) for o in outs for c in range(self.lnc)], dim=-1).to(self.dtype)
         xT = self.norm(x, self.plan.mtp.in_norm, "xT")
-        self.attention(self.plan.mtp, xT, s)             # the MTP KV rows s .. s+m-1; the output is not needed
+        self.kv_rows(self.plan.mtp, xT, s)               # the MTP KV rows s .. s+m-1; the output is not needed
 
     def head(self, x_last):
         """(greedy id, post-norm hidden [H]) of one position: the decode head stage on every rank, the lowest

@@ -1016,6 +1016,130 @@ def attention_prefill_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_c
     return out, stats_out, k_cache, v_cache
 
 
+
+# ---- K/V rows only (the MTP head over the prompt) ----------------------------------------------------------------
+def kv_rows_body(xT, wk, wv, norm_w, cos, sin, k_cache, v_cache, start, eps, core, n_cores):
+    """Body: the K and V cache rows start..start+N-1 of an N-token chunk and nothing else (no queries, no softmax,
+    no o_proj): what a layer whose attention OUTPUT is not needed must still write -- the MTP layer over the
+    prompt, whose first draft runs the MTP head at the last position from the returned hidden. Same arguments
+    and layouts as :func:`attention_prefill_body` (``norm_w`` row 1: 1 + k_norm); core 0 projects k (RMSNorm +
+    RoPE, :func:`_norm_rope`), the last core v, each writes its own cache rows, with the same instruction
+    sequence per row as the full kernel, so the rows are bit-identical to what it writes. Returns ``bad`` SBUF
+    ``[1, 1]`` float32: rows of this core's K or V tile whose sum is not finite (NaN or Inf in the input)."""
+    nm = "attention_prefill_kv"
+    if len(xT.shape) != 3 or xT.shape[0] != P:
+        raise ValueError(f"{nm}: xT has shape {list(xT.shape)}, expected feature-major [P={P}, H/P, N]")
+    _, KT, N = xT.shape
+    H = KT * P
+    D = wk.shape[1]
+    act = xT.dtype
+    for nmw, t in (("wk", wk), ("wv", wv)):
+        if tuple(t.shape) != (H, D) or t.dtype != act:
+            raise ValueError(f"{nm}: {nmw} is {t.dtype}{list(t.shape)}, expected {act}[H={H}, D={D}]")
+    if tuple(norm_w.shape) != (2, D) or norm_w.dtype != F32:
+        raise ValueError(f"{nm}: norm_w must be float32 [2, D={D}], got {norm_w.dtype}{list(norm_w.shape)}")
+    R = cos.shape[1]
+    for nmt, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (N, R) or t.dtype != F32:
+            raise ValueError(f"{nm}: {nmt} must be float32 [N={N}, R], got {t.dtype}{list(t.shape)}")
+    for nmc, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if len(c.shape) != 3 or c.shape[0] != 1 or c.shape[2] != D or c.dtype != act or c.shape[1] < N:
+            raise ValueError(f"{nm}: {nmc} is {c.dtype}{list(c.shape)}, expected {act}[1, L >= {N}, D={D}]")
+    if k_cache.shape[1] * D >= 2 ** 31:
+        raise ValueError(f"{nm}: cache of {k_cache.shape[1]} x {D} elements: element offsets exceed int32")
+    if tuple(start.shape) not in ((1, 1), (1,)) or start.dtype != I32:
+        raise ValueError(f"{nm}: start must be an int32 [1, 1] tensor, got {start.dtype}{list(start.shape)}")
+    do_k, do_v = core == 0, core == n_cores - 1
+    NT = -(-N // P)
+    g = {"act": act, "D": D, "R": R, "N": N}
+    s_i = nl.ndarray((P, 1), I32, buffer=nl.sbuf, name="pf_kv_start")
+    nisa.dma_copy(dst=s_i, src=start.ap(pattern=[[0, P], [1, 1]], offset=0))
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, s_i[0:1, :])
+    w = {}
+    kv = []
+    for nmw, on, src in (("k", do_k, wk), ("v", do_v, wv)):
+        if on:
+            w[nmw] = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name=f"pf_kv_w{nmw}")
+            kv.append((w[nmw], src))
+    for j in range(KT):
+        for dst, src in kv:
+            nisa.dma_copy(dst=dst[:, j], src=src[j * P:(j + 1) * P, :])
+    if do_k:
+        nw = nl.ndarray((P, 1, D), F32, buffer=nl.sbuf, name="pf_kv_norm_w")
+        nisa.dma_copy(dst=nw[:, 0, :], src=norm_w.ap(pattern=[[0, P], [1, D]], offset=D))
+        w["norm"] = nw
+    XR = 3                                       # xT tiles in flight
+    xs = []
+    for i in range(min(XR, NT)):
+        xs.append(nl.ndarray((P, KT, P), act, buffer=nl.sbuf, name=f"pf_kv_xT_tile{i}"))
+        _load_x(g, xs, xT, i)
+    sums = nl.ndarray((P, NT), F32, buffer=nl.sbuf, name="pf_kv_row_sums")
+    rows = None
+    for t in range(NT):
+        x = xs[t % XR]
+        ps = {}
+        for nmw in ("k", "v"):
+            if nmw in w:
+                bank = nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"pf_kv_{nmw}_psum")
+                ps[nmw] = bank[:, 0:D]
+        for j in range(KT):
+            for nmw in ("k", "v"):
+                if nmw in ps:
+                    nisa.nc_matmul(dst=ps[nmw], stationary=x[:, j, :], moving=w[nmw][:, j, :], accumulate=j > 0)
+        if t + XR < NT:                          # tile t's slot is free once its projections are issued
+            _load_x(g, xs, xT, t + XR)
+        nt = min(P, N - t * P)
+        rows = [[D, nt], [1, D]]
+        if do_k:
+            qk = nl.ndarray((P, 1, D), act, buffer=nl.sbuf, name="pf_kv_k_raw")
+            nisa.tensor_copy(dst=qk[:, 0, :], src=ps["k"], engine=ACT_ENG)
+            kn = _norm_rope(g, w, qk, 1, t, cos, sin, eps)
+            nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=t * P * D, scalar_offset=reg, indirect_dim=1),
+                          src=kn[0:nt, 0, :])
+            nisa.tensor_reduce(dst=sums[:, t:t + 1], op=nl.add, data=kn[:, 0, :], axis=1)
+        else:
+            vt = nl.ndarray((P, D), act, buffer=nl.sbuf, name="pf_kv_v_tok")
+            nisa.tensor_copy(dst=vt, src=ps["v"], engine=DVE_ENG)
+            nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=t * P * D, scalar_offset=reg, indirect_dim=1),
+                          src=vt[0:nt, :])
+            nisa.tensor_reduce(dst=sums[:, t:t + 1], op=nl.add, data=vt, axis=1)
+        if do_k and do_v:                        # LNC=1: this core writes V too
+            vt = nl.ndarray((P, D), act, buffer=nl.sbuf, name="pf_kv_v_tok")
+            nisa.tensor_copy(dst=vt, src=ps["v"], engine=DVE_ENG)
+            nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=t * P * D, scalar_offset=reg, indirect_dim=1),
+                          src=vt[0:nt, :])
+            vs = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="pf_kv_v_sum")
+            nisa.tensor_reduce(dst=vs, op=nl.add, data=vt, axis=1)
+            nisa.tensor_tensor(dst=sums[:, t:t + 1], data1=sums[:, t:t + 1], data2=vs, op=nl.add)
+    # pad rows of a partial last tile project zero columns (finite): no mask needed
+    # (|sum| <= FLT_MAX is false for NaN and +-Inf); bad = P NT - finite rows (exact in fp32)
+    fin = nl.ndarray((P, NT), F32, buffer=nl.sbuf, name="pf_kv_row_finite")
+    nisa.tensor_scalar(dst=fin, data=sums, op0=nl.abs, operand0=None, op1=nl.less_equal, operand1=FP32_FINITE)
+    fin_rows = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="pf_kv_finite_rows")
+    nisa.tensor_reduce(dst=fin_rows, op=nl.add, data=fin, axis=1)
+    ones = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="pf_kv_ones")
+    nisa.memset(dst=ones, value=1.0, engine=POOL_ENG)
+    tot = nl.ndarray((1, 1), F32, buffer=nl.psum, name="pf_kv_finite_psum")
+    nisa.nc_matmul(dst=tot, stationary=fin_rows, moving=ones, accumulate=False)
+    bad = nl.ndarray((1, 1), F32, buffer=nl.sbuf, name="pf_kv_bad")
+    nisa.tensor_scalar(dst=bad, data=tot, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(P * NT))
+    return bad
+
+
+@nki.jit
+def attention_prefill_kv_kernel(xT, wk, wv, norm_w, cos, sin, k_cache, v_cache, start, eps=1e-6):
+    """Wrapper of :func:`kv_rows_body`: HBM in, HBM out (``attention_prefill_kernel``'s argument layouts without
+    wqg / wo). Launch ``[2]`` (core 0 writes K, core 1 V) or without a grid. Returns ``(bad [n_cores, 1]
+    float32, k_cache, v_cache)``: core c's count of non-finite rows and the caches, mutated at rows
+    start..start+N-1."""
+    n_cores, core = program_sharding()
+    bad_out = nl.ndarray((n_cores, 1), F32, buffer=nl.shared_hbm, name="attention_prefill_kv_bad")
+    bad = kv_rows_body(xT, wk, wv, norm_w, cos, sin, k_cache, v_cache, start, eps, core, n_cores)
+    nisa.dma_copy(dst=bad_out[core:core + 1, :], src=bad)
+    return bad_out, k_cache, v_cache
+
+
 # ---- host-side helpers ----------------------------------------------------------------------------------
 def kernel_args(layout: dict, x, k_cache, v_cache, start: int, cfg, key_block: int = KEY_BLOCK,
                 static_start=None):

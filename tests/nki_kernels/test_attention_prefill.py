@@ -458,3 +458,49 @@ def test_tau_below_minimum_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="tau"):
         pf.run_attention_prefill(attention_layout(sh), torch.randn(2, cfg.hidden_size), kc, kc.copy(), 0, cfg,
                                  lnc=1)
+
+
+# ---- K/V rows only (attention_prefill_kv_kernel: the MTP layer over the prompt) ----------------------------------
+def _kv_only(name, dtype, N, start, lnc, rank=1, edit_x=None):
+    """(before, full-kernel caches, KV-kernel caches, bad [lnc, 1]) of one chunk: the same rank weights, normed
+    chunk and caches through attention_prefill_kernel and attention_prefill_kv_kernel."""
+    cfg, sh = _shard(name, dtype, rank)
+    L = max(pf.KEY_BLOCK, -(-(start + N + 3) // 128) * 128)
+    x, k0, v0 = _inputs(cfg, dtype, N, start, L)
+    if edit_x is not None:
+        edit_x(x)
+    lay = attention_layout(sh)
+    args = list(pf.kernel_args(lay, x, k0.clone(), v0.clone(), start, cfg))
+    full = pf.attention_prefill_kernel[lnc] if lnc > 1 else pf.attention_prefill_kernel
+    kv = pf.attention_prefill_kv_kernel[lnc] if lnc > 1 else pf.attention_prefill_kv_kernel
+    _, _, kf, vf = full(*args)
+    xT, _, wk, wv, _, norm_w, cos, sin, _, _, st = args[:11]
+    bad, kk, vk = kv(xT, wk, wv, norm_w, cos, sin, k0.clone(), v0.clone(), st, float(cfg.rms_norm_eps))
+    return (k0, v0), (torch.as_tensor(kf), torch.as_tensor(vf)), (torch.as_tensor(kk), torch.as_tensor(vk)), \
+        np.asarray(bad)
+
+
+@pytest.mark.parametrize("name,dtype,N,start,lnc", [
+    (TINY, torch.bfloat16, 65, 0, 2), (TINY, torch.float32, 300, 700, 1), (TINY, torch.bfloat16, 129, 2500, 2),
+    (REAL, torch.bfloat16, 200, 1064, 2), (REAL, torch.bfloat16, 130, 0, 1)], ids=str)
+def test_kv_rows_only_equal_the_full_kernel_bit_for_bit(name, dtype, N, start, lnc):
+    """The K/V-only kernel writes exactly the rows the full kernel writes (same projections, norm and RoPE
+    instruction sequence per row), bit for bit, rows start..start+N-1 only; real per-rank shapes included."""
+    before, full, kv, bad = _kv_only(name, dtype, N, start, lnc)
+    for b, f, k in zip(before, full, kv):
+        assert torch.equal(_bits(k), _bits(f))
+        assert torch.equal(_bits(k[:, :start]), _bits(b[:, :start]))
+        assert torch.equal(_bits(k[:, start + N:]), _bits(b[:, start + N:]))
+        new = k[:, start:start + N].float()
+        assert torch.isfinite(new).all() and (new != b[:, start:start + N].float()).any() and (new != 0).any()
+    assert (bad == 0).all()
+
+
+def test_kv_rows_only_reports_nan_input():
+    """NaN in token 200's hidden state makes its K and V rows non-finite: each core counts its row (K on core 0,
+    V on core 1), and the prefill executor raises on a non-zero count."""
+    def poison(x):
+        x[200, 5] = float("nan")
+    _, _, kv, bad = _kv_only(TINY, torch.bfloat16, 300, 0, 2, edit_x=poison)
+    assert bad.ravel().tolist() == [1.0, 1.0]
+    assert not torch.isfinite(kv[0][:, 200].float()).all() and torch.isfinite(kv[0][:, :200].float()).all()
