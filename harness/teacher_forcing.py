@@ -10,9 +10,10 @@ The device side is driven only through the decoder interface (``prefill`` / ``ro
 ``harness.speculative.Decoder``), so every variant -- layerwise, megakernel, an NxDI engine -- runs the same way:
 
 * ``prefill(prompt)`` gives the prediction for continuation[0] (and the hidden there);
-* then rounds with the draft FORCED to the next continuation token and both tokens committed: a round at the
-  position of continuation[k-1] predicts continuation[k] and continuation[k+1]; a last single prediction is a
-  ``step``. N predictions cost 1 prefill + about N/2 launches.
+* then rounds with the variant's K drafts (``drafts``, 1 when it does not say) FORCED to the next K continuation
+  tokens and all K + 1 verified tokens committed (a K-token accept): a round at the position of continuation[k-1]
+  predicts continuation[k] .. continuation[k+K]; near the end fewer drafts are forced, and a last single
+  prediction is a ``step``. N predictions cost 1 prefill + about N/(K+1) launches.
 
 The reference is the single-device PyTorch model (``model.reference.ReferenceModel``), decoded token by token
 (:func:`reference_run`): plain greedy decoding, the truth every kernel is a twin of.
@@ -94,21 +95,24 @@ def reference_run(cfg, params: dict[str, torch.Tensor], prompt: list[int], new_t
 
 
 def forced_run(variant, prompt: list[int], continuation: list[int], rounds: bool = True) -> Forced:
-    """Teacher-force ``variant`` (a ``harness.speculative.Decoder``) through ``prompt + continuation`` (module docstring); ``rounds=False`` uses one
-    ``step`` per position instead of 2-token rounds."""
+    """Teacher-force ``variant`` (a ``harness.speculative.Decoder``) through ``prompt + continuation`` (module
+    docstring: rounds of the variant's K forced drafts, K + 1 tokens committed); ``rounds=False`` uses one ``step``
+    per position instead."""
     if not prompt or not continuation:
         raise ValueError("forced_run: the prompt and the continuation must be non-empty")
     n, p = len(continuation), len(prompt)
-    first, hidden = variant.prefill(prompt, max_len=p + n + 1)
+    K = getattr(variant, "drafts", 1)
+    first, hidden = variant.prefill(prompt, max_len=p + n + K)
     targets, hiddens = [int(first)], [hidden.float()]
     while len(targets) < n:
         k = len(targets)                       # next prediction is for continuation[k]
         pending, pos = continuation[k - 1], p + k - 1
-        if rounds and k + 1 < n:
-            r = variant.round(pending, hiddens[-1], pos, continuation[k])
-            variant.commit(2)
-            targets += [int(r.targets[0]), int(r.targets[1])]
-            hiddens += [r.hidden[0].float(), r.hidden[1].float()]
+        j = min(K, n - 1 - k) if rounds else 0  # drafts forced to continuation[k : k+j]
+        if j >= 1:
+            r = variant.round(pending, hiddens[-1], pos, continuation[k:k + j])
+            variant.commit(j + 1)
+            targets += [int(t) for t in r.targets[:j + 1]]
+            hiddens += [h.float() for h in r.hidden[:j + 1]]
         else:
             tok, h = variant.step(pending, pos)
             targets.append(int(tok))

@@ -37,6 +37,7 @@ import inspect
 
 import torch
 
+from harness.nxdi import context
 from megakernel import plan as rp
 from model.config import ModelConfig
 from nki_kernels.host import as_torch
@@ -50,6 +51,9 @@ MODES = ("round", "step")
 # initializer creates on the device (neuronx-distributed src/neuronx_distributed/trace/model_builder.py
 # lines 1002-1022, 1034-1051, 1086 at 0.18.0). The round graph aliases every state buffer, so it goes first.
 GRAPHS = ("round", "step", "reset")
+# Context-encoding graphs (``harness.nxdi.context``: one per chunk-length bucket C, mode "context_C") go between
+# the step and the reset graph (:func:`graph_order`): never first, since they take the same states as the round
+# but the round's outputs must give the packer.
 
 # The positional inputs of each graph's traced forward: the plan's run-time inputs (``plan.input_specs``; the
 # step's are a prefix of the round's). NxD's NxDModel routes a call to a graph by the SHAPES of the inputs alone
@@ -229,10 +233,11 @@ def kernel_kwargs(mode: str, weights: dict, states: dict, runtime: dict) -> dict
 
 
 def output_names(mode: str) -> list[str]:
-    """What a round/step graph returns, in order: drafts [K, 1] int32 (a step: the pending token [1, 1]), targets
-    [T, 1] int32, hidden [T, H] (activation dtype; T = K + 1 in a round, 1 in a step), then the state buffers the
-    launch writes (``plan.STATE``, every one in both modes)."""
-    if mode not in MODES:
+    """What a round/step/context graph returns, in order: drafts [K, 1] int32 (a step: the pending token [1, 1]; a
+    context graph: the token after its chunk [1, 1]), targets [T, 1] int32, hidden [T, H] (activation dtype; T =
+    K + 1 in a round, 1 in a step and a context graph), then the state buffers the launch writes (``plan.STATE``,
+    every one in every mode)."""
+    if mode not in MODES and context.bucket_of(mode) is None:
         raise AssemblyError(f"mode must be one of {MODES}, found {mode!r}")
     return [*LEADING_OUTPUTS, *rp.STATE]
 
@@ -293,10 +298,19 @@ def reset_outputs(keep: torch.Tensor, states: dict[str, torch.Tensor], hidden_si
 # --------------------------------------------------------------------------------------------------
 # Run-time inputs (built by megakernel.plan.round_inputs / step_inputs)
 # --------------------------------------------------------------------------------------------------
+def graph_order(buckets=()) -> tuple[str, ...]:
+    """Every graph of the application in registration order: round, step, the context graphs of ``buckets``
+    (ascending), reset."""
+    return ("round", "step", *(context.mode_of(b) for b in sorted(buckets)), "reset")
+
+
 def graph_inputs(mode: str) -> tuple[str, ...]:
-    """The positional inputs of a graph's traced forward (:data:`GRAPH_INPUTS`)."""
+    """The positional inputs of a graph's traced forward (:data:`GRAPH_INPUTS`; a context graph's
+    ``harness.nxdi.context.INPUTS``)."""
+    if context.bucket_of(mode) is not None:
+        return context.INPUTS
     if mode not in GRAPH_INPUTS:
-        raise AssemblyError(f"graph must be one of {GRAPHS}, found {mode!r}")
+        raise AssemblyError(f"graph must be one of {GRAPHS} or context_<bucket>, found {mode!r}")
     return GRAPH_INPUTS[mode]
 
 
@@ -338,8 +352,10 @@ def runtime_example(cfg: ModelConfig, mode: str, dtype: torch.dtype, drafts: int
     if mode == "reset":
         return {"keep": torch.zeros((1, 1), dtype=torch.int32)}
     graph_inputs(mode)
+    bucket = context.bucket_of(mode)
+    specs = context.input_specs(cfg, bucket) if bucket is not None else rp.input_specs(cfg, mode, check_drafts(drafts))
     return {s.name: torch.zeros(s.shape, dtype=dtype if s.dtype == "activation" else getattr(torch, s.dtype))
-            for s in rp.input_specs(cfg, mode, check_drafts(drafts))}
+            for s in specs}
 
 
 def ordered_inputs(mode: str, runtime: dict) -> tuple[torch.Tensor, ...]:

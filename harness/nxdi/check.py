@@ -13,7 +13,9 @@ within ``divergence_difference_tol`` of the best one, lines 430-559; ``utils/acc
 drives it for an NxDI application, lines 478-705):
 
 * the reference (the single-device PyTorch model on the CPU, token by token) decodes ``tokens`` greedy tokens per
-  prompt, and the device is teacher-forced through prompt + those tokens (harness.teacher_forcing). The device's
+  prompt, and the device is teacher-forced through prompt + those tokens (harness.teacher_forcing: after its
+  prefill -- the context-encoding graphs by default, ``--prefill``), rounds of its K drafts all forced to the
+  reference's tokens and K + 1 tokens committed each, so the round graph's K-token accept runs). The device's
   logits are the host's projection of the post-norm hidden it returns (its LM-head kernel returns ids, not
   logits) with the checkpoint's LM head; its ids are checked against those logits.
 * at every position i, with ``tol_i = atol + rtol * max_v |reference logit_v|`` (a tolerance relative to the
@@ -250,12 +252,14 @@ def _prompts(args, vocab: int, usage) -> list[list[int]]:
     return out
 
 
-def cmd(args, make_engine, usage) -> int:
+def cmd(args, make_engine, usage, make_decoder) -> int:
     """``python -m harness.nxdi.run check``: 0 on PASS, 1 on FAIL. ``make_engine(args, max_len)`` -> (engine, cfg)
-    is the CLI's engine of ``--executor`` (harness.nxdi.run); usage errors raise ``usage`` (run.UsageError)."""
+    is the CLI's engine of ``--executor``, ``make_decoder(args, engine)`` its decoder with the prefill of
+    ``--prefill`` (harness.nxdi.run); usage errors raise ``usage`` (run.UsageError). The device runs rounds of its
+    K drafts, all K forced to the reference's tokens and K + 1 tokens committed (harness.teacher_forcing.forced_run):
+    the K-token accept path of the round graph runs on the device."""
     import contextlib
 
-    from harness.speculative import Decoder
     from model.config import ConfigError
     from model.weights import CheckpointError, load_checkpoint
     if args.tokens < 1:
@@ -276,7 +280,7 @@ def cmd(args, make_engine, usage) -> int:
         _, params = load_checkpoint(args.model_path, dtype=engine.dtype)
     except (CheckpointError, ConfigError) as e:
         raise usage(str(e)) from None
-    device = Decoder(engine)            # teacher-forced prefill through the decode launches, as on the chip
+    device = make_decoder(args, engine)   # prefill: the context graphs (default) or teacher-forced
     if args.inject_noise:
         device = NoisyDecoder(device, args.inject_noise)
     numerics = contextlib.nullcontext()
@@ -291,7 +295,8 @@ def cmd(args, make_engine, usage) -> int:
         except ValueError as e:         # e.g. a sequence longer than the decode state holds
             raise usage(str(e)) from None
     if args.json:
-        print(json.dumps({**result.to_dict(), "executor": args.executor}))
+        print(json.dumps({**result.to_dict(), "executor": args.executor, "num_draft_tokens": device.drafts,
+                          "prefill": getattr(device, "prefill_info", None) or {"backend": "teacher-forced"}}))
     else:
         print(result.report(args.show))
     return 0 if result.passed else 1

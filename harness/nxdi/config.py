@@ -37,7 +37,8 @@ from megakernel.plan import DEFAULT_DRAFTS
 from model.config import ConfigError, ModelConfig, preset
 
 # Attributes of the InferenceConfig: the text model's config.json fields (ModelConfig.to_hf_dict) plus ours.
-NXDI_ATTRIBUTES = ("nxdi_backend", "nxdi_max_len", "nxdi_lnc", "nxdi_num_draft_tokens", "nxdi_param_specs")
+NXDI_ATTRIBUTES = ("nxdi_backend", "nxdi_max_len", "nxdi_lnc", "nxdi_num_draft_tokens", "nxdi_context_buckets",
+                   "nxdi_param_specs")
 _OPTIONAL_KEYS = ("bos_token_id", "eos_token_id")  # written by to_hf_dict only when set
 _MODEL_KEYS = tuple(k for k in preset("tiny").to_hf_dict() if k not in ("architectures",) + _OPTIONAL_KEYS)
 REQUIRED_ATTRIBUTES = _MODEL_KEYS + NXDI_ATTRIBUTES
@@ -59,17 +60,23 @@ def model_config_from(obj) -> ModelConfig:
 
 
 def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, lnc: int, param_specs_json: dict,
-                     drafts: int = DEFAULT_DRAFTS) -> Callable[[object], None]:
+                     drafts: int = DEFAULT_DRAFTS, buckets=()) -> Callable[[object], None]:
     """The ``load_config`` callable NxDI's ``InferenceConfig(neuron_config, load_config=...)`` calls with the
     new config object (``models/config.py`` lines 863-866): sets the model's attributes and ours.
     ``nxdi_lnc`` is the LNC the weights were converted for (``neuron_config.logical_nc_config`` may differ:
     the environment wins there, :func:`check_lnc`); ``nxdi_num_draft_tokens`` the chained drafts per round (K)
-    the graphs are built for."""
+    the graphs are built for; ``nxdi_context_buckets`` the chunk lengths of the context-encoding graphs
+    (``harness.nxdi.context``)."""
     if backend not in BACKENDS:
         raise ConfigError(f"nxdi backend must be one of {BACKENDS}, found {backend!r}")
     try:
         drafts = check_drafts(drafts)
     except AssemblyError as e:
+        raise ConfigError(str(e)) from None
+    from harness.nxdi.context import ContextError, check_buckets
+    try:
+        buckets = list(check_buckets(buckets, max_len))
+    except ContextError as e:
         raise ConfigError(str(e)) from None
 
     def load(obj):
@@ -79,6 +86,7 @@ def attribute_loader(cfg: ModelConfig, backend: str, max_len: int, lnc: int, par
         obj.nxdi_max_len = int(max_len)
         obj.nxdi_lnc = int(lnc)
         obj.nxdi_num_draft_tokens = drafts
+        obj.nxdi_context_buckets = buckets
         obj.nxdi_param_specs = param_specs_json
         if getattr(obj, "pad_token_id", None) is None:
             obj.pad_token_id = 0  # NxDI's ModelWrapper sets this too when absent (model_wrapper.py lines 69-70)
@@ -104,7 +112,7 @@ def neuron_config_kwargs(cfg: ModelConfig, max_len: int, tp: int = 4, lnc: int =
     }
 
 
-def compiler_args(lnc: int, backend: str) -> str:
+def compiler_args(lnc: int, backend: str, context: bool = False) -> str:
     """neuronx-cc arguments of every graph of ``backend``.
 
     xla: the flags NxDI's ``ModelWrapper`` builds for its token-generation graph when given none
@@ -115,7 +123,15 @@ def compiler_args(lnc: int, backend: str) -> str:
     ``append_default_compiler_flags`` ``--verbose=35`` (``trace/model_builder.py`` lines 104-124).
     megakernel: each graph is one NKI custom call, so the XLA tensorizer options have nothing to tune; NxD's
     default flags (``trace/model_builder.py`` line 106) plus ``--lnc``.
-    Both keep ``--auto-cast=none`` (fp32 state and accumulations stay fp32) and ``--lnc`` = the converted LNC."""
+    Both keep ``--auto-cast=none`` (fp32 state and accumulations stay fp32) and ``--lnc`` = the converted LNC.
+    ``context``: a context-encoding graph (``harness.nxdi.context``); xla: the flags NxDI builds for its own
+    context-encoding graph (same lines: ``cc_pipeline_tiling_factor`` at its default 2, ``NeuronConfig`` line 581,
+    ``-O1`` "force Modular flow for CTE model", lines 120-124, without ``--modular-flow-mac-threshold``, an
+    hlo2tensorizer option for graphs whose matmuls sit in NKI kernels); megakernel: as for the decode graphs."""
+    if backend == "xla" and context:
+        return ("--auto-cast=none --model-type=transformer "
+                "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2 "
+                f"--vectorize-strided-dma ' --lnc={lnc} -O1")
     if backend == "xla":
         return ("--auto-cast=none --model-type=transformer "
                 "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=1 "

@@ -3,8 +3,9 @@
 A converted directory holds
 
 * ``config.json`` -- the text model's config (``ModelConfig.to_hf_dict``);
-* ``nxdi.json`` -- ``{"format": 3, "backend", "tp", "lnc", "max_len", "num_draft_tokens", "dtype",
-  "param_specs"}``; num_draft_tokens = K, the chained MTP drafts per round the graphs are built for (the weights
+* ``nxdi.json`` -- ``{"format": 4, "backend", "tp", "lnc", "max_len", "num_draft_tokens", "context_buckets",
+  "dtype", "param_specs"}``; context_buckets = the chunk lengths of the context-encoding graphs
+  (``harness.nxdi.context``: multiples of 64, at most max_len; [] for none); num_draft_tokens = K, the chained MTP drafts per round the graphs are built for (the weights
   do not depend on it, but the round graph's inputs and outputs and the decode state's K + 1 GDN checkpoint
   slots do, so it is fixed here with the other settings the compiled graphs bake in); param_specs = per-rank
   shape and dtype of every weight (what the NxDI module registers its parameters with);
@@ -35,13 +36,13 @@ from harness.nxdi import assembly as asm
 from megakernel.plan import DEFAULT_DRAFTS
 from model.config import ModelConfig
 
-FORMAT = 3  # 3: drafts (K) recorded
+FORMAT = 4  # 3: drafts (K) recorded; 4: context buckets
 META_FILE = "nxdi.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_DIR = "weights"
 # What NxDI's InferenceConfig.save writes into a compiled directory (models/config.py line 23, 927-934).
 COMPILED_CONFIG_FILE = "neuron_config.json"
-META_KEYS = ("backend", "tp", "lnc", "max_len", "num_draft_tokens", "dtype", "param_specs")
+META_KEYS = ("backend", "tp", "lnc", "max_len", "num_draft_tokens", "context_buckets", "dtype", "param_specs")
 
 
 class ConvertError(ValueError):
@@ -55,12 +56,16 @@ def rank_file(path: str | os.PathLike, rank: int) -> Path:
 
 
 def write_converted(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, torch.Tensor], backend: str,
-                    max_len: int, tp: int = 4, lnc: int = 2, progress=None, drafts: int = DEFAULT_DRAFTS) -> Path:
+                    max_len: int, tp: int = 4, lnc: int = 2, progress=None, drafts: int = DEFAULT_DRAFTS,
+                    buckets=None) -> Path:
     """Convert canonical ``params`` (``model.weights.load_checkpoint`` names) for ``backend`` and write a
-    converted directory (module docstring) for rounds of ``drafts`` (K) chained drafts, one rank at a time.
+    converted directory (module docstring) for rounds of ``drafts`` (K) chained drafts and context graphs of
+    ``buckets`` (None: ``harness.nxdi.context.default_buckets(max_len)``), one rank at a time.
     progress: optional callable(str)."""
+    from harness.nxdi import context
     from harness.nxdi.config import neuron_config_kwargs
     asm.check_drafts(drafts)
+    buckets = context.check_buckets(context.default_buckets(max_len) if buckets is None else buckets, max_len)
     neuron_config_kwargs(cfg, max_len, tp, lnc)  # validates sharding and max_len before any work
     out = Path(out)
     (out / WEIGHTS_DIR).mkdir(parents=True, exist_ok=True)
@@ -82,7 +87,7 @@ def write_converted(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, 
             progress(f"converted rank {r + 1}/{tp}")
     (out / CONFIG_FILE).write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     meta = {"format": FORMAT, "backend": backend, "tp": tp, "lnc": lnc, "max_len": int(max_len),
-            "num_draft_tokens": drafts,
+            "num_draft_tokens": drafts, "context_buckets": list(buckets),
             "dtype": asm.dtype_name(dtype), "param_specs": asm.specs_to_json(first)}
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     if progress:
@@ -102,6 +107,11 @@ def read_meta(path: str | os.PathLike) -> dict:
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise ConvertError(f"{f}: missing {missing}")
+    from harness.nxdi.context import ContextError, check_buckets
+    try:
+        check_buckets(meta["context_buckets"], meta["max_len"])
+    except ContextError as e:
+        raise ConvertError(f"{f}: {e}") from None
     return meta
 
 
@@ -170,6 +180,7 @@ def check_compiled(compiled: str | os.PathLike, meta: dict, converted) -> None:
     nc = c.get("neuron_config", {})
     have = {"backend": c.get("nxdi_backend"), "tp": nc.get("tp_degree"), "lnc": c.get("nxdi_lnc"),
             "max_len": c.get("nxdi_max_len"), "num_draft_tokens": c.get("nxdi_num_draft_tokens"),
+            "context_buckets": c.get("nxdi_context_buckets"),
             "dtype": nc.get("torch_dtype"), "param_specs": c.get("nxdi_param_specs")}
     diff = [k for k in META_KEYS if have[k] != meta[k]]
     if diff:

@@ -69,15 +69,24 @@ from harness import xla
 from harness.engines import LaunchResult, read_outputs
 from harness.nxdi import assembly as asm
 from harness.nxdi import config as nxcfg
+from harness.nxdi import context as nxctx
 from harness.nxdi import convert as nxconv
 from model.config import ModelConfig
 
 TAGS = {"round": "round_model", "step": "step_model", "reset": "reset_state_model"}
 
 
+def tag_of(mode: str) -> str:
+    """A graph's NxDI tag: ``TAGS``, or ``context_encoding_model_<C>`` for the context graph of bucket C (one
+    wrapper per bucket: each is its own graph with its own config, ``buckets=[C]``)."""
+    bucket = nxctx.bucket_of(mode)
+    return TAGS[mode] if bucket is None else f"context_encoding_model_{bucket}"
+
+
 class Qwen36InferenceConfig(InferenceConfig):
     """The model's attributes (``harness.nxdi.config.model_attributes``) plus ``nxdi_backend``,
-    ``nxdi_max_len``, ``nxdi_lnc``, ``nxdi_num_draft_tokens`` (K) and ``nxdi_param_specs``."""
+    ``nxdi_max_len``, ``nxdi_lnc``, ``nxdi_num_draft_tokens`` (K), ``nxdi_context_buckets`` and
+    ``nxdi_param_specs``."""
 
     def get_required_attributes(self) -> list[str]:
         return list(nxcfg.REQUIRED_ATTRIBUTES)
@@ -95,13 +104,15 @@ class Qwen36InferenceConfig(InferenceConfig):
         cfg = ModelConfig.from_json_file(Path(converted) / nxconv.CONFIG_FILE)
         kwargs = nxcfg.neuron_config_kwargs(cfg, meta["max_len"], meta["tp"], meta["lnc"], asm.dtype_of(meta["dtype"]))
         return cls(NeuronConfig(**kwargs), load_config=nxcfg.attribute_loader(
-            cfg, meta["backend"], meta["max_len"], meta["lnc"], meta["param_specs"], meta["num_draft_tokens"]))
+            cfg, meta["backend"], meta["max_len"], meta["lnc"], meta["param_specs"], meta["num_draft_tokens"],
+            meta["context_buckets"]))
 
 
 class Qwen36NeuronModel(NeuronBaseModel):
-    """One graph of the application (``mode``: round, step or reset). Weights and the graph's decode-state
-    buffers (K + 1 GDN checkpoint slots for rounds of K = ``nxdi_num_draft_tokens`` drafts) are parameters with
-    per-rank shapes. Traced by NxD; never run eagerly on trn2."""
+    """One graph of the application (``mode``: round, step, reset or ``context_C``, the context graph of bucket C).
+    Weights and the graph's decode-state buffers (K + 1 GDN checkpoint slots for rounds of K =
+    ``nxdi_num_draft_tokens`` drafts) are parameters with per-rank shapes. Traced by NxD; never run eagerly on
+    trn2."""
 
     def __init__(self, config: Qwen36InferenceConfig, mode: str = "round"):
         self.mode = mode
@@ -133,14 +144,18 @@ class Qwen36NeuronModel(NeuronBaseModel):
             self.weights[name] = p
         drafts = config.nxdi_num_draft_tokens
         specs = asm.state_specs(self.cfg, tp, config.nxdi_max_len, self.act_dtype, drafts)
-        self.plan = None if self.mode == "reset" else asm.launch_plan(self.cfg, tp, self.lnc, self.mode, drafts)
+        self.bucket = nxctx.bucket_of(self.mode)
+        if self.bucket is not None:   # the prefill plan of one bucket-long chunk (harness.nxdi.context)
+            self.plan = nxctx.context_plan(self.cfg, self.bucket, tp, self.lnc)
+        else:
+            self.plan = None if self.mode == "reset" else asm.launch_plan(self.cfg, tp, self.lnc, self.mode, drafts)
         # output order of the graph's states (a ParameterDict built from a dict iterates its keys SORTED)
         self.state_order = asm.graph_states(self.mode, specs)
         self.states = nn.ParameterDict({
             n: nn.Parameter(torch.zeros(specs[n][0], dtype=specs[n][1]), requires_grad=False)
             for n in self.state_order})
         # the shipped kernel itself (megakernel.round.round_kernel / step_kernel), its plan the first argument
-        self.kernel = asm.kernel_of(self.mode) if self.backend == "megakernel" and self.plan is not None else None
+        self.kernel = asm.kernel_of(self.mode) if self.backend == "megakernel" and self.mode in asm.MODES else None
 
     def aliases(self) -> dict:
         """{state parameter: output index}, as NxDI's DecoderModelInstance.get returns (model_wrapper.py
@@ -157,10 +172,14 @@ class Qwen36NeuronModel(NeuronBaseModel):
         if self.plan is None:
             return asm.reset_outputs(rt["keep"], st, self.hidden_size, self.act_dtype)
         w = {k: p.data for k, p in self.weights.items()}
-        if self.kernel is not None:  # the token-generation hook: ONE kernel launch per rank
-            return list(self.kernel[self.lnc](self.plan, **asm.kernel_kwargs(self.mode, w, st, rt)))
         coll = xla.Collectives(all_reduce=reduce_from_tensor_model_parallel_region,
                                gather_last=gather_from_tensor_model_parallel_region)
+        if self.bucket is not None:   # context encoding: the NKI prefill kernels (or their twins) on one chunk
+            if self.backend == "megakernel":
+                return nxctx.megakernel_context(self.plan, w, st, rt, coll, self.lnc)
+            return nxctx.xla_context(self.cfg, self.plan, w, st, rt, coll)
+        if self.kernel is not None:  # the token-generation hook: ONE kernel launch per rank
+            return list(self.kernel[self.lnc](self.plan, **asm.kernel_kwargs(self.mode, w, st, rt)))
         draft, targets, hid, new = xla.forward(self.cfg, self.plan, w, st, rt, coll)
         return [draft, targets, hid, *(new[n] for n in self.state_order)]
 
@@ -185,7 +204,7 @@ class _GraphInstance(BaseModelInstance):
 
 class _GraphWrapper(ModelWrapper):
     def __init__(self, config, model_cls, mode: str, compiler_args: str):
-        super().__init__(config=config, model_cls=model_cls, tag=TAGS[mode], compiler_args=compiler_args)
+        super().__init__(config=config, model_cls=model_cls, tag=tag_of(mode), compiler_args=compiler_args)
         self.mode = mode
 
     def input_generator(self):
@@ -202,11 +221,16 @@ class _GraphWrapper(ModelWrapper):
 
 
 def graph_config(config, mode: str):
-    """A graph's own config: a deep copy with ``is_prefill_stage=False`` (none of our graphs is a prefill
-    graph in NxDI's sense), one bucket of ``seq_len``, as NxDI's ``enable_token_generation`` does, and
-    ``n_active_tokens`` = the tokens the graph's trunk runs (the round plan's verify: K + 1)."""
+    """A graph's own config, a deep copy as NxDI's ``enable_*`` make (``models/model_base.py`` lines 3107-3153):
+    decode graphs ``is_prefill_stage=False``, one bucket of ``seq_len``, ``n_active_tokens`` = the tokens the
+    graph's trunk runs (the round plan's verify: K + 1); the context graph of bucket C ``is_prefill_stage=True``,
+    ``buckets=[C]``, ``n_active_tokens=C`` (its chunk)."""
     new = copy.deepcopy(config)
     nc = new.neuron_config
+    bucket = nxctx.bucket_of(mode)
+    if bucket is not None:
+        nc.is_prefill_stage, nc.buckets, nc.n_active_tokens = True, [bucket], bucket
+        return new
     nc.is_prefill_stage = False
     nc.buckets = [nc.seq_len]
     nc.n_active_tokens = 1 if mode != "round" else asm.launch_plan(
@@ -215,10 +239,11 @@ def graph_config(config, mode: str):
 
 
 class Qwen36ForCausalLM(NeuronBaseForCausalLM):
-    """The application: graphs ``round_model``, ``step_model``, ``reset_state_model`` sharing weights and
-    decode state. No context-encoding graph: prompts are teacher-forced through step/round
-    (``harness.teacher_forcing``, ``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory
-    (``harness.nxdi.convert``)."""
+    """The application: graphs ``round_model``, ``step_model``, one ``context_encoding_model_<C>`` per context
+    bucket C and ``reset_state_model``, sharing weights and decode state (``asm.graph_order``). A prompt is encoded
+    by the context graphs over its whole buckets and its tail teacher-forced through the round graph
+    (``harness.nxdi.context``); with no buckets, or ``--prefill teacher-forced``, all of it teacher-forced
+    (``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory (``harness.nxdi.convert``)."""
 
     _model_cls = Qwen36NeuronModel
 
@@ -227,23 +252,29 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
         return Qwen36InferenceConfig
 
     def _add(self, mode: str):
-        wrapper = _GraphWrapper(graph_config(self.config, mode), self._model_cls, mode, self.get_compiler_args())
+        context = nxctx.bucket_of(mode) is not None
+        args = nxcfg.compiler_args(self.neuron_config.logical_nc_config, self.config.nxdi_backend, context)
+        wrapper = _GraphWrapper(graph_config(self.config, mode), self._model_cls, mode, args)
         self.models.append(wrapper)
         self.graphs = {**getattr(self, "graphs", {}), mode: wrapper}
 
     def enable_context_encoding(self, **kwargs):
-        """No context-encoding graph (prompts are teacher-forced through the decode graphs)."""
+        """Nothing here: NxDI calls this before ``enable_token_generation`` (``models/model_base.py`` lines
+        3062-3068), but the round graph must be registered first (module docstring), so the context graphs are
+        registered there, after the step graph."""
 
     def enable_token_generation(self, *args, **kwargs):
         nxcfg.check_lnc(self.neuron_config.logical_nc_config, self.config.nxdi_lnc)
         cfg = self.config.model_config()
         drafts = self.config.nxdi_num_draft_tokens
+        order = asm.graph_order(self.config.nxdi_context_buckets)
         asm.check_routes({m: tuple(asm.runtime_example(cfg, m, self.neuron_config.torch_dtype, drafts).values())
-                          for m in asm.GRAPHS})
-        for mode in asm.GRAPHS:  # the round graph first (module docstring)
+                          for m in order})
+        for mode in order:  # the round graph first (module docstring)
             self._add(mode)
 
     def get_compiler_args(self):
+        """The decode graphs' arguments (each graph gets its own in :meth:`_add`)."""
         return nxcfg.compiler_args(self.neuron_config.logical_nc_config, self.config.nxdi_backend)
 
     @classmethod
@@ -268,8 +299,9 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
 
 
 class NeuronEngine:
-    """A ``harness.engines.Engine`` over a compiled and loaded application (no host-side state: prompts are
-    prefilled teacher-forced through the decode graphs, ``harness.speculative.Decoder``)."""
+    """A ``harness.engines.Engine`` over a compiled and loaded application (no host-side state). ``buckets``: the
+    context graphs' chunk lengths (modes ``context_C`` of :meth:`run`): ``harness.nxdi.context.context_decoder``
+    prefills through them, ``harness.speculative.Decoder`` teacher-forced through the decode graphs."""
 
     name = "nxdi"
 
@@ -279,6 +311,7 @@ class NeuronEngine:
         self.dtype = app.neuron_config.torch_dtype
         self.max_len = int(app.config.nxdi_max_len)
         self.drafts = int(app.config.nxdi_num_draft_tokens)  # K: the host loop runs rounds of K drafts
+        self.buckets = tuple(int(b) for b in app.config.nxdi_context_buckets)
         self.launches = 0
 
     @staticmethod

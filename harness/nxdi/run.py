@@ -9,7 +9,12 @@
 
 ``decode --executor neuron`` (default) drives the compiled NxDI application; ``--executor cpu`` runs the
 same per-rank work on this machine (``harness.engines``: the xla backend over one thread per rank, the
-megakernel under nkisim) behind the same host loop, prefilled the same way (teacher-forced). The chained MTP
+megakernel under nkisim) behind the same host loop. Prefill (``--prefill``): ``context`` (default) encodes the
+prompt with the context-encoding graphs, one per chunk-length bucket (``convert --context-buckets``; the NKI
+prefill kernels, or their PyTorch twins for the xla backend; ``harness.nxdi.context``), whole buckets first and
+the tail shorter than the smallest bucket teacher-forced; on the cpu executor the xla backend runs the same
+context function in process and the megakernel backend the NKI prefill pass of ``harness.prefill``.
+``teacher-forced`` feeds the whole prompt through the round graph, K + 1 tokens per launch. The chained MTP
 drafts per round (``--num-draft-tokens K``, 1..3) are fixed at conversion: the round graph's inputs and outputs
 and the decode state's K + 1 GDN checkpoint slots depend on K. Before touching the Neuron SDK, ``compile`` and
 ``decode --executor neuron`` check the converted directory: its TP, LNC, dtype, max length and K against
@@ -58,6 +63,10 @@ def parse_args(argv):
                    help=f"chained MTP drafts per round the graphs are built for, 1..{MAX_DRAFTS} (default "
                         f"{DEFAULT_DRAFTS}): the verify runs K + 1 tokens, the decode state holds K + 1 GDN "
                         f"checkpoint slots")
+    c.add_argument("--context-buckets", metavar="C1,C2,..",
+                   help="chunk lengths of the context-encoding graphs (one graph each; multiples of 64, at most "
+                        "--max-len; 'none': no context graph). Default: the powers of two from 64 to "
+                        "min(4096, --max-len)")
 
     k = sub.add_parser("compile", help="trace and compile the application (trn2 only)")
     k.add_argument("--converted", type=Path, required=True, help="converted directory (`convert`)")
@@ -77,6 +86,7 @@ def parse_args(argv):
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--no-spec", action="store_true", help="plain greedy decoding, no MTP speculation")
+    _prefill_flag(d)
     d.add_argument("--json", action="store_true", help="print one JSON object")
 
     from harness.nxdi import check
@@ -84,7 +94,18 @@ def parse_args(argv):
                                      "top-1 outside near-ties); exit 1 on FAIL", description=check.__doc__.split("\n\n")[0])
     check.add_arguments(t)
     _expected(t, cpu=True)
+    _prefill_flag(t)
     return ap.parse_args(argv)
+
+
+PREFILLS = ("context", "teacher-forced")
+
+
+def _prefill_flag(parser):
+    parser.add_argument("--prefill", choices=PREFILLS, default="context",
+                        help="context (default): the context-encoding graphs over the prompt's whole buckets, the "
+                             "tail teacher-forced; teacher-forced: the whole prompt through the round graph, K + 1 "
+                             "tokens per launch (the fallback)")
 
 
 def _expected(parser, cpu: bool = False):
@@ -133,11 +154,14 @@ def cmd_convert(args) -> int:
     from harness.nxdi.convert import write_converted
     from model.config import ConfigError
     from model.weights import CheckpointError, load_checkpoint
+    from harness.nxdi.context import ContextError, check_buckets, parse_buckets
     try:
+        buckets = None if args.context_buckets is None else check_buckets(parse_buckets(args.context_buckets),
+                                                                          args.max_len)
         cfg, params = load_checkpoint(args.model_path, dtype=DTYPES[args.dtype])
         write_converted(args.out, cfg, params, args.backend, args.max_len, args.tp, args.lnc,
-                        progress=lambda s: print(s, file=sys.stderr), drafts=args.num_draft_tokens)
-    except (CheckpointError, ConfigError, AssemblyError) as e:
+                        progress=lambda s: print(s, file=sys.stderr), drafts=args.num_draft_tokens, buckets=buckets)
+    except (CheckpointError, ConfigError, AssemblyError, ContextError) as e:
         raise UsageError(str(e)) from None
     return 0
 
@@ -193,10 +217,24 @@ def _prompt(args, cfg, tokenizer) -> list[int]:
         raise UsageError(str(e)) from None
 
 
+def decoder(args, engine):
+    """The host loop's decoder over ``engine`` with the prefill of ``--prefill`` (module docstring)."""
+    from harness.speculative import Decoder
+    if args.prefill == "teacher-forced":
+        return Decoder(engine)
+    from harness.nxdi.context import XlaContextEngine, context_decoder, default_buckets
+    if args.executor == "neuron":
+        return context_decoder(engine)
+    if engine.name == "xla":
+        return context_decoder(XlaContextEngine(engine, default_buckets(engine.cfg.max_position_embeddings)))
+    from harness.prefill import _decoder_class as nki_prefill_decoder   # NkiPrefillDecoder (harness.prefill)
+    return nki_prefill_decoder()(engine)
+
+
 def cmd_decode(args) -> int:
     from harness.decode import UsageError as DecodeUsage
     from harness.decode import load_tokenizer
-    from harness.speculative import Decoder, generate
+    from harness.speculative import generate
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
     if args.prompt_ids is not None:
@@ -218,14 +256,15 @@ def cmd_decode(args) -> int:
     ids = _prompt(args, cfg, tokenizer)
     if not args.no_spec and not cfg.mtp_num_hidden_layers:
         raise UsageError("the checkpoint has no MTP head; use --no-spec")
-    variant = Decoder(engine)       # teacher-forced prefill through the decode graphs, on both executors
+    variant = decoder(args, engine)
     t0 = time.perf_counter()
     try:
         res = generate(variant, ids, args.max_new_tokens, eos_ids=cfg.eos_token_id, spec=not args.no_spec)
     except ValueError as e:
         raise UsageError(str(e)) from None
     seconds = time.perf_counter() - t0
-    out = {**res.to_dict(), "executor": args.executor, "launches": engine.launches, "seconds": round(seconds, 3)}
+    out = {**res.to_dict(), "executor": args.executor, "launches": engine.launches, "seconds": round(seconds, 3),
+           "prefill": getattr(variant, "prefill_info", None) or {"backend": "teacher-forced"}}
     if args.executor == "cpu":
         out["backend"] = args.backend
     if args.json:
@@ -235,7 +274,12 @@ def cmd_decode(args) -> int:
         print(text)
         mode = "plain greedy" if args.no_spec else (f"{res.rounds} rounds of {res.drafts} draft(s), "
                                                     f"{res.tokens_per_round:.2f} tokens/round")
-        print(f"{len(res.tokens)} tokens, {mode}, {engine.launches} launches (prefill included), {seconds:.2f} s")
+        pre = out["prefill"]
+        how = pre["backend"] if "chunks" not in pre else \
+            f"{pre['backend']}: {len(pre['chunks'])} chunk(s)" + (f", {pre['tail']} tail tokens teacher-forced"
+                                                                 if "tail" in pre else "")
+        print(f"{len(res.tokens)} tokens, {mode}, {engine.launches} launches (prefill included: {how}), "
+              f"{seconds:.2f} s")
     return 0
 
 
@@ -247,7 +291,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--num-draft-tokens must be in 1..{MAX_DRAFTS}, found {K}")
         if args.command == "check":
             from harness.nxdi import check
-            return check.cmd(args, _engine, UsageError)
+            return check.cmd(args, _engine, UsageError, decoder)
         return {"convert": cmd_convert, "compile": cmd_compile, "decode": cmd_decode}[args.command](args)
     except UsageError as e:
         print(f"harness.nxdi.run: error: {e}", file=sys.stderr)

@@ -593,11 +593,14 @@ def test_link_rank_files_and_compiled_check(converted, tmp_path):
         nxconv.check_compiled(tmp_path / "k", meta, converted)
     nc = {"tp_degree": 4, "torch_dtype": "float32"}
     good = {"neuron_config": nc, "nxdi_backend": "xla", "nxdi_lnc": 2, "nxdi_max_len": 32, "nxdi_num_draft_tokens": 1,
-            "nxdi_param_specs": meta["param_specs"]}
+            "nxdi_context_buckets": meta["context_buckets"], "nxdi_param_specs": meta["param_specs"]}
     (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps(good))
     nxconv.check_compiled(tmp_path / "k", meta, converted)
     (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps({**good, "nxdi_max_len": 64}))
     with pytest.raises(nxconv.ConvertError, match="max_len=64 vs 32"):
+        nxconv.check_compiled(tmp_path / "k", meta, converted)
+    (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps({**good, "nxdi_context_buckets": [64]}))
+    with pytest.raises(nxconv.ConvertError, match=r"context_buckets=\[64\] vs \[\]"):
         nxconv.check_compiled(tmp_path / "k", meta, converted)
 
 

@@ -125,7 +125,8 @@ def test_conversion_records_k_and_refuses_another(converted, tmp_path):
     meta = nxconv.read_meta(converted[2])
     nxconv.link_rank_files(converted[2], tmp_path / "k", 4)
     good = {"neuron_config": {"tp_degree": 4, "torch_dtype": "float32"}, "nxdi_backend": "xla", "nxdi_lnc": 2,
-            "nxdi_max_len": MAX_LEN, "nxdi_num_draft_tokens": 2, "nxdi_param_specs": meta["param_specs"]}
+            "nxdi_max_len": MAX_LEN, "nxdi_num_draft_tokens": 2, "nxdi_context_buckets": meta["context_buckets"],
+            "nxdi_param_specs": meta["param_specs"]}
     (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps(good))
     nxconv.check_compiled(tmp_path / "k", meta, converted[2])
     (tmp_path / "k" / nxconv.COMPILED_CONFIG_FILE).write_text(json.dumps({**good, "nxdi_num_draft_tokens": 1}))
