@@ -1,0 +1,266 @@
+"""The NxDI context-encoding graphs (harness/nxdi/context.py) on CPU. Nothing here runs NxDI or the compiler.
+
+* Plain: buckets (defaults, refusals), the schedule of a prompt (whole buckets, then the teacher-forced tail: every
+  prompt position encoded exactly once), the graphs' run-time inputs, registration order, routes and aliasing.
+* The xla backend's context function (``context.xla_context``) in process, one thread per rank: after a prefill of
+  one chunk + tail and of two chunks, the first token, hidden and decode state (every GDN state and window, trunk
+  and MTP K/V rows) equal the reference model's prefill (fp32, 1e-4 of the scale).
+* The trn2 module against the faithful fakes (tests/harness/nxd_fakes.py): the context graphs registered between
+  step and reset with their own prefill configs, warmup runs them, and the compile / load / context prefill /
+  round / step flow gives plain greedy's tokens for prompts of one chunk, one chunk + tail and two chunks + tail
+  (xla backend; megakernel backend under nkisim, ``@pytest.mark.slow``: each rank's prefill kernel call is one
+  TP=4 x LNC=2 nkisim launch, the fused residual all-reduce with its collectives included); through the CLI, with
+  ``--prefill teacher-forced`` as the fallback; bad input is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compare import assert_close
+from decoding import ReferenceDecoder, alternating, reference_greedy
+from harness.engines import make_engine
+from harness.nxdi import assembly as asm
+from harness.nxdi import context as ctx
+from harness.nxdi import convert as nxconv
+from harness.speculative import generate
+from megakernel import plan as rp
+from model.params import random_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nxd_fakes  # noqa: E402
+
+BUCKETS = (64, 128)
+MAX_LEN = 224
+
+
+def prompt_of(n: int, seed: int = 1) -> list[int]:
+    return [int(i) for i in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_cfg):
+    return tiny_cfg, random_params(tiny_cfg, seed=3, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plain logic
+# --------------------------------------------------------------------------------------------------
+def test_default_and_checked_buckets():
+    assert ctx.default_buckets(32) == ()
+    assert ctx.default_buckets(300) == (64, 128, 256)
+    assert ctx.default_buckets(1 << 20) == (64, 128, 256, 512, 1024, 2048, 4096)
+    assert ctx.check_buckets([128, 64, 64], 200) == (64, 128)
+    assert ctx.check_buckets([], 200) == ()
+    assert ctx.parse_buckets("64, 512") == (64, 512) and ctx.parse_buckets("none") == ()
+    for bad, match in (([100], "not a positive multiple of 64"), ([0], "multiple of 64"),
+                       ([256], "exceeds the decode state's 200"), (["x"], "integers")):
+        with pytest.raises(ctx.ContextError, match=match):
+            ctx.check_buckets(bad, 200)
+    with pytest.raises(ctx.ContextError, match="comma-separated"):
+        ctx.parse_buckets("64;128")
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 128, 129, 200, 255, 256])
+def test_schedule_encodes_every_prompt_position_once(n, K):
+    s = ctx.schedule(n, BUCKETS, K)
+    covered, pos = [], 0
+    for start, b in s.chunks:                       # whole buckets from 0, largest first
+        assert start == pos and b in BUCKETS
+        covered += range(start, start + b)
+        pos += b
+    assert s.tail_start == pos and n - pos < min(BUCKETS)
+    if pos == 0:
+        assert s.tail == rp.teacher_forced_launches(n, K)   # too short for a bucket: teacher-forced, as before
+    for launch in s.tail if pos else ():
+        assert launch.mode == "round" and 1 <= launch.accepted <= K + 1
+        assert launch.forced == (launch.pos + 1 if launch.accepted > 1 else None)
+    for launch in s.tail:
+        covered += range(launch.pos, launch.pos + launch.accepted)
+    assert covered == list(range(n))
+    assert s.launches == len(s.chunks) + len(s.tail)
+    assert ctx.schedule(n, (), K).tail == rp.teacher_forced_launches(n, K)
+    with pytest.raises(ctx.ContextError, match="empty"):
+        ctx.schedule(0, BUCKETS)
+
+
+def test_context_inputs(tiny_cfg):
+    prompt = prompt_of(70)
+    rt = ctx.context_inputs(tiny_cfg, prompt, 0, 64)
+    assert list(rt) == list(ctx.INPUTS)
+    assert rt["ids"].shape == (65, 1) and rt["ids"].dtype == np.int32
+    assert rt["ids"][:, 0].tolist() == prompt[:65]                    # the chunk and the token after it
+    assert ctx.context_inputs(tiny_cfg, prompt[:64], 0, 64)["ids"][64, 0] == 0   # the chunk ends the prompt
+    cos, sin = rp.rope_rows(tiny_cfg, 6, 64)
+    rt = ctx.context_inputs(tiny_cfg, prompt, 6, 64)
+    assert rt["start"].tolist() == [[6]] and np.array_equal(rt["cos"], cos) and np.array_equal(rt["sin"], sin)
+    for spec in ctx.input_specs(tiny_cfg, 64):
+        assert rt[spec.name].shape == spec.shape and str(rt[spec.name].dtype) == spec.dtype
+    with pytest.raises(ctx.ContextError, match="outside"):
+        ctx.context_inputs(tiny_cfg, prompt, 10, 64)
+    with pytest.raises(ctx.ContextError, match="token ids"):
+        ctx.context_inputs(tiny_cfg, [tiny_cfg.vocab_size] * 64, 0, 64)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_graph_order_routes_inputs_and_aliases(tiny_cfg, K):
+    order = asm.graph_order((128, 64))
+    assert order == ("round", "step", "context_64", "context_128", "reset")   # the round first, the reset last
+    assert asm.graph_order() == asm.GRAPHS
+    examples = {m: tuple(asm.runtime_example(tiny_cfg, m, torch.bfloat16, K).values()) for m in order}
+    asm.check_routes(examples)                       # NxD routes by shapes only: every graph's differ
+    assert [tuple(t.shape) for t in examples["context_64"]] == [(65, 1), (1, 1), (64, tiny_cfg.rotary_dim),
+                                                                 (64, tiny_cfg.rotary_dim)]
+    assert asm.graph_inputs("context_64") == ctx.INPUTS
+    assert asm.output_names("context_64") == asm.output_names("round")
+    assert asm.state_aliases("context_128") == asm.state_aliases("round")
+    assert asm.graph_states("context_64", asm.state_specs(tiny_cfg, 4, 128, torch.float32, K)) == list(rp.STATE)
+    with pytest.raises(asm.AssemblyError, match="context_<bucket>"):
+        asm.graph_inputs("context_x")
+
+
+# --------------------------------------------------------------------------------------------------
+# The xla backend's context function in process vs the reference prefill
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, buckets, chunks", [(70, (64,), [[0, 64]]), (128, (64,), [[0, 64], [64, 64]])])
+def test_xla_context_prefill_equals_the_reference_prefill(tiny, n, buckets, chunks):
+    cfg, params = tiny
+    prompt = prompt_of(n)
+    ref = ReferenceDecoder(cfg, params)
+    first_ref, h_ref = ref.prefill(prompt, n + 4)
+    v = ctx.context_decoder(ctx.XlaContextEngine(make_engine("xla", cfg, params, tp=4), buckets))
+    first, hidden = v.prefill(prompt, n + 4)
+    assert v.prefill_info["chunks"] == chunks and v.prefill_info["tail"] == n - 64 * len(chunks)
+    assert first == first_ref
+    assert_close(hidden, h_ref, rel=1e-4, name="hidden")
+    got, want = v.committed(n), ref.committed(n)
+    assert set(got) == set(want) and any(k.startswith("mtp_kv") for k in want)
+    for k in want:
+        assert_close(got[k], want[k], rel=1e-4, name=k)
+
+
+# --------------------------------------------------------------------------------------------------
+# The trn2 module against the fakes
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_nxd(monkeypatch, tmp_path):
+    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd_work"))
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    yield nxd_fakes.install(monkeypatch)
+    nxd_fakes.uninstall()
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    """A converted xla directory of the tiny model (float32, max_len 224, context buckets 64 and 128)."""
+    cfg, params = tiny
+    return nxconv.write_converted(tmp_path_factory.mktemp("conv") / "xla", cfg, params, "xla", MAX_LEN,
+                                  buckets=BUCKETS)
+
+
+def test_context_graphs_registered_compiled_and_warmed_up(fake_nxd, converted, tmp_path, monkeypatch):
+    m = fake_nxd
+    app = m.Qwen36ForCausalLM(str(converted), config=m.Qwen36InferenceConfig.from_converted(converted))
+    tags = [w.tag for w in app.models]
+    assert tags == ["round_model", "step_model", "context_encoding_model_64", "context_encoding_model_128",
+                    "reset_state_model"]
+    for w, b in zip(app.models[2:4], BUCKETS):
+        nc = w.neuron_config
+        assert nc.is_prefill_stage is True and nc.buckets == [b] and nc.n_active_tokens == b
+        assert "-O1" in w.compiler_args and "--cc-pipeline-tiling-factor=2" in w.compiler_args
+    assert all(w.neuron_config.is_prefill_stage is False for w in app.models if w not in app.models[2:4])
+    m.NeuronEngine.compile(converted, tmp_path / "k")
+    runs = []
+    real = nxd_fakes.TracedGraph.run
+    monkeypatch.setattr(nxd_fakes.TracedGraph, "run", lambda self, inputs: runs.append(self.key) or real(self, inputs))
+    eng = m.NeuronEngine.load(converted, tmp_path / "k")
+    assert runs == tags + ["reset_state_model"]      # warmup ran every graph in order, then the engine reset
+    assert eng.buckets == BUCKETS
+    graph = eng.app.traced_model.nxd_model.models["context_encoding_model_64"]
+    assert set(graph.aliases) == {asm.STATES_PREFIX + n for n in rp.STATE}   # every state aliased, none a weight
+    assert not any(k.startswith(asm.STATES_PREFIX) for k in graph.weight_specs)
+
+
+@pytest.mark.parametrize("n, chunks", [(64, [[0, 64]]), (70, [[0, 64]]), (200, [[0, 128], [128, 64]])])
+def test_xla_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, converted, tmp_path, n, chunks):
+    cfg, params = tiny
+    prompt = prompt_of(n)
+    plain = reference_greedy(cfg, params, prompt, 8)
+    fake_nxd.NeuronEngine.compile(converted, tmp_path / "k")
+    v = ctx.context_decoder(fake_nxd.NeuronEngine.load(converted, tmp_path / "k", warmup=False))
+    res = generate(v, prompt, 8, draft_source=alternating(prompt, plain, cfg.vocab_size))
+    assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
+    assert v.prefill_info["chunks"] == chunks and v.prefill_info["tail"] == n - sum(b for _, b in chunks)
+    assert v.launches == ctx.schedule(n, BUCKETS).launches + res.rounds
+    assert generate(v, prompt, 8).tokens == plain                # the MTP's own drafts after the context prefill
+    assert generate(v, prompt, 8, spec=False).tokens == plain    # the step graph after it
+
+
+def test_cli_context_prefill_fallback_and_bad_input(fake_nxd, tiny, converted, tmp_path, capsys):
+    from harness.nxdi import run
+    cfg, params = tiny
+    prompt = prompt_of(70)
+    plain = reference_greedy(cfg, params, prompt, 6)
+    k = str(tmp_path / "k")
+    assert run.main(["compile", "--converted", str(converted), "--compiled", k]) == 0
+    base = ["decode", "--converted", str(converted), "--compiled", k, "--prompt-ids", ",".join(map(str, prompt)),
+            "--max-new-tokens", "6", "--json", "--skip-warmup"]
+    assert run.main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == plain and out["prefill"] == {"backend": "context", "chunks": [[0, 64]], "tail": 6,
+                                                         "launches": 4}
+    assert run.main(base + ["--prefill", "teacher-forced"]) == 0   # the fallback: the round graph only
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == plain and out["prefill"] == {"backend": "teacher-forced"}
+    assert out["launches"] == len(rp.teacher_forced_launches(70)) + out["rounds"]
+    _refused(capsys, base[:5] + ["--prompt-ids", ",".join(["5"] * 220), "--max-new-tokens", "6"],
+             "the sequence needs 227 positions")
+    _refused(capsys, ["convert", "--model-path", str(tmp_path), "--out", str(tmp_path / "c"), "--max-len", "256",
+                      "--context-buckets", "64,100"], "context bucket 100 is not a positive multiple of 64")
+    _refused(capsys, ["convert", "--model-path", str(tmp_path), "--out", str(tmp_path / "c"), "--max-len", "100",
+                      "--context-buckets", "128"], "exceeds the decode state's 100 positions")
+
+
+def _refused(capsys, argv, match):
+    from harness.nxdi import run
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("harness.nxdi.run: error: ") and match in err, err
+
+
+def test_cpu_executor_context_prefill(tiny, tmp_path, capsys):
+    """``decode --executor cpu`` (no fakes): the xla backend runs ``context.xla_context`` in process."""
+    from harness.nxdi import run
+    from model.weights import save_checkpoint
+    cfg, params = tiny
+    save_checkpoint(tmp_path / "hf", cfg, params)
+    prompt = prompt_of(66)
+    plain = reference_greedy(cfg, params, prompt, 4)
+    assert run.main(["decode", "--executor", "cpu", "--model-path", str(tmp_path / "hf"), "--dtype", "float32",
+                     "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == plain and out["prefill"]["chunks"] == [[0, 64]] and out["prefill"]["tail"] == 2
+
+
+@pytest.mark.slow  # ~2 minutes per case on 2 cores: every prefill kernel of every layer under nkisim, 4 ranks x 2 cores
+@pytest.mark.parametrize("n, buckets", [(66, (64,)), (130, (64,))])
+def test_megakernel_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path, n, buckets):
+    """The megakernel backend's context graph under nkisim: embedding, RMSNorm, gdn_prefill / attention_prefill,
+    residual_allreduce_stage (with its collectives), moe_prefill, the MTP fc and attention, the head stage, each
+    one joined TP=4 x LNC=2 launch; one chunk + tail and two chunks + tail, then rounds."""
+    cfg, params = tiny
+    prompt = prompt_of(n)
+    plain = reference_greedy(cfg, params, prompt, 4)
+    conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", n + 8, buckets=buckets)
+    fake_nxd.NeuronEngine.compile(conv, tmp_path / "k")
+    v = ctx.context_decoder(fake_nxd.NeuronEngine.load(conv, tmp_path / "k", warmup=False))
+    res = generate(v, prompt, 4, draft_source=alternating(prompt, plain, cfg.vocab_size))
+    assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
+    assert v.prefill_info["chunks"] == [[64 * i, 64] for i in range(n // 64)] and v.prefill_info["tail"] == n % 64
