@@ -47,7 +47,8 @@ import nki.isa as nisa
 import nki.language as nl
 from megakernel import plan as rp
 from nki_kernels.common import P, kernel_assert, program_sharding
-from nki_kernels.rmsnorm_prefill import broadcast_weight, feature_major_tile, rmsnorm_rows_tile
+from nki_kernels.rmsnorm_prefill import (broadcast_weight, feature_major_tile, residual_norm_tile,
+                                         rmsnorm_rows_tile)
 
 CHUNK = 4096            # default prompt tokens per chunk (the prefill kernels' measured sizes: 1K .. 4K)
 GDN_BLOCK = 64          # chunk lengths (except the last) must be multiples of the GDN kernel's block
@@ -445,22 +446,8 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
         if q < 0:
             continue
         t0, rows, kk = mine_groups[q]
-        F = kk * H
-        xq = xs[q % 3]
-        nisa.tensor_tensor(dst=xq[0:rows, 0:F], data1=xq[0:rows, 0:F], data2=sums[q % 3][0:rows, 0:F], op=nl.add)
-        nisa.dma_copy(dst=_group_rows(out, t0 * H, rows, kk, H), src=xq[0:rows, 0:F])
-        if norm_t != None:
-            xt = None
-            if norm_out == "xT":
-                xt = nl.ndarray((P, J, kk * P), x.dtype, buffer=nl.sbuf, name="ar_pf_xT")
-            for s in range(kk):
-                normed = rmsnorm_rows_tile(xq[:, s * H:(s + 1) * H], wb, rows, eps)
-                if norm_out == "rows":
-                    nisa.dma_copy(dst=norm_t[t0 + s * P:t0 + s * P + rows, :], src=normed[0:rows, :])
-                else:
-                    feature_major_tile(normed, rows, ident, xt, s * P)
-            if norm_out == "xT":
-                nisa.dma_copy(dst=norm_t[:, :, t0:t0 + kk * rows], src=xt[:, :, 0:kk * rows])
+        residual_norm_tile(xs[q % 3], sums[q % 3], rows, kk, H, _group_rows(out, t0 * H, rows, kk, H), norm_t,
+                           norm_out, t0, wb, ident, eps)
     if norm_t != None:
         return out, norm_t
     return out

@@ -109,6 +109,32 @@ def feature_major_tile(rows, nt, ident, xt=None, col=0):
     return xt
 
 
+def residual_norm_tile(xs, total, rows, kk, H, out_rows, norm_t, norm_out, t0, wb, ident, eps):
+    """The step after a cross-core / cross-rank sum: ``xs[0:rows, 0:kk H] += total`` (the new residual, rounded to
+    the activation dtype; ``xs`` SBUF residual rows, ``total`` their float32 sum, both [P, >= kk H] in sub-tile
+    groups: column block s holds tokens t0 + 128 s + p on partition p) written to ``out_rows`` (the HBM access
+    pattern of those rows), and with ``norm_out`` "rows" / "xT" its RMSNorm per sub-tile (``wb``
+    :func:`broadcast_weight`, ``ident`` the identity for the transposes) into ``norm_t`` (HBM rows ``[N, H]`` or
+    xT ``[P, H/P, N]``)."""
+    F = kk * H
+    J = H // P
+    nisa.tensor_tensor(dst=xs[0:rows, 0:F], data1=xs[0:rows, 0:F], data2=total[0:rows, 0:F], op=nl.add)
+    nisa.dma_copy(dst=out_rows, src=xs[0:rows, 0:F])
+    if norm_out == "none":
+        return
+    xt = None
+    if norm_out == "xT":
+        xt = nl.ndarray((P, J, kk * P), xs.dtype, buffer=nl.sbuf, name="rmsp_res_xT")
+    for s in range(kk):
+        normed = rmsnorm_rows_tile(xs[:, s * H:(s + 1) * H], wb, rows, eps)
+        if norm_out == "rows":
+            nisa.dma_copy(dst=norm_t[t0 + s * P:t0 + s * P + rows, :], src=normed[0:rows, :])
+        else:
+            feature_major_tile(normed, rows, ident, xt, s * P)
+    if norm_out == "xT":
+        nisa.dma_copy(dst=norm_t[:, :, t0:t0 + kk * rows], src=xt[:, :, 0:kk * rows])
+
+
 def rmsnorm_prefill_body(x, w1, eps, rows_out=None, xT_out=None):
     """Body: residual chunk ``x [N, H]`` (HBM) -> normed ``rows_out [N, H]`` and/or ``xT_out [P, H/P, N]`` (HBM,
     activation dtype; module docstring). This core normalises the groups of :data:`GROUP` 128-token tiles c,
