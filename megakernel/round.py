@@ -155,8 +155,9 @@ def verify(plan, stage, t, ids, rg, regs, core):
     """V: the trunk on ids SBUF [T, 1] at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H])."""
     x = embedding_body(t.embed, ids)
     pos, cos, sin = _stage_inputs(stage, t)
-    for layer in stage.layers:
-        x = decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core)
+    layers = stage.layers
+    for i in range(len(layers)):
+        x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i))
     xT = rmsnorm_body(x, t.norms[plan.norms.final], plan.eps)
     return token_ids_from_best(_greedy(plan, t, xT, rg, core)), token_major(xT)
 
@@ -168,15 +169,20 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 
 
 # ---- layers --------------------------------------------------------------------------------------------------
-def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
+def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None):
     """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
-    all-reduced over the TP x LNC cores."""
+    all-reduced over the TP x LNC cores. ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``;
+    None: none); its weights are issued into the launch's arena as soon as this layer's mixer is done, so they stream
+    under the all-reduces, the norm and the routing instead of at the top of that layer."""
     g = t.gdn
     wg = None
-    if layer.kind != ATTENTION:     # GDN weights into the launch's arena, issued before the norm: the stream
-        if regs.gdn == None:        # overlaps the previous layer's all-reduce (issue 15)
+    if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
+        if regs.gdn == None:        # layer of the stage, else issued here, before the norm
             regs.gdn = gdn_weight_tiles(g[0], g[5])
-        wg = gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
+        if regs.gdn_layer != layer.mixer:
+            gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
+        wg = regs.gdn
+        regs.gdn_layer = -1
     xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs)
@@ -184,9 +190,37 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core):
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
                      layer=layer.mixer, weights=wg)
     wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
+    if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
+        if regs.gdn == None:
+            regs.gdn = gdn_weight_tiles(g[0], g[5])
+        gdn_weights(g[0], g[5], next_gdn.mixer, regs.gdn)
+        regs.gdn_layer = next_gdn.mixer
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs, wm), rg))
+
+
+def _next_gdn(layers, i):
+    """The first GDN layer after ``layers[i]`` if that is a GDN layer (which prefetches its weights), else None."""
+    if layers[i].kind == ATTENTION:
+        return None
+    for j in range(i + 1, len(layers)):
+        if layers[j].kind != ATTENTION:
+            return layers[j]
+    return None
+
+
+def _first_gdn(plan, stage):
+    """For the first draft stage: the verify's first GDN layer (its weights are prefetched by the draft's MTP layer,
+    while the draft is latency-bound); else None."""
+    if stage.kind != DRAFT or stage.draft != 0:
+        return None
+    for s in plan.stages:
+        if s.kind == VERIFY:
+            for layer in s.layers:
+                if layer.kind != ATTENTION:
+                    return layer
+    return None
 
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
@@ -205,7 +239,7 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     x = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
     nisa.tensor_copy(dst=x, src=fc)
     pos, cos, sin = _stage_inputs(stage, t)
-    x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core)
+    x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage))
     return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps)
 
 
@@ -302,6 +336,7 @@ class Registers(nl.NKIObject):
     def __init__(self, moe, attention):
         self.moe, self.attention = moe, attention
         self.gdn = None
+        self.gdn_layer = -1         # the GDN layer whose weight DMAs into the arena are issued and not yet used
 
 
 def _allocate(n):
