@@ -61,7 +61,12 @@ row groups each holding ``H / R`` columns (``geometry``). The blocks stream thro
 buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static and the
 conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
 later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
-buffer; the conditional levels' DMAs are issued in program order while the static slots compute). The router and
+buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
+which more than ``WINDOW`` (3) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
+issued up front and group g + WINDOW's from ScalarE's queue right after group g's ``silu`` (its
+ring positions were consumed a group earlier, so nothing else holds it back). DMAs in flight share the DMA and HBM
+bandwidth, so the first groups arrive sooner and the PE starts earlier, while the stream stays busy (issue 15,
+bench/decode_speed.md). The router and
 shared-expert blocks do not depend on the routing: ``moe_weights`` issues them (a caller does so before the
 post-attention norm, so they fly under it), else the body does first. The ACT's exp table is loaded by a dummy
 activation while they fly.
@@ -110,6 +115,7 @@ MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
 GROUP = 2          # slots whose gate|up matmuls share one moving operand (group_size)
 LEVEL = 4          # conditional slots per nesting level (_conditional_levels)
+WINDOW = 3         # slot groups in flight in a stream (_stream; >= 2: group g+1's gate|up precedes g's down)
 IDS_NAME = "moe_expert_ids"    # the on-chip tensors the body loads registers from (harness.register_models)
 TRIPS_NAME = "moe_cond_trips"
 
@@ -294,8 +300,9 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     v8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
     nisa.max8(dst=v8, src=p)
     vk = v8[:, k - 1:k]
-    gt = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=gt, data=p, op0=nl.greater, operand0=vk)
+    gt = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)          # on GpSimd: only the last step (sel) reads it
+    nisa.tensor_tensor(dst=gt, data1=p, data2=v8.ap(pattern=[[MAX8, T], [0, E]], offset=k - 1), op=nl.greater,
+                       engine=nisa.engine.gpsimd)
     c8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=c8, data=v8, op0=nl.greater, operand0=vk)
     ngt = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
@@ -442,18 +449,23 @@ def _gate_up(xT, buf, geo, n):
     return gu
 
 
-def _down(gu, buf, geo, n, wts, c0, mask, acc, first):
+def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None):
     """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
     a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight), one PE
     transpose per slot, one mask multiply into the block-diagonal stationaries z [P, n, R*T] (activation
     dtype), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
-    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites)."""
+    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites). ``refill``: a group (first slot, slots) whose DMAs
+    are issued on ScalarE's queue right after the silu (:func:`_stream`, into ``st``'s ring); returns its ring view,
+    or None."""
     T = gu.shape[0]
     adt = buf.dtype
     f32 = nl.float32
     ic, R, off_d = geo["ic"], geo["R"], geo["off_d"]
     h = nl.ndarray((T, n, ic), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=h, op=nl.silu, data=gu[:, :, 0:ic])
+    view = None
+    if refill != None:
+        view = _issue(st, refill, nisa.engine.scalar)
     aT = nl.ndarray((P, n, T), dtype=f32, buffer=nl.psum)
     for i in range(n):
         a = nl.ndarray((T, R * ic), dtype=f32, buffer=nl.sbuf)      # silu(g) * w_tok * u, repeated R times
@@ -472,6 +484,7 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first):
             nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=buf[:, i, off_d + cs:off_d + cs + cn],
                            accumulate=not first)
         first = False
+    return view
 
 
 def _place(st, n):
@@ -485,10 +498,11 @@ def _place(st, n):
     return st["ring"][:, p:p + n, :]
 
 
-def _issue(st, group):
+def _issue(st, group, engine=None):
     """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
     (round robin over the id registers) that is the ``scalar_offset`` of one HWDGE DMA of the expert's [P, F]
-    block of this core. Returns the group's ring view."""
+    block of this core (triggered from ``engine``'s queue, e.g. ``nisa.engine.scalar``; None: the default).
+    Returns the group's ring view."""
     s0, n = group
     F = st["F"]
     buf = _place(st, n)
@@ -496,9 +510,11 @@ def _issue(st, group):
         r = st["id_regs"][st["next"] % len(st["id_regs"])]
         st["next"] = st["next"] + 1
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
-        nisa.dma_copy(dst=buf[:, i, :], src=st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"],
-                                                           scalar_offset=r, indirect_dim=st["edim"]),
-                      dge_mode=nisa.dge_mode.hwdge)
+        src = st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"], scalar_offset=r, indirect_dim=st["edim"])
+        if engine == None:
+            nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge)
+        else:
+            nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
     return buf
 
 
@@ -517,15 +533,20 @@ def _ahead(groups, Ns):
 def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
     """Run ``groups`` (consecutive slot groups) through the ring: ``bufs`` holds the ring views of the groups
     issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
-    right after the down projection of the group whose ring positions it takes. On the PE the gate|up of group
+    right after the down projection of the group whose ring positions it takes -- or, when more than ``WINDOW``
+    of them fit, WINDOW groups up front and group g + WINDOW right after group g's silu (ScalarE-triggered, see
+    :func:`_down`). On the PE the gate|up of group
     g + 1 is issued before the rest of group g (the PE works while ACT / DVE finish group g). Accumulates into
     acc (``first``: the first matmul overwrites)."""
     ng = len(groups)
     ahead = max(len(bufs), _ahead(groups, st["ring"].shape[1]))
+    lead = ahead
+    if WINDOW < ahead:
+        lead = max(len(bufs), WINDOW)
     views = []
     for g in range(ng):
         views.append(bufs[g] if g < len(bufs) else None)
-    for g in range(len(bufs), min(ahead, ng)):
+    for g in range(len(bufs), min(lead, ng)):
         views[g] = _issue(st, groups[g])
     gu_next = _gate_up(xT, views[0], geo, groups[0][1])
     for g in range(ng):
@@ -533,10 +554,15 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         if g + 1 < ng:
             gu_next = _gate_up(xT, views[g + 1], geo, groups[g + 1][1])
         s0, n = groups[g]
-        _down(gu, views[g], geo, n, wts, s0, mask, acc, first)
+        refill = None
+        if lead < ahead and g + lead < ng:
+            refill = groups[g + lead]
+        v = _down(gu, views[g], geo, n, wts, s0, mask, acc, first, st, refill)
+        if refill != None:
+            views[g + lead] = v
         first = False
         views[g] = None
-        if g + ahead < ng:
+        if lead == ahead and g + ahead < ng:
             views[g + ahead] = _issue(st, groups[g + ahead])
 
 
@@ -710,8 +736,9 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
 
     # 2. routing; the shared expert's gate|up is issued on the PE between the router matmuls and the routing's
     # own later matmuls (the PE would otherwise idle while DVE ranks the experts)
+    lg_ps = _router_logits(xT, r_sb)
     gu_s = _gate_up(xT, sh, geo_s, 1)
-    lg, w, keys, ids, trips = _top_k(_router_logits(xT, r_sb), top_k, S, lnc, pid, adt)
+    lg, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
 
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
@@ -719,7 +746,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
           "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G}
     static = _groups(0, top_k, G)
     first_bufs = []
-    for g in range(min(_ahead(static, Ns), len(static))):     # DMAs as soon as the ids are known
+    for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known
         first_bufs.append(_issue(st, static[g]))
     gate = _shared_gate(lg)
     wsel = _slot_weights(w, keys, S)
