@@ -11,10 +11,16 @@ d_1 .. d_K] with the trunk and keeps the longest matching prefix plus one token
 (1 .. K + 1 tokens); the output equals plain greedy decoding (--no-spec).
 
     python harness/decode.py --variant xla --temperature 0.7 --top-k 20 --top-p 0.9 --seed 1 --num-samples 4
+    python harness/decode.py --variant megakernel --temperature 0.7 --seed 1 --num-draft-tokens 2
 
-Sampling (xla variant): the drafts are sampled from the MTP head and the standard
-speculative rejection rule keeps the committed tokens distributed exactly as plain
-sampling from the model (harness/sampling.py); the same --seed gives the same tokens.
+Sampling is lossless in every variant (harness/sampling.py): the committed tokens are
+distributed exactly as plain sampling from the model; the same --seed gives the same
+tokens. xla: the drafts are sampled from the MTP head and the standard speculative
+rejection rule decides (--top-k / --top-p supported). layerwise / megakernel: shared
+Gumbel noise per position, the kernels' LM heads take argmax(logit + T * noise) and the
+greedy accept rule stays (the output equals plain Gumbel-max sampling with the same
+noise); --temperature only, no --top-k / --top-p. The schemes differ, so sampling runs
+one --variant at a time.
 Bad input prints one line to stderr and exits with status 2.
 """
 
@@ -80,11 +86,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="FR-Spec: the drafts choose among the N most frequent tokens only (draft_vocab.json of the "
                          "checkpoint, python -m model.draft_vocab); the verify keeps the full vocabulary, so the "
-                         "output is unchanged; N a multiple of 2 x --tp (default: off, full vocabulary; greedy only)")
+                         "output is unchanged; N a multiple of 2 x --tp (default: off, full vocabulary; with "
+                         "--temperature > 0: layerwise / megakernel only)")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="sampling temperature (default 0: greedy); > 0 samples (xla variant)")
-    ap.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (>= 1)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+                    help="sampling temperature (default 0: greedy); > 0 samples, losslessly: xla by the rejection "
+                         "rule, layerwise / megakernel by shared Gumbel noise in the kernels (one --variant)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k most likely tokens (>= 1; --variant xla only)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling mass in (0, 1] (default 1: off; --variant xla only)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0); sample i uses seed + i")
     ap.add_argument("--num-samples", type=int, default=1, metavar="N",
                     help="independent sampled sequences from the same prompt (default 1; --json: 'samples')")
@@ -160,9 +170,9 @@ def draft_vocab_kw(cfg, args) -> dict:
     """``{"draft_ids": ...}`` for --draft-vocab N (``model.draft_vocab.load``), or {} when off."""
     if args.draft_vocab is None:
         return {}
-    if args.no_spec or getattr(args, "temperature", 0) > 0:
-        raise UsageError("--draft-vocab restricts greedy MTP drafts: it needs speculation (no --no-spec) and "
-                         "--temperature 0")
+    if args.no_spec or (getattr(args, "temperature", 0) > 0 and args.variant not in GUMBEL_VARIANTS):
+        raise UsageError("--draft-vocab restricts the MTP drafts: it needs speculation (no --no-spec), and with "
+                         f"--temperature > 0 --variant {' / '.join(GUMBEL_VARIANTS)}")
     from model import draft_vocab
     try:
         return {"draft_ids": draft_vocab.load(args.model_path, args.draft_vocab, cfg.vocab_size, 2 * args.tp)}
@@ -182,7 +192,8 @@ def run_variant(name, variant, ids, args, cfg, sampling=None, sample: int = 0
     return res, time.perf_counter() - t0, variant.launches - launches0
 
 
-SAMPLING_VARIANTS = ("xla",)
+SAMPLING_VARIANTS = ("xla", "layerwise", "megakernel")
+GUMBEL_VARIANTS = ("layerwise", "megakernel")     # sample in the kernels by shared Gumbel noise: temperature only
 
 
 def check_args(args) -> Sampling | None:
@@ -203,8 +214,15 @@ def check_args(args) -> Sampling | None:
             raise UsageError("--top-k / --top-p / --num-samples need --temperature > 0 (temperature 0 is greedy)")
         return None
     if args.variant not in SAMPLING_VARIANTS:
-        raise UsageError(f"sampling (--temperature > 0) runs on --variant {' / '.join(SAMPLING_VARIANTS)} only; the "
-                         f"kernel variants decode greedily (got --variant {args.variant})")
+        raise UsageError(f"sampling (--temperature > 0) runs one --variant at a time ({' / '.join(SAMPLING_VARIANTS)}):"
+                         f" xla (rejection rule) and the kernel variants (shared Gumbel noise) draw different samples "
+                         f"(got --variant {args.variant})")
+    if args.variant in GUMBEL_VARIANTS and (args.top_k is not None or args.top_p != 1):
+        raise UsageError(f"--variant {args.variant} samples with --temperature only; --top-k / --top-p run on "
+                         f"--variant xla")
+    if args.variant in GUMBEL_VARIANTS and args.prefill == "nki":
+        raise UsageError("--prefill nki returns no logits to sample the first token from; with --temperature > 0 "
+                         "use --prefill host or teacher-forced")
     return Sampling(args.temperature, args.top_k or 0, args.top_p, args.seed)
 
 

@@ -14,6 +14,11 @@ committing moves nothing. An engine runs rounds of a fixed number of chained dra
 round plan has K draft stages and a verify of K + 1 tokens, its GDN state K + 1 checkpoint slots. The in-process engines also take a host-built state (``load_state``: the reference
 model's prefill) and give theirs back in the reference layout (``reference_state``, for the decode-state
 invariant tests).
+
+Sampling: the xla variant draws its drafts from the MTP head's processed distributions and returns the
+distributions for the host's rejection rule (``sampler = "rejection"``); the kernel variants sample inside the
+launch by Gumbel-max with host-supplied noise shared by position (``sampler = "gumbel"``: run-time input ``noise``
+[T, V] float32, converted per rank by ``plan.noise_inputs``; ``harness.sampling``), so they return token ids only.
 """
 
 from __future__ import annotations
@@ -76,9 +81,13 @@ def state_tensors(cfg: ModelConfig, tp: int, max_len: int, dtype: torch.dtype, s
 
 
 class HostEngine:
-    """Shared part of the in-process engines: per-rank weights (converted once) and per-rank decode state."""
+    """Shared part of the in-process engines: per-rank weights (converted once) and per-rank decode state.
+    ``sampling``: a ``harness.sampling.Sampling`` while the host samples (None: greedy), set by the host;
+    ``sampler``: how a sampled launch samples (module docstring)."""
 
     name = "base"
+    sampler = "gumbel"
+    sampling = None
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
                  drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None):
@@ -123,18 +132,27 @@ class HostEngine:
     def run(self, mode: str, inputs: dict) -> LaunchResult:
         plan = self.plan(mode)
         inputs = dict(inputs)
-        noise = inputs.pop("draft_noise", None)
-        if (noise is not None) != (getattr(self, "sampling", None) is not None and mode == "round"):
-            raise ValueError(f"{self.name}: draft_noise goes with sampled rounds (engine sampling "
-                             f"{getattr(self, 'sampling', None)}, mode {mode})")
+        key = "draft_noise" if self.sampler == "rejection" else "noise"
+        noise = inputs.pop(key, None)
+        if (noise is not None) != (self.sampling is not None and (mode == "round" or key == "noise")):
+            raise ValueError(f"{self.name}: {key} goes with sampled {'rounds' if key == 'draft_noise' else 'launches'}"
+                             f" (engine sampling {self.sampling}, mode {mode})")
         if set(inputs) != set(rp.input_names(mode)):
             raise ValueError(f"{self.name}: {mode} inputs {sorted(inputs)} differ from {sorted(rp.input_names(mode))}")
         if mode == "round" and inputs["force"].shape[0] != plan.drafts:
             raise ValueError(f"{self.name}: round inputs for {inputs['force'].shape[0]} drafts, the engine runs "
                              f"{plan.drafts}")
         if noise is not None:
-            inputs["draft_noise"] = noise
+            inputs[key] = noise
         return self._run(plan, inputs)
+
+    def rank_noise(self, plan, inputs: dict, rank: int) -> dict:
+        """Rank ``rank``'s noise tensors (``plan.noise_specs``) of a sampled launch's ``noise`` input, {} when
+        greedy."""
+        if "noise" not in inputs:
+            return {}
+        return rp.noise_inputs(plan.mode, inputs["noise"], rank, self.tp, self.lnc, max(plan.drafts, 1),
+                               self.draft_ids)
 
 
 class MegakernelEngine(HostEngine):
@@ -146,8 +164,9 @@ class MegakernelEngine(HostEngine):
         import nkisim
         from megakernel.round import KERNELS
         names = rp.kernel_weights(plan.mode) + rp.EXPERTS + (rp.DRAFT_VOCAB if plan.draft_vocab_per_core else ())
-        per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **inputs}
-                    for w, st in zip(self.weights, self.states)]
+        rt = {k: v for k, v in inputs.items() if k != "noise"}
+        per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **rt, **self.rank_noise(plan, inputs, r)}
+                    for r, (w, st) in enumerate(zip(self.weights, self.states))]
         self.launches += 1
         outs = nkisim.launch(KERNELS[plan.mode], per_rank, tp=self.tp, lnc=self.lnc)
         return read_outputs(*outs[0][:3])   # the state was written in place (nkisim writes argument tensors back)
@@ -159,7 +178,7 @@ class XlaEngine(HostEngine):
     [K, V] float64 and return the distributions ``harness.sampling.accept`` needs)."""
 
     name = "xla"
-    sampling = None
+    sampler = "rejection"
 
     def rank_weights(self, params, rank):
         from harness import xla
@@ -234,14 +253,16 @@ class LayerwiseEngine(HostEngine):
              layer.moe, index, eps) for w in W])
         return self._add(x, outs)
 
-    def _head(self, plan, x, row: int, draft: bool = False):
+    def _head(self, plan, x, row: int, draft: bool = False, noise=None):
         """(greedy token ids [T], post-norm hidden [T, H]) with the lowest global index winning ties; ``draft`` with
-        an FR-Spec draft vocabulary: over the draft head's rows, mapped to their token ids."""
+        an FR-Spec draft vocabulary: over the draft head's rows, mapped to their token ids. ``noise``: per rank the
+        head's ``plan.noise_specs`` tensor [lnc, P, Cp*T] (sampled launches: Gumbel-max tokens), or None."""
         from megakernel import layerwise as lw
         sub = draft and plan.draft_vocab_per_core > 0
         head, vc = ("draft_head", plan.draft_vocab_per_core) if sub else ("lm_head", plan.vocab_per_core)
-        outs = self._launch(lw.head_stage[self.lnc], [(x, w["norms"], row, w[head], plan.eps)
-                                                      for w in self.weights])
+        outs = self._launch(lw.head_stage[self.lnc], [(x, w["norms"], row, w[head], plan.eps,
+                                                       None if noise is None else noise[r])
+                                                      for r, w in enumerate(self.weights)])
         best = torch.cat([torch.as_tensor(b) for b, _ in outs])  # [tp*lnc, T, 2], global core order
         values, local = best[..., 0], best[..., 1]
         idx = local + vc * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
@@ -258,9 +279,9 @@ class LayerwiseEngine(HostEngine):
         self.launches += 1
         return torch.as_tensor(embedding_kernel(table, np.array(ids, np.int32).reshape(-1, 1))[0])
 
-    def _mtp(self, plan, stage, tokens: list[int], hidden, inputs, with_head: bool):
+    def _mtp(self, plan, stage, tokens: list[int], hidden, inputs, with_head: bool, noise=None):
         """The MTP head on tokens [T] and hiddens [T, H] at the stage's positions -> (greedy token, post-norm
-        hidden [1, H]) with the head (T = 1), None without."""
+        hidden [1, H]) with the head (T = 1; ``noise``: the draft's per-rank noise, or None), None without."""
         from megakernel import layerwise as lw
         rows = plan.norms
         e = self._embed(tokens)
@@ -272,7 +293,7 @@ class LayerwiseEngine(HostEngine):
         x = self._layer(plan, stage.layers[0], x, pos, cos, sin, inputs["read_slot"])
         if not with_head:
             return None
-        ids, hm = self._head(plan, x, rows.mtp_final, draft=True)
+        ids, hm = self._head(plan, x, rows.mtp_final, draft=True, noise=noise)
         return ids[0], hm
 
     def _run(self, plan, inputs):
@@ -280,9 +301,11 @@ class LayerwiseEngine(HostEngine):
         ids = [pending]
         h = as_torch(inputs["hidden"]) if plan.drafts else None
         targets = hidden = None
+        noise = [self.rank_noise(plan, inputs, r) for r in range(self.tp)] if "noise" in inputs else None
         for stage in plan.stages:
             if stage.kind == rp.DRAFT:
-                draft, h = self._mtp(plan, stage, [ids[-1]], h, inputs, with_head=True)
+                nd = None if noise is None else [n["noise_d1"][:, stage.draft].contiguous() for n in noise]
+                draft, h = self._mtp(plan, stage, [ids[-1]], h, inputs, with_head=True, noise=nd)
                 force = np.asarray(inputs["force"])[stage.draft]
                 ids.append(int(force[1]) if force[0] else draft)
             elif stage.kind == rp.VERIFY:
@@ -290,7 +313,8 @@ class LayerwiseEngine(HostEngine):
                 pos, cos, sin = _stage_inputs(stage, inputs)
                 for layer in stage.layers:
                     x = self._layer(plan, layer, x, pos, cos, sin, inputs["read_slot"])
-                targets, hidden = self._head(plan, x, plan.norms.final)
+                targets, hidden = self._head(plan, x, plan.norms.final,
+                                             noise=None if noise is None else [n["noise_v"] for n in noise])
             else:
                 self._mtp(plan, stage, ids[1:], hidden[:plan.drafts], inputs, with_head=False)
         return LaunchResult(ids[1:] or ids, targets, hidden)

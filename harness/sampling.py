@@ -20,6 +20,33 @@ lossless single-draft scheme.
 
 Randomness: one ``torch.Generator`` per sequence (CPU, seeded), drawn in a fixed order (the draft noise of a
 round, then the accept uniforms and residual / bonus samples) -> identical output for identical seeds.
+
+Shared Gumbel noise (the kernel variants, layerwise and megakernel; :class:`GumbelNoise`, :func:`gumbel_max`)
+---------------------------------------------------------------------------------------------------------
+Every absolute position n of the sequence has its own noise vector g_n [V], i.i.d. standard Gumbel, a
+deterministic function of (seed + sample, n) alone. The token at position n -- whoever proposes it -- is
+argmax_v(l_v + T g_n[v]) of the logits l that propose it (= argmax(l / T + g_n): T > 0 scales every score alike),
+lowest index on ties (the kernels' argmax rule): draft i of a round (which predicts the same position as the
+verify's token i) with the draft's logits, the verify's target j with the target's. Accept stays the greedy
+equality test (longest prefix of drafts equal to the targets, then the target after it).
+
+Claim: the committed sequence equals, token for token, NON-speculative Gumbel-max sampling with the same noise
+table, x_n = argmax(l_target(x_<n) + T g_n). Proof sketch, by induction over committed positions: a round starting
+at position p with the committed prefix x_<p (equal to the plain run's by induction) verifies [x_p, d_1 .. d_K];
+its target y_0 = argmax(l_target(x_<p+1) + T g_{p+1}) is the plain run's x_{p+1}; if d_1 = y_0 the verify's
+second token is that same x_{p+1}, so y_1 is the plain run's x_{p+2}, and so on along the accepted prefix; the
+first rejected draft is replaced by the target at its position, again the plain run's token. Drafts only decide
+HOW MANY of those tokens a round commits, never which. Plain Gumbel-max sampling is exact (Gumbel-max theorem:
+P(argmax(l/T + g) = v) = softmax(l/T)_v for i.i.d. Gumbel g), and g_n is independent of x_<n (a function of n
+only), so each x_n is distributed as softmax(l_target(x_<n) / T): the committed sequence is distributed exactly
+as plain sampling from the target at temperature T. (Up to floating point: the logits are the kernels' bf16 ones,
+the scores l + fp32(T g) are rounded once to fp32.) Draft 1 is accepted with probability
+P(argmax(l_q/T + g) = argmax(l_p/T + g)), the Gumbel-max coupling of q and p: at most the optimum 1 - TV(p, q)
+(which only a maximal coupling, such as the rejection rule, attains) and at least (1 - TV) / (1 + TV) (Daliri et
+al. 2024, "Coupling without Communication and Drafter-Invariant Speculative Decoding"); on random 8-token pairs
+it sits within 1-3 points of the optimum, and the tiny model's figures are in README "Sampling". Its merit here:
+accept stays an equality test inside the kernels, no distribution leaves the chip. top-k / top-p are not
+implemented in the kernels (a global k-th-largest threshold would need one more collective per head).
 """
 
 from __future__ import annotations
@@ -110,3 +137,33 @@ def accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Gener
         return out
     out.append(draw(p[K], gen))
     return out
+
+
+class GumbelNoise:
+    """The shared Gumbel noise table of one sampled sequence (module docstring): ``at(n)`` = g_n [V] float64, i.i.d.
+    standard Gumbel, a function of (``seed``, n) only -- a counter-based draw (numpy ``SeedSequence([seed, n])``
+    seeding a Philox generator), so any position's noise is available in any order and the same for every
+    variant. ``scaled(start, count)``: float32 [count, V] = fp32(T * g_n) for n = start .. start + count - 1, the
+    kernels' noise input (``megakernel.plan.noise_inputs``)."""
+
+    def __init__(self, seed: int, vocab: int, temperature: float):
+        if not temperature > 0:
+            raise ValueError(f"Gumbel noise needs temperature > 0, found {temperature}")
+        self.seed, self.vocab, self.temperature = int(seed) % 2 ** 64, int(vocab), float(temperature)
+
+    def at(self, n: int) -> torch.Tensor:
+        import numpy as np
+        if n < 0:
+            raise ValueError(f"Gumbel noise: position must be >= 0, found {n}")
+        rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([self.seed, int(n)])))
+        u = rng.random(self.vocab) + 2.0 ** -54        # in (0, 1): random() is a multiple of 2^-53 in [0, 1)
+        return torch.from_numpy(-np.log(-np.log(u)))
+
+    def scaled(self, start: int, count: int) -> torch.Tensor:
+        return torch.stack([(self.temperature * self.at(n)).float() for n in range(start, start + count)])
+
+
+def gumbel_max(logits: torch.Tensor, scaled_noise: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max tokens of the kernels' rule: argmax(fp32(logits) + scaled_noise) per row, lowest index on ties
+    (torch.argmax returns the first maximum). logits [T, V] (any float dtype), scaled_noise float32 [T, V]."""
+    return torch.argmax(logits.float() + scaled_noise, dim=-1)

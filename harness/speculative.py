@@ -5,10 +5,13 @@ round of K chained drafts d_1 .. d_K verifies [x, d_1 .. d_K] and gets the targe
 greedy token after the first j + 1 of them). It emits y_0 (always right) and, for the longest prefix of drafts
 with d_j = y_{j-1} (n of them), y_1 .. y_n as well: n + 1 tokens, the last one the bonus / correction token.
 
-Sampling (``generate(..., sampling=Sampling(temperature > 0, ...))``, the xla variant): the drafts are drawn from
-the MTP head's processed distributions inside the launch and the host applies the standard speculative rejection
-rule to the verify's distributions (``harness.sampling``): the committed tokens are distributed exactly as plain
-sampling from the target model.
+Sampling (``generate(..., sampling=Sampling(temperature > 0, ...))``), lossless in every variant
+(``harness.sampling``): the xla variant draws the drafts from the MTP head's processed distributions inside the
+launch and the host applies the standard speculative rejection rule to the verify's distributions
+(``engine.sampler == "rejection"``); the kernel variants (``"gumbel"``) get the shared Gumbel noise of the
+launch's positions (``harness.sampling.GumbelNoise``) as a run-time input, draft and verify each take the
+Gumbel-max token, and the host keeps the greedy accept rule: the committed tokens are those of plain Gumbel-max
+sampling with the same noise. Either way they are distributed exactly as plain sampling from the target model.
 
 :class:`Decoder` is the one host side of every variant: the slot bookkeeping (:class:`SlotBook`), the accept rule
 (:func:`accepted_count`), the run-time inputs of each launch (``megakernel.plan.round_inputs`` / ``step_inputs``)
@@ -25,7 +28,7 @@ from typing import Callable
 import torch
 
 from harness.engines import LaunchResult
-from harness.sampling import Sampling, accept, draw, gumbel, probabilities
+from harness.sampling import GumbelNoise, Sampling, accept, draw, gumbel, gumbel_max, probabilities
 from megakernel import plan as rp
 from model.reference import ReferenceModel
 from model.state import DecodeState
@@ -81,13 +84,34 @@ class Decoder:
         self.reference = reference if hasattr(engine, "load_state") else None
         self.slots = SlotBook(self.drafts + 1)
         self.first_logits = None    # logits [V] of the token after the prompt (set by prefill)
+        self.noise = None           # the shared Gumbel noise of a sampled sequence (sampler "gumbel")
+        self.first_sampled = False  # prefill's first token is already its Gumbel-max sample (teacher-forced)
 
-    def set_sampling(self, sampling) -> None:
-        """Sampled launches (a ``harness.sampling.Sampling`` with temperature > 0) or greedy ones (None). Only an
-        engine with a ``sampling`` attribute samples (``harness.engines.XlaEngine``)."""
+    @property
+    def gumbel(self) -> bool:
+        """Whether the engine samples by shared Gumbel noise (the kernel variants) rather than by the rejection
+        rule (the xla variant; an engine that does not say)."""
+        return getattr(self.engine, "sampler", "rejection") == "gumbel"
+
+    def set_sampling(self, sampling, sample: int = 0) -> None:
+        """Sampled launches (a ``harness.sampling.Sampling`` with temperature > 0; ``sample``: the sequence index,
+        seed + sample) or greedy ones (None). Only an engine with a ``sampling`` attribute samples; the Gumbel
+        engines take no top-k / top-p (``harness.sampling`` docstring)."""
         if not hasattr(self.engine, "sampling"):
-            raise ValueError(f"variant {self.name} decodes greedily only (sampling: --variant xla)")
+            raise ValueError(f"variant {self.name} decodes greedily only (sampling: --variant xla / layerwise / "
+                             f"megakernel)")
+        self.noise = None
+        if sampling is not None and self.gumbel:
+            if sampling.top_k or sampling.top_p < 1:
+                raise ValueError(f"variant {self.name} samples with --temperature only (no --top-k / --top-p: "
+                                 f"those run on --variant xla)")
+            self.noise = GumbelNoise(sampling.seed + sample, self.cfg.vocab_size, sampling.temperature)
         self.engine.sampling = sampling
+
+    def _noise(self, pos: int, tokens: int) -> dict:
+        """The ``noise`` input of a Gumbel-sampled launch whose first verified token sits at ``pos``: rows for the
+        positions pos + 1 .. pos + tokens its targets predict ({} when not sampling by Gumbel noise)."""
+        return {} if self.noise is None else {"noise": self.noise.scaled(pos + 1, tokens)}
 
     @property
     def launches(self) -> int:
@@ -100,6 +124,7 @@ class Decoder:
             raise ValueError("prefill: the prompt is empty")
         self.engine.start(max_len)
         self.slots.reset()
+        self.first_sampled = False
         if self.reference is None:
             return self._teacher_forced(prompt)
         ref, cfg = self.reference, self.cfg
@@ -121,29 +146,32 @@ class Decoder:
             else:
                 forced = None if launch.forced is None else prompt[launch.forced:launch.forced + launch.accepted - 1]
                 noise = None    # sampled launches: the unforced drafts are never committed here; no noise
-                if getattr(self.engine, "sampling", None) is not None:
+                if getattr(self.engine, "sampling", None) is not None and not self.gumbel:
                     noise = torch.zeros(self.drafts, self.cfg.vocab_size, dtype=torch.float64)
                 out = self.round(prompt[launch.pos], hidden, launch.pos, forced, noise)
             self.slots.commit(launch.accepted)
             hidden, last = out.hidden[launch.accepted - 1], launch.accepted
         self.first_logits = None if out.target_logits is None else out.target_logits[last - 1]
+        self.first_sampled = self.noise is not None     # the last launch carried the noise of position n
         return out.targets[last - 1], hidden
 
     def round(self, pending: int, hidden: torch.Tensor, pos: int, forced_draft=None, draft_noise=None
               ) -> LaunchResult:
         """One speculative round (``forced_draft``: ``plan.forced_drafts``; ``draft_noise`` [K, V] float64 Gumbel
-        noise of a sampled round); the host then commits 1 .. K + 1 tokens (:meth:`commit`)."""
+        noise of a rejection-sampled round; a Gumbel-sampled one gets its positions' noise here, its drafts and
+        targets are then Gumbel-max tokens); the host then commits 1 .. K + 1 tokens (:meth:`commit`)."""
         inputs = rp.round_inputs(self.cfg, self.engine.dtype, pending, hidden, pos, self.slots.read_slot,
                                  forced_draft, self.drafts)
         if draft_noise is not None:
             inputs["draft_noise"] = draft_noise
-        return self.engine.run("round", inputs)
+        return self.engine.run("round", {**inputs, **self._noise(pos, self.drafts + 1)})
 
     def _launch_step(self, token: int, pos: int) -> LaunchResult:
-        return self.engine.run("step", rp.step_inputs(self.cfg, token, pos, self.slots.read_slot, self.slots.slots))
+        inputs = rp.step_inputs(self.cfg, token, pos, self.slots.read_slot, self.slots.slots)
+        return self.engine.run("step", {**inputs, **self._noise(pos, 1)})
 
     def step(self, token: int, pos: int) -> tuple[int, torch.Tensor]:
-        """Plain greedy decode of one token at ``pos``: (next token, its hidden [H])."""
+        """Plain greedy (Gumbel-sampled) decode of one token at ``pos``: (next token, its hidden [H])."""
         out = self._launch_step(token, pos)
         self.slots.commit(1)
         return out.targets[0], out.hidden[0]
@@ -246,27 +274,35 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
              sample: int = 0) -> DecodeResult:
     """Decode up to max_new_tokens after prompt (greedy, or sampled with ``sampling``); stops after an EOS token.
 
-    spec=False: plain decoding, one trunk step per token. draft_source (tests, greedy only): forces the drafts of
-    each round (one token or up to K, ``plan.forced_drafts``). on_tokens, if given, is called with each batch of
-    newly emitted tokens (for progress display). sampling: temperature / top-k / top-p / seed
-    (``harness.sampling.Sampling``; temperature 0 = greedy); ``sample`` picks the generator (seed + sample).
+    spec=False: plain decoding, one trunk step per token. draft_source (tests; greedy, or Gumbel sampling): forces
+    the drafts of each round (one token or up to K, ``plan.forced_drafts``). on_tokens, if given, is called with
+    each batch of newly emitted tokens (for progress display). sampling: temperature / top-k / top-p / seed
+    (``harness.sampling.Sampling``; temperature 0 = greedy); ``sample`` picks the generator (seed + sample). A
+    Gumbel-sampling engine runs the greedy loop below on noisy scores (the noise rides with every launch).
     """
     if not prompt:
         raise ValueError("generate: the prompt is empty")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be >= 1, found {max_new_tokens}")
     sampled = sampling is not None and not sampling.greedy
-    if sampled and draft_source is not None:
-        raise ValueError("generate: forced drafts are for greedy decoding")
     if sampled:
-        decoder.set_sampling(sampling)
+        decoder.set_sampling(sampling, sample)
     elif hasattr(decoder.engine, "sampling"):
         decoder.set_sampling(None)
-    gen = sampling.generator(sample) if sampled else None
+    if sampled and draft_source is not None and not decoder.gumbel:
+        raise ValueError("generate: forced drafts are for greedy decoding and Gumbel sampling")
+    gumbel_sampled = sampled and decoder.gumbel      # the greedy loop on noisy scores
+    gen = sampling.generator(sample) if sampled and not gumbel_sampled else None
     K = decoder.drafts
     # The verify of the last round may write K positions past the last emitted token.
     pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + max_new_tokens + K)
-    if sampled:
+    if gumbel_sampled and not getattr(decoder, "first_sampled", False):
+        # host prefill: the first token's Gumbel-max sample from its logits (a teacher-forced prefill's last target
+        # already is that sample: its launch carried the noise of position len(prompt))
+        if getattr(decoder, "first_logits", None) is None:
+            raise ValueError(f"generate: the {decoder.name} prefill gives no logits to sample the first token from")
+        pending = int(gumbel_max(decoder.first_logits[None], decoder.noise.scaled(len(prompt), 1))[0])
+    elif sampled and not gumbel_sampled:
         if decoder.first_logits is None:
             raise ValueError(f"generate: the {decoder.name} prefill gives no logits to sample the first token from")
         pending = draw(probabilities(decoder.first_logits[None], sampling)[0], gen)
@@ -280,13 +316,13 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
 
     while not finished():
         if not spec:
-            if sampled:
+            if sampled and not gumbel_sampled:
                 pending, hidden = decoder.sampled_step(pending, pos, sampling, gen)
             else:
                 pending, hidden = decoder.step(pending, pos)
             pos += 1
             emitted = [pending]
-        elif sampled:
+        elif sampled and not gumbel_sampled:
             t0 = time.perf_counter()
             emitted, r, p = decoder.sampled_round(pending, hidden, pos, sampling, gen)
             result.round_seconds.append(time.perf_counter() - t0)

@@ -75,15 +75,16 @@ def moe_stage(x, norms, norm_row, router, experts, shared, top_k, layer, experts
 
 
 @nki.jit
-def head_stage(x, norms, norm_row, lm_head, eps):
+def head_stage(x, norms, norm_row, lm_head, eps, noise=None):
     """x [T, H] residual -> (best [n, T, 2] float32 per-core (value, local index), hidden [T, H]): final norm,
-    the post-norm hidden, and this core's LM-head shard argmax."""
+    the post-norm hidden, and this core's LM-head shard argmax (with ``noise`` [n, P, Cp*T] float32, the rank's
+    ``megakernel.plan.noise_specs`` layout: the Gumbel-max sample, ``harness.sampling``)."""
     T, H = x.shape
     n, c = program_sharding()
     best_out = nl.ndarray((n, T, 2), nl.float32, buffer=nl.shared_hbm, name="stage_best")
     hidden_out = nl.ndarray((T, H), x.dtype, buffer=nl.shared_hbm, name="stage_hidden")
     xT = rmsnorm_body(_load(x), norms[norm_row], eps)
-    nisa.dma_copy(dst=best_out[c], src=lm_head_argmax_body(xT, lm_head[c]))
+    nisa.dma_copy(dst=best_out[c], src=lm_head_argmax_body(xT, lm_head[c], noise=noise[c] if noise != None else None))
     if c == 0:
         nisa.dma_copy(dst=hidden_out, src=token_major(xT))
     return best_out, hidden_out

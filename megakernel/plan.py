@@ -75,6 +75,7 @@ WEIGHTS = ("embed", "lm_head", "norms", "mtp_fc", "gdn_w_in", "gdn_conv_w", "gdn
            "moe_shared")
 EXPERTS = tuple(f"moe_experts_{t}" for t in range(MOE_TABLES))
 DRAFT_VOCAB = ("draft_head", "draft_ids")   # a round's optional FR-Spec draft head and its ids (after the experts)
+NOISE = ("noise_v", "noise_d1")   # a sampled launch's optional Gumbel noise (:func:`noise_specs`; last parameters)
 STATE = ("gdn_window", "gdn_state", "attn_k", "attn_v")
 # What a round / step launch returns first, before the state it writes (the same for every mode: NxD applies
 # the first graph's output packer to every graph, harness/nxdi/assembly.py)
@@ -321,6 +322,52 @@ def input_names(mode: str) -> tuple:
     """Names of :func:`input_specs` (shapes need no config)."""
     base = ("pending", "read_slot", "pos", "cos_v", "sin_v")
     return base + (("hidden", "force", "pos_d1", "cos_d1", "sin_d1") if mode == "round" else ())
+
+
+def noise_specs(cfg: ModelConfig, mode: str, tp: int = 4, lnc: int = 2, drafts: int = DEFAULT_DRAFTS,
+                draft_vocab: int = 0) -> tuple:
+    """The optional inputs of a sampled launch (``harness.sampling``: Gumbel-max with noise shared by position,
+    pre-scaled by the temperature), per rank, in the lm-head kernel's vocab-on-partitions layout
+    (``nki_kernels.lm_head.noise_layout``): ``noise_v`` float32 [lnc, P, Cp*T] for the T verified tokens (the
+    step's one) over each core's LM-head rows, and, in a round, ``noise_d1`` float32 [lnc, K, P, Cpd] (draft i's
+    over the rows of the head it uses: the LM head, or the FR-Spec draft head of ``draft_vocab`` ids). Built by
+    :func:`noise_inputs`."""
+    from nki_kernels.common import P
+    from nki_kernels.lm_head import scan_geometry
+    K = check_drafts(drafts)
+    T = K + 1 if mode == "round" else 1
+    vc = vocab_per_core(cfg, tp * lnc)
+    out = [TensorSpec("noise_v", (lnc, P, scan_geometry(vc, T)[1] * T), "float32")]
+    if mode == "round":
+        vd = draft_vocab_per_core(cfg, draft_vocab, tp * lnc) or vc
+        out.append(TensorSpec("noise_d1", (lnc, K, P, scan_geometry(vd, 1)[1]), "float32"))
+    return tuple(out)
+
+
+def noise_inputs(mode: str, noise, rank: int, tp: int, lnc: int, drafts: int = DEFAULT_DRAFTS,
+                 draft_ids=None) -> dict:
+    """Rank ``rank``'s :func:`noise_specs` tensors from ``noise`` float32 [T, V] (row j: the pre-scaled Gumbel noise
+    T * g_n of the token the launch's j-th verified token predicts; a round's draft i predicts the same position as
+    its verified token i, so draft i uses row i -- restricted to ``draft_ids`` with an FR-Spec draft vocabulary)."""
+    import torch
+
+    from nki_kernels.host import as_torch
+    from nki_kernels.lm_head import rank_noise_layout
+    g = as_torch(noise).float()
+    K = check_drafts(drafts)
+    T = K + 1 if mode == "round" else 1
+    if g.ndim != 2 or g.shape[0] != T or g.shape[1] % (tp * lnc):
+        raise ValueError(f"{mode}: noise {list(g.shape)} is not [{T}, V] with V split over {tp * lnc} cores")
+    vc = g.shape[1] // (tp * lnc)
+    lo, hi = rank * lnc * vc, (rank + 1) * lnc * vc
+    out = {"noise_v": rank_noise_layout(g[:, lo:hi], lnc)}
+    if mode == "round":
+        d = g[:K] if draft_ids is None else g[:K, torch.as_tensor(np.asarray(draft_ids, dtype=np.int64))]
+        vd = d.shape[1] // (tp * lnc)
+        part = d[:, rank * lnc * vd:(rank + 1) * lnc * vd]
+        out["noise_d1"] = torch.stack([rank_noise_layout(part[i:i + 1], lnc) for i in range(K)],
+                                      dim=1).contiguous()
+    return out
 
 
 def _i32(*values: int) -> np.ndarray:

@@ -8,9 +8,14 @@
   seeds), threshold p > 1e-3. Power: moving 2% of the mass between two cells of probability ~0.2 adds
   ~2 * 8000 * 0.02^2 / 0.2 = 32 to the statistic, above the 5-dof threshold of 20.5 -- a 2% bias fails.
   The same check on plain (non-speculative) sampling, and a biased sampler (accept every draft) that must fail.
+* Shared Gumbel noise (the kernel variants' scheme, sampler "gumbel"): the same toy model with draft and target
+  taking argmax(logits + T g_n) from ``harness.sampling.GumbelNoise`` and the greedy accept rule, through the same
+  Decoder / generate path, K = 2 and 3, temperature 1 and 0.7 (no top-k / top-p: the kernels have none), the same
+  chi-square test and threshold; the noise generator alone (one token per position, and pairs of positions) against
+  softmax(l / T); a noise table that ignores the position (reused noise) must fail the joint test.
 * The real model (xla, tiny config): top-k 1 sampling equals greedy decoding for K = 1..3 (the whole sampled path,
   drafts included, collapses to argmax); identical seeds give identical tokens, other seeds other tokens; the
-  kernel variants refuse sampling.
+  kernel variants refuse top-k / top-p.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from scipy.stats import chi2
 
 from decoding import reference_greedy
 from harness.engines import LaunchResult
-from harness.sampling import Sampling, accept, probabilities
+from harness.sampling import GumbelNoise, Sampling, accept, gumbel_max, probabilities
 from harness.speculative import Decoder, generate, make_decoder
 from model.params import random_params
 
@@ -190,8 +195,79 @@ def test_seeds_reproduce_on_the_model(tiny):
     assert a == b and a != c
 
 
-def test_kernel_variants_refuse_sampling(tiny):
+def test_kernel_variants_refuse_top_k_and_top_p(tiny):
     cfg, params = tiny
     v = make_decoder("megakernel", cfg, params, tp=1)
-    with pytest.raises(ValueError, match="greedily only"):
-        generate(v, [1, 2, 3], 4, sampling=Sampling(1.0))
+    for s in (Sampling(1.0, top_k=5), Sampling(1.0, top_p=0.9)):
+        with pytest.raises(ValueError, match="temperature only"):
+            generate(v, [1, 2, 3], 4, sampling=s)
+    assert v.launches == 0                                              # refused before anything ran
+
+
+# ---- shared Gumbel noise (the kernel variants' sampler) ----------------------------------------------------------
+GUMBEL_SETTINGS = [Sampling(1.0, seed=21), Sampling(0.7, seed=22)]
+
+
+class GumbelMarkovEngine(MarkovEngine):
+    """The toy model sampled the kernels' way: the launch's ``noise`` rows [T, V] (pre-scaled T * g_n of the
+    positions its verified tokens predict); draft i and target i take argmax(logits + noise row i)."""
+
+    sampler = "gumbel"
+
+    def run(self, mode, inputs):
+        self.launches += 1
+        tokens = [int(inputs["pending"].reshape(-1)[0])]
+        noise = inputs.get("noise")
+        drafts = []
+        if mode == "round":
+            force = np.asarray(inputs["force"])
+            for i in range(self.drafts):
+                d = int(force[i, 1]) if force[i, 0] else int(gumbel_max(self.B[tokens[-1]][None], noise[i:i + 1])[0])
+                drafts.append(d)
+                tokens.append(d)
+        logits = self.A[tokens]
+        targets = gumbel_max(logits, noise) if noise is not None else torch.argmax(logits, dim=-1)
+        return LaunchResult(drafts or tokens[:1], [int(t) for t in targets], torch.zeros(len(tokens), self.cfg.hidden_size))
+
+
+@pytest.mark.parametrize("drafts,s", [(2, GUMBEL_SETTINGS[0]), (3, GUMBEL_SETTINGS[1]),
+                                      pytest.param(3, GUMBEL_SETTINGS[0], marks=pytest.mark.slow),
+                                      pytest.param(2, GUMBEL_SETTINGS[1], marks=pytest.mark.slow)],
+                         ids=["K2-T1", "K3-T0.7", "K3-T1", "K2-T0.7"])
+def test_gumbel_speculative_sampling_equals_plain_sampling(cfg, s, drafts):
+    engine = GumbelMarkovEngine(cfg, drafts)
+    ps = p_values(engine, s, True, [2])
+    assert min(ps) > 1e-3, ps
+    dec = Decoder(engine)
+    res = generate(dec, [2], 12, sampling=s, sample=3)
+    assert 1 < res.tokens_per_round < drafts + 1                       # drafts are both accepted and rejected
+    assert generate(dec, [2], 12, spec=False, sampling=s, sample=3).tokens == res.tokens   # sample for sample
+
+
+@pytest.mark.parametrize("s", GUMBEL_SETTINGS, ids=["T1", "T0.7"])
+def test_gumbel_noise_samples_the_softmax(s):
+    """One token per position n = 0 .. N-1 of one seed, and across seeds at one position: chi-square against
+    softmax(l / T); pairs (n, n + 1) against the product (the positions' noise is independent)."""
+    logits = torch.tensor([[1.2, 0.3, -0.4, 0.9, -1.5, 0.0]])
+    want = torch.softmax(logits.double() / s.temperature, dim=-1)[0].numpy()
+    noise = GumbelNoise(s.seed, V, s.temperature)
+    by_pos = [int(gumbel_max(logits, noise.scaled(n, 1))[0]) for n in range(N)]
+    by_seed = [int(gumbel_max(logits, GumbelNoise(s.seed + i, V, s.temperature).scaled(7, 1))[0]) for i in range(N)]
+    for toks in (by_pos, by_seed):
+        assert chi_square_p(np.bincount(toks, minlength=V), want) > 1e-3
+    pairs = np.zeros((V, V))
+    for a, b in zip(by_pos[0::2], by_pos[1::2]):
+        pairs[a, b] += 1
+    assert chi_square_p(pairs.ravel(), np.outer(want, want).ravel()) > 1e-3
+    assert GumbelNoise(s.seed, V, s.temperature).at(5).tolist() == noise.at(5).tolist()   # deterministic
+    assert torch.isfinite(noise.at(0)).all() and noise.at(0).std() > 0.5
+
+
+@pytest.mark.slow
+def test_reused_gumbel_noise_is_detected(cfg, monkeypatch):
+    """Noise that ignores the position (the same g at every position) keeps each marginal of a Gumbel-max draw
+    right but correlates the tokens: the joint test must reject it."""
+    at = GumbelNoise.at
+    monkeypatch.setattr(GumbelNoise, "at", lambda self, n: at(self, 0))
+    ps = p_values(GumbelMarkovEngine(cfg, 2), GUMBEL_SETTINGS[0], True, [2])
+    assert min(ps) < 1e-6, ps
