@@ -55,6 +55,7 @@ class LaunchTensors(nl.NKIObject):
         self.pending, self.read_slot, self.pos, self.cos_v, self.sin_v = pending, read_slot, pos, cos_v, sin_v
         self.hidden, self.force, self.pos_d1, self.cos_d1, self.sin_d1 = hidden, force, pos_d1, cos_d1, sin_d1
         self.draft_head = self.draft_ids = None     # the FR-Spec draft head and its token ids (round, optional)
+        self.noise_v = self.noise_d1 = None         # a sampled launch's Gumbel noise (plan.noise_specs, optional)
 
 
 @nki.jit
@@ -62,10 +63,12 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                  gdn_w_out, attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w, moe_router, moe_shared, gdn_window,
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1, moe_experts_0, moe_experts_1=None, moe_experts_2=None, moe_experts_3=None,
-                 moe_experts_4=None, draft_head=None, draft_ids=None):
+                 moe_experts_4=None, draft_head=None, draft_ids=None, noise_v=None, noise_d1=None):
     """One speculative round (``plan.mode == "round"``, K = ``plan.drafts``) on one core. Returns (drafts [K, 1]
-    int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v)."""
+    int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v). With ``noise_v``
+    and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
+    kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
     t = LaunchTensors(embed, lm_head, norms, mtp_fc,
                       (gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out),
                       (attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w), moe_router, moe_shared,
@@ -73,6 +76,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                       gdn_window, gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force,
                       pos_d1, cos_d1, sin_d1)
     t.draft_head, t.draft_ids = draft_head, draft_ids
+    t.noise_v, t.noise_d1 = noise_v, noise_d1
     return run_plan(plan, t)
 
 
@@ -80,9 +84,10 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
 def step_kernel(plan, embed, lm_head, norms, gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out,
                 attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w, moe_router, moe_shared, gdn_window, gdn_state,
                 attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, moe_experts_0, moe_experts_1=None,
-                moe_experts_2=None, moe_experts_3=None, moe_experts_4=None):
+                moe_experts_2=None, moe_experts_3=None, moe_experts_4=None, noise_v=None):
     """One plain decode step (``plan.mode == "step"``) on one core. Returns (pending [1, 1] int32 as the draft,
-    targets [1, 1] int32, hidden [1, H], gdn_window, gdn_state, attn_k, attn_v)."""
+    targets [1, 1] int32, hidden [1, H], gdn_window, gdn_state, attn_k, attn_v); with ``noise_v`` the target is a
+    Gumbel-max sample."""
     kernel_assert(plan.mode == "step", f"step_kernel: a {plan.mode} plan (use round_kernel)")
     t = LaunchTensors(embed, lm_head, norms, None,
                       (gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out),
@@ -90,6 +95,7 @@ def step_kernel(plan, embed, lm_head, norms, gdn_w_in, gdn_conv_w, gdn_A_log, gd
                       (moe_experts_0, moe_experts_1, moe_experts_2, moe_experts_3, moe_experts_4),
                       gdn_window, gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, None, None,
                       None, None, None)
+    t.noise_v = noise_v
     return run_plan(plan, t)
 
 
@@ -147,7 +153,7 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     hm = mtp_head(plan, stage, t, ids, h, rg, regs, core)
     force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
     nisa.dma_copy(dst=force, src=t.force[i:i + 1, :])
-    d = token_ids_from_best(_forced(_draft_greedy(plan, t, hm, rg, core), force))
+    d = token_ids_from_best(_forced(_draft_greedy(plan, t, hm, rg, core, i), force))
     return d, (token_major(hm) if i + 1 < plan.drafts else None)
 
 
@@ -296,20 +302,30 @@ def _add_into(x, y):
 
 
 def _greedy(plan, t, xT, rg, core):
-    """Global argmax over the vocabulary (split over every core): SBUF [T, 2] float32 (value, index)."""
-    return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core]), plan.vocab_per_core, rg, plan.tp)
+    """The verify's (step's) global argmax over the vocabulary: SBUF [T, 2] float32 (value, index); in a sampled
+    launch the Gumbel-max sample with the verify's noise ``t.noise_v``."""
+    return _vocab_argmax(plan, t, xT, rg, core, None if t.noise_v == None else t.noise_v[core])
 
 
-def _draft_greedy(plan, t, xT, rg, core):
-    """The draft's greedy token, SBUF [T, 2] float32 (value, token id): over the full vocabulary, or with an FR-Spec
+def _vocab_argmax(plan, t, xT, rg, core, noise):
+    """Global argmax over the vocabulary (split over every core) of the logits (+ ``noise``, this core's
+    [P, Cp*T] float32, or None): SBUF [T, 2] float32 (value, index)."""
+    return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core], noise=noise), plan.vocab_per_core, rg, plan.tp)
+
+
+def _draft_greedy(plan, t, xT, rg, core, i):
+    """Draft i's greedy token, SBUF [T, 2] float32 (value, token id): over the full vocabulary, or with an FR-Spec
     draft vocabulary (``plan.draft_vocab_per_core`` > 0) over the draft head's rows only -- lowest subset index, i.e.
     lowest token id (the ids are ascending), among equal logits -- mapped to its token id. The verify always uses
-    the full head (:func:`_greedy`), so the decoded tokens do not depend on it."""
+    the full head (:func:`_greedy`), so the decoded tokens do not depend on it. Sampled rounds: the Gumbel-max
+    sample with draft i's noise ``t.noise_d1[core, i]`` (over the draft head's rows)."""
+    noise = None if t.noise_d1 == None else t.noise_d1[core, i]
     if plan.draft_vocab_per_core == 0:
-        return _greedy(plan, t, xT, rg, core)
+        return _vocab_argmax(plan, t, xT, rg, core, noise)
     kernel_assert(t.draft_head != None and t.draft_ids != None,
                   "megakernel: the plan has a draft vocabulary but the launch passes no draft_head / draft_ids")
-    best = argmax_combine(lm_head_argmax_body(xT, t.draft_head[core]), plan.draft_vocab_per_core, rg, plan.tp)
+    best = argmax_combine(lm_head_argmax_body(xT, t.draft_head[core], noise=noise), plan.draft_vocab_per_core, rg,
+                          plan.tp)
     return subset_ids_from_best(best, t.draft_ids)
 
 
