@@ -4,7 +4,11 @@ For each K (default 1, 2, 3):
 
 * measured acceptance: greedy speculative decoding of the embedded tiny checkpoint (bf16, xla variant, TP=1) on
   held-out prompts (the evaluation split of ``scripts/train_tiny.py``: its one home) -- acceptance of each draft
-  position, tokens per round; the committed tokens are checked against plain greedy decoding;
+  position, tokens per round; the committed tokens are checked against plain greedy decoding. ``--temperature``:
+  sampled instead, with the mean optimum 1 - TV(p, q) of draft 1 beside it; ``--variant megakernel`` /
+  ``layerwise`` (under nkisim, slow) then measures the kernels' shared-Gumbel scheme, whose optimum is computed on
+  the host from the reference model's target and MTP distributions at each round's position (teacher-forced over
+  the committed tokens);
 * predicted round time: the shipped round megakernel with K draft stages and a verify of K + 1 tokens, traced
   shape-only at Qwen3.6-35B-A3B's full size (TP=4 x LNC=2, context ``--context``, expected routing) and run through
   the cost model: low / central / high band (``harness.costmodel.predict_band``);
@@ -41,25 +45,57 @@ def _train_tiny():
     return mod
 
 
+COUPLING_DRAWS = 4096      # Monte Carlo noise draws per round for the expected Gumbel-coupling acceptance
+
+
+def draft1_figures(ref, ids: list[int], tokens: list[int], accepted_per_round: list[int], temperature: float
+                   ) -> tuple[list[float], list[float]]:
+    """Per round of a run (prompt ``ids``, generated ``tokens``): (1 - TV(p, q) of draft 1, the Gumbel coupling's
+    expected acceptance P(argmax(log q + g) = argmax(log p + g)) over :data:`COUPLING_DRAWS` seeded noise draws),
+    from the reference model teacher-forced over the committed sequence: the round with its pending token at
+    position n has p = softmax(logits(h_n) / T) (the target at n + 1), q = softmax(logits(MTP(x_n, h_{n-1})) / T)."""
+    import torch
+
+    from harness.sampling import Sampling, gumbel, probabilities
+    from model.state import DecodeState
+    seq = torch.tensor(ids + tokens)
+    state = DecodeState.empty(ref.cfg, len(seq) + 1, slots=2, dtype=ref.dtype)
+    h = ref.trunk(seq, state, 0, chunked=True)
+    hm = ref.mtp(seq[1:], h[:-1], state, 0)              # row n - 1: MTP(x_n, h_{n-1}), predicts n + 1
+    s = Sampling(temperature)
+    gen = torch.Generator().manual_seed(0)
+    optimum, coupling, n = [], [], len(ids)
+    for a in accepted_per_round:
+        p = probabilities(ref.logits(h[n:n + 1]), s)[0]
+        q = probabilities(ref.logits(hm[n - 1:n]), s)[0]
+        optimum.append(float(torch.minimum(p, q).sum()))
+        g = gumbel(gen, (COUPLING_DRAWS, p.shape[0]))
+        coupling.append(float(((p.log() + g).argmax(-1) == (q.log() + g).argmax(-1)).double().mean()))
+        n += a
+    return optimum, coupling
+
+
 def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tokens: int, quiet: bool,
-                       temperature: float = 0.0) -> dict:
+                       temperature: float = 0.0, variant: str = "xla") -> dict:
     """{K: acceptance figures} of speculative decoding of the embedded checkpoint on held-out prompts: greedy
     (checked against plain greedy decoding) or sampled at ``temperature`` (seed = prompt index; with the mean
-    1 - TV(p, q) of draft 1, the optimum its acceptance is compared with)."""
+    1 - TV(p, q) of draft 1, the optimum its acceptance is compared with), by ``variant`` at TP=1."""
     import torch
     from tqdm import tqdm
 
     from harness.decode import EMBEDDED_MODEL
     from harness.sampling import Sampling
     from harness.speculative import generate, make_decoder
+    from model.reference import ReferenceModel
     from model.weights import load_checkpoint
     torch.set_num_threads(1)        # batch-1 decode ops are tiny; one thread is fastest on a shared machine
     tt = _train_tiny()
     root, files = tt.stdlib_files()
     picked = tt.eval_prompts(root, [f for f in files if tt.is_held_out(f)], prompts, prompt_len)
     cfg, params = load_checkpoint(EMBEDDED_MODEL, dtype=torch.bfloat16)
-    decoders = {k: make_decoder("xla", cfg, params, tp=1, drafts=k) for k in drafts}
-    acc = {k: {"accepted_per_round": [], "differing_prompts": 0, "optimum": []} for k in drafts}
+    decoders = {k: make_decoder(variant, cfg, params, tp=1, drafts=k) for k in drafts}
+    ref = ReferenceModel(cfg, params)
+    acc = {k: {"accepted_per_round": [], "differing_prompts": 0, "optimum": [], "coupling": []} for k in drafts}
     sampling = Sampling(temperature) if temperature > 0 else None
     for i, (_, ids) in enumerate(tqdm(picked, desc="acceptance", unit="prompt", file=sys.stderr, disable=quiet,
                                       leave=False)):
@@ -67,6 +103,10 @@ def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tok
         for k in drafts:
             res = generate(decoders[k], ids, new_tokens, sampling=sampling, sample=i)
             acc[k]["accepted_per_round"] += res.accepted_per_round
+            if sampling and decoders[k].gumbel:
+                res.draft1_optimum, coupling = draft1_figures(ref, ids, res.tokens, res.accepted_per_round,
+                                                              temperature)
+                acc[k]["coupling"] += coupling
             acc[k]["optimum"] += res.draft1_optimum
             acc[k]["differing_prompts"] += plain is not None and res.tokens != plain
     out = {}
@@ -75,7 +115,9 @@ def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tok
         out[k] = {"rounds": len(a), "tokens_per_round": sum(a) / len(a),
                   "acceptance_per_position": [sum(n - 1 > i for n in a) / len(a) for i in range(k)],
                   **({"draft1_acceptance_optimum": sum(acc[k]["optimum"]) / len(acc[k]["optimum"])} if sampling else
-                     {"prompts_differing_from_plain_greedy": acc[k]["differing_prompts"]})}
+                     {"prompts_differing_from_plain_greedy": acc[k]["differing_prompts"]}),
+                  **({"draft1_gumbel_coupling_expected": sum(acc[k]["coupling"]) / len(acc[k]["coupling"])}
+                     if acc[k]["coupling"] else {})}
     return out
 
 
@@ -121,10 +163,10 @@ def predict_round(cfg, drafts: int, context: int) -> dict:
 
 
 def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_tokens: int, predict: bool,
-        quiet: bool, temperature: float = 0.0) -> dict:
+        quiet: bool, temperature: float = 0.0, variant: str = "xla") -> dict:
     from model.config import preset
     t0 = time.time()
-    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet, temperature)
+    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet, temperature, variant)
     rows = []
     cfg = preset("qwen3.6-35b-a3b") if predict else None
     for k in drafts:
@@ -146,9 +188,11 @@ def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_toke
     return {"command": "python -m harness.bench spec " + " ".join(sys.argv[2:]), "measured_commit": commit,
             "model_for_time": "qwen3.6-35b-a3b",
             "tp": 4, "lnc": 2, "context": context, "routing": "expected",
-            "acceptance_source": {"checkpoint": "model/embedded/tiny (bf16)", "variant": "xla, TP=1, " + (
-                                      f"sampled at temperature {temperature}, seed = prompt index" if temperature > 0
-                                      else "greedy"),
+            "acceptance_source": {"checkpoint": "model/embedded/tiny (bf16)", "variant": f"{variant}, TP=1, " + (
+                                      f"sampled at temperature {temperature}, seed = prompt index, "
+                                      + ("shared Gumbel noise (draft 1 optimum from the reference model)"
+                                         if variant != "xla" else "rejection rule")
+                                      if temperature > 0 else "greedy"),
                                   "prompts": prompts, "prompt_bytes": prompt_len, "new_tokens": new_tokens,
                                   "split": "held-out stdlib files of scripts/train_tiny.py"},
             "rows": rows, "best_drafts_central": best,
@@ -170,6 +214,9 @@ def table(out: dict) -> str:
         lines.append(f"| {r['drafts']} | {per} | {r['tokens_per_round']:.2f} | {times} | {rate} |")
         if "draft1_acceptance_optimum" in r:
             lines.append(f"|   | draft 1 optimum 1 - TV(p, q): {100 * r['draft1_acceptance_optimum']:.0f}% | | | |")
+        if "draft1_gumbel_coupling_expected" in r:
+            lines.append(f"|   | draft 1 Gumbel coupling, expected: {100 * r['draft1_gumbel_coupling_expected']:.0f}% "
+                         f"| | | |")
     if out["best_drafts_central"]:
         lines.append(f"\nbest K (central): {out['best_drafts_central']}")
     return "\n".join(lines)
@@ -184,6 +231,9 @@ def add_arguments(p):
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="measure the acceptance with sampling at this "
                                                                  "temperature (default 0: greedy)")
+    p.add_argument("--variant", default="xla", choices=["xla", "layerwise", "megakernel"],
+                   help="the variant whose acceptance is measured, TP=1 (default xla; the kernel variants run under "
+                        "nkisim: about a second per round)")
     p.add_argument("--no-predict", action="store_true", help="acceptance only: skip the full-size round traces "
                                                              "(minutes each)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
@@ -206,7 +256,7 @@ def cmd(a):
     if not a.temperature >= 0:
         raise BadInput(f"spec: --temperature must be >= 0, found {a.temperature}")
     out = run(drafts, a.context, a.prompts, a.prompt_bytes, a.new_tokens, not a.no_predict, a.quiet or a.json,
-              a.temperature)
+              a.temperature, a.variant)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out) if a.json else table(out))
