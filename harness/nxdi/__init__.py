@@ -6,6 +6,8 @@ Plain modules (importable and tested everywhere):
     assembly   kernel arguments, per-rank weights/state/checkpoints, graphs, aliasing, graph inputs, routes
     config     ModelConfig <-> NxDI InferenceConfig/NeuronConfig, compiler arguments
     convert    HF checkpoint -> converted directory (one pre-sharded checkpoint per rank) and its checks
+    context    the context-encoding graphs (one per chunk-length bucket): buckets, the schedule of a prompt, inputs,
+               the traced per-rank functions of both backends, the decoder that prefills through them
 The launch plan, the run-time inputs and the teacher-forced prefill schedule are ``megakernel.plan``'s; the xla
 backend's forward is ``harness.xla.forward``; the host loop is ``harness.speculative.Decoder`` over an engine
 (``harness.engines``: the same per-rank work on CPU; ``NeuronEngine`` below on trn2).

@@ -126,8 +126,8 @@ def compiler_args(lnc: int, backend: str, context: bool = False) -> str:
     Both keep ``--auto-cast=none`` (fp32 state and accumulations stay fp32) and ``--lnc`` = the converted LNC.
     ``context``: a context-encoding graph (``harness.nxdi.context``); xla: the flags NxDI builds for its own
     context-encoding graph (same lines: ``cc_pipeline_tiling_factor`` at its default 2, ``NeuronConfig`` line 581,
-    ``-O1`` "force Modular flow for CTE model", lines 120-124, without ``--modular-flow-mac-threshold``, an
-    hlo2tensorizer option for graphs whose matmuls sit in NKI kernels); megakernel: as for the decode graphs."""
+    ``-O1`` "force Modular flow for CTE model", lines 120-124; its optional features left out as for the decode
+    graphs); megakernel: as for the decode graphs."""
     if backend == "xla" and context:
         return ("--auto-cast=none --model-type=transformer "
                 "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2 "

@@ -7,7 +7,8 @@ state and conv window after token s+C-1, read from slot 0 before it: the state i
 the trunk's K/V rows s .. s+C-1 and the MTP layer's K/V rows s .. s+C-1. It is the pass of ``megakernel.prefill``
 for one chunk (``megakernel.prefill.prefill_plan``: embedding, per layer the input RMSNorm, ``gdn_prefill`` or
 ``attention_prefill``, the residual all-reduce fused with the next RMSNorm (``residual_allreduce_stage``), the
-MoE prefill, ...; the MTP fc and MTP attention over the chunk's rows; the decode head stage on its last position),
+MoE prefill, ...; the MTP fc over the chunk's rows and the MTP layer's K/V rows (``attention_prefill_kv_kernel``);
+the decode head stage on its last position),
 traced as a sequence of NKI custom calls (:func:`megakernel_context`), or, for the xla backend, the same math with
 the ``model.tp`` twins (:func:`xla_context`). Its outputs are the three leading outputs of every graph (the token
 after the chunk as given, the greedy token after position s+C-1, the post-norm hidden h_{s+C-1}) and then every
@@ -178,7 +179,7 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
     Returns [ids[C], target, hidden [1, H], gdn_window, gdn_state, attn_k, attn_v]."""
     from megakernel.layerwise import head_stage
     from megakernel.prefill import mtp_fc_prefill_stage, residual_allreduce_stage
-    from nki_kernels.attention_prefill import KEY_BLOCK, attention_prefill_kernel
+    from nki_kernels.attention_prefill import KEY_BLOCK, attention_prefill_kernel, attention_prefill_kv_kernel
     from nki_kernels.common import P
     from nki_kernels.embedding import embedding_kernel
     from nki_kernels.gdn_prefill import gdn_prefill_kernel
@@ -209,6 +210,15 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
             total = part if total is None else total + part
         return total
 
+    def kv_rows(layer, xT):        # K/V rows only: the MTP layer's attention output is not needed
+        nonlocal kc, vc
+        for g in range(layer.groups):
+            a = layer.mixer * layer.groups + g
+            _, k_new, v_new = attention_prefill_kv_kernel[lnc](
+                xT, w["attn_wk"][a], w["attn_wv"][a], w["attn_norm_w"][a], cos, sin, kc[a:a + 1], vc[a:a + 1],
+                start, eps)
+            kc, vc = _replace(kc, a, k_new), _replace(vc, a, v_new)
+
     x = embed(ids[0:C])
     xT = rmsnorm_prefill_kernel[lnc](x, norms[plan.layers[0].in_norm], eps, False, True)[0]
     hidden_rows = None
@@ -236,7 +246,7 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
         fc = mtp_fc_prefill_stage[lnc](embed(ids[1:C + 1]), hidden_rows, norms, rows.mtp_emb, rows.mtp_hidden,
                                        w["mtp_fc"], eps)
         x_m = coll.gather_last(torch.cat([fc[c] for c in range(fc.shape[0])], dim=-1)).to(x.dtype)
-        attention(plan.mtp, rmsnorm_prefill_kernel[lnc](x_m, norms[plan.mtp.in_norm], eps, False, True)[0])
+        kv_rows(plan.mtp, rmsnorm_prefill_kernel[lnc](x_m, norms[plan.mtp.in_norm], eps, False, True)[0])
     best, hidden = head_stage[lnc](x[C - 1:C], norms, rows.final, w["lm_head"], eps)
     allp = coll.gather_ranks(best.reshape(-1, 2)).reshape(-1, 2)           # [tp * lnc, 2] in global core order
     values, local = allp[:, 0], allp[:, 1]

@@ -243,7 +243,8 @@ class Qwen36ForCausalLM(NeuronBaseForCausalLM):
     bucket C and ``reset_state_model``, sharing weights and decode state (``asm.graph_order``). A prompt is encoded
     by the context graphs over its whole buckets and its tail teacher-forced through the round graph
     (``harness.nxdi.context``); with no buckets, or ``--prefill teacher-forced``, all of it teacher-forced
-    (``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory (``harness.nxdi.convert``)."""
+    (``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory
+    (``harness.nxdi.convert``)."""
 
     _model_cls = Qwen36NeuronModel
 

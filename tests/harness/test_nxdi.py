@@ -35,6 +35,7 @@ from torch import nn
 
 from compare import assert_close
 from decoding import ReferenceDecoder, forced_rounds, reference_decode_state, reference_greedy
+from decoding import alternating as alternating_drafts
 from harness import xla
 from harness.engines import LaunchResult, make_engine
 from harness.nxdi import assembly as asm
@@ -54,14 +55,9 @@ from model.weights import save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nxd_fakes  # noqa: E402
+from nxdi_support import PROMPT, fake_nxd, refused, tiny  # noqa: E402,F401  (fixtures)
 
-PROMPT = [5, 17, 99, 3, 250, 41]
 SDK_PRESENT = importlib.util.find_spec("neuronx_distributed_inference") is not None
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_cfg):
-    return tiny_cfg, random_params(tiny_cfg, seed=3, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +66,9 @@ def plain(tiny):
     return reference_greedy(cfg, params, PROMPT, 12)
 
 
-def right_draft(plain_tokens, n_prompt=len(PROMPT)):
-    return lambda seq: plain_tokens[len(seq) - n_prompt] if len(seq) - n_prompt < len(plain_tokens) else 0
-
-
 def alternating(plain_tokens, vocab, n_prompt=len(PROMPT)):
     """Right, wrong, right, ... drafts: both accept paths run."""
-    right, calls = right_draft(plain_tokens, n_prompt), []
-
-    def source(seq):
-        calls.append(1)
-        return right(seq) if len(calls) % 2 else (right(seq) + 1) % vocab
-    return source
+    return alternating_drafts([0] * n_prompt, plain_tokens, vocab)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -624,13 +611,6 @@ def test_run_cli_cpu_decode_and_convert(tiny, plain, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def _refused(capsys, argv, match):
-    from harness.nxdi import run
-    assert run.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("harness.nxdi.run: error: ") and match in err, err
-
-
 def test_run_cli_refuses_a_conversion_unlike_what_is_asked(converted, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     c, k = str(converted), str(tmp_path / "k")
@@ -639,22 +619,22 @@ def test_run_cli_refuses_a_conversion_unlike_what_is_asked(converted, tmp_path, 
                 ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "4"]):
         for flag, value, match in (("--lnc", "1", "lnc=2 (asked 1)"), ("--tp", "2", "tp=4 (asked 2)"),
                                    ("--dtype", "bfloat16", "dtype=float32 (asked bfloat16)")):
-            _refused(capsys, cmd + [flag, value], match)
+            refused(capsys, cmd + [flag, value], match)
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
-        _refused(capsys, cmd, "NEURON_LOGICAL_NC_CONFIG=2")
+        refused(capsys, cmd, "NEURON_LOGICAL_NC_CONFIG=2")
         monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG")
-    _refused(capsys, ["compile", "--converted", c, "--compiled", k, "--max-len", "64"], "max_len=32 (asked 64)")
-    _refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "40"],
+    refused(capsys, ["compile", "--converted", c, "--compiled", k, "--max-len", "64"], "max_len=32 (asked 64)")
+    refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "40"],
              "needs 44 positions")
     d = _copy(converted, tmp_path / "damaged")
     sd = load_file(str(nxconv.rank_file(d, 1)))
     sd.pop("weights.norms")
     save_file(sd, str(nxconv.rank_file(d, 1)))
-    _refused(capsys, ["compile", "--converted", str(d), "--compiled", k], "is missing ['weights.norms']")
-    _refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "4"],
+    refused(capsys, ["compile", "--converted", str(d), "--compiled", k], "is missing ['weights.norms']")
+    refused(capsys, ["decode", "--converted", c, "--compiled", k, "--prompt-ids", ids, "--max-new-tokens", "4"],
              "not a compiled")
     if not SDK_PRESENT:  # every check passes: the missing SDK is the one error left
-        _refused(capsys, ["compile", "--converted", c, "--compiled", k], "Neuron SDK")
+        refused(capsys, ["compile", "--converted", c, "--compiled", k], "Neuron SDK")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -764,14 +744,6 @@ def test_fake_lnc_comes_from_the_environment_first(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 # The trn2 module against the fakes: construction, compile, load, and the whole flow
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture
-def fake_nxd(monkeypatch, tmp_path):
-    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd_work"))
-    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
-    yield nxd_fakes.install(monkeypatch)
-    nxd_fakes.uninstall()
-
-
 def _count_runs(monkeypatch):
     runs = []
     real = nxd_fakes.TracedGraph.run
@@ -836,7 +808,7 @@ def test_trn2_cli_flow_against_the_fakes(fake_nxd, plain, converted, tmp_path, c
     assert out["tokens"] == plain[:6] and out["executor"] == "neuron"
     other = nxconv.write_converted(tmp_path / "other", preset("tiny"), random_params(preset("tiny"), seed=4,
                                                                                      dtype=torch.float32), "xla", 24)
-    _refused(capsys, ["decode", "--converted", str(other), "--compiled", k, "--prompt-ids", ids,
+    refused(capsys, ["decode", "--converted", str(other), "--compiled", k, "--prompt-ids", ids,
                       "--max-new-tokens", "4"], "compiled from another conversion")
 
 

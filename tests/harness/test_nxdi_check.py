@@ -138,3 +138,29 @@ def test_cli_megakernel_hardware_like_passes(capsys):
     """The megakernel backend under nkisim's hardware-like numerics passes the check on the embedded model."""
     rc, out = _cli(capsys, "--backend", "megakernel", "--hardware-like")
     assert rc == 0 and "PASS" in out.out
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_run_check_forces_k_drafts_per_round(tiny, K, monkeypatch):
+    """A device with rounds of K drafts is teacher-forced K + 1 tokens per round (every draft forced to the
+    reference's token, all committed: the K-token accept), and its logits equal the CPU reference's."""
+    cfg, params = tiny
+    device = Decoder(make_engine("xla", cfg, params, tp=2, drafts=K))
+    rounds = []
+    real = Decoder.round
+    n = len(PROMPTS[0])                 # rounds after the prefill (the teacher-forced prefill has its own)
+    monkeypatch.setattr(Decoder, "round",
+                        lambda self, *a, **kw: (a[2] >= n and rounds.append(a[3])) or real(self, *a, **kw))
+    commits = []
+    real_commit = Decoder.commit
+    monkeypatch.setattr(Decoder, "commit", lambda self, n: commits.append(n) or real_commit(self, n))
+    res = check.run_check(cfg, params, device, PROMPTS[:1], tokens=2 * K + 4)
+    assert res.passed and res.summary()["max_abs"] < 1e-4 and len(res.positions) == 2 * K + 4
+    assert [len(f) for f in rounds] == [K, K] and commits == [K + 1, K + 1]     # then a step
+    assert rounds[0] == res.continuations[0][1:K + 1]                           # forced to the reference's tokens
+
+
+def test_cli_check_with_k_drafts(capsys):
+    rc, out = _cli(capsys, "--num-draft-tokens", "3", "--tokens", "8", "--json")
+    d = __import__("json").loads(out.out)
+    assert rc == 0 and d["passed"] and d["num_draft_tokens"] == 3 and d["positions"] == 8

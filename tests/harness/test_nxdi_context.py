@@ -31,10 +31,10 @@ from harness.nxdi import context as ctx
 from harness.nxdi import convert as nxconv
 from harness.speculative import generate
 from megakernel import plan as rp
-from model.params import random_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nxd_fakes  # noqa: E402
+from nxdi_support import fake_nxd, refused, tiny  # noqa: E402,F401  (fixtures)
 
 BUCKETS = (64, 128)
 MAX_LEN = 224
@@ -42,11 +42,6 @@ MAX_LEN = 224
 
 def prompt_of(n: int, seed: int = 1) -> list[int]:
     return [int(i) for i in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_cfg):
-    return tiny_cfg, random_params(tiny_cfg, seed=3, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,14 +144,6 @@ def test_xla_context_prefill_equals_the_reference_prefill(tiny, n, buckets, chun
 # --------------------------------------------------------------------------------------------------
 # The trn2 module against the fakes
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture
-def fake_nxd(monkeypatch, tmp_path):
-    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd_work"))
-    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
-    yield nxd_fakes.install(monkeypatch)
-    nxd_fakes.uninstall()
-
-
 @pytest.fixture(scope="module")
 def converted(tiny, tmp_path_factory):
     """A converted xla directory of the tiny model (float32, max_len 224, context buckets 64 and 128)."""
@@ -220,19 +207,12 @@ def test_cli_context_prefill_fallback_and_bad_input(fake_nxd, tiny, converted, t
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == plain and out["prefill"] == {"backend": "teacher-forced"}
     assert out["launches"] == len(rp.teacher_forced_launches(70)) + out["rounds"]
-    _refused(capsys, base[:5] + ["--prompt-ids", ",".join(["5"] * 220), "--max-new-tokens", "6"],
+    refused(capsys, base[:5] + ["--prompt-ids", ",".join(["5"] * 220), "--max-new-tokens", "6"],
              "the sequence needs 227 positions")
-    _refused(capsys, ["convert", "--model-path", str(tmp_path), "--out", str(tmp_path / "c"), "--max-len", "256",
+    refused(capsys, ["convert", "--model-path", str(tmp_path), "--out", str(tmp_path / "c"), "--max-len", "256",
                       "--context-buckets", "64,100"], "context bucket 100 is not a positive multiple of 64")
-    _refused(capsys, ["convert", "--model-path", str(tmp_path), "--out", str(tmp_path / "c"), "--max-len", "100",
+    refused(capsys, ["convert", "--model-path", str(tmp_path), "--out", str(tmp_path / "c"), "--max-len", "100",
                       "--context-buckets", "128"], "exceeds the decode state's 100 positions")
-
-
-def _refused(capsys, argv, match):
-    from harness.nxdi import run
-    assert run.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("harness.nxdi.run: error: ") and match in err, err
 
 
 def test_cpu_executor_context_prefill(tiny, tmp_path, capsys):

@@ -34,14 +34,9 @@ from model.weights import save_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nxd_fakes  # noqa: E402
+from nxdi_support import PROMPT, fake_nxd, refused, tiny  # noqa: E402,F401  (fixtures)
 
-PROMPT = [5, 17, 99, 3, 250, 41]
 MAX_LEN = 40
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_cfg):
-    return tiny_cfg, random_params(tiny_cfg, seed=3, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +52,6 @@ def converted(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("conv")
     return {K: nxconv.write_converted(root / f"k{K}", cfg, params, "xla", MAX_LEN, drafts=K)
             for K in (1, 2, 3)}
-
-
-@pytest.fixture
-def fake_nxd(monkeypatch, tmp_path):
-    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd_work"))
-    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
-    yield nxd_fakes.install(monkeypatch)
-    nxd_fakes.uninstall()
 
 
 def _specs(cfg, specs, dtype):
@@ -96,7 +83,7 @@ def test_round_graph_inputs_state_and_kernel_arguments_follow_the_plan(tiny_cfg,
     asm.check_routes({m: tuple(asm.runtime_example(cfg, m, dt, K).values()) for m in asm.GRAPHS})
 
 
-def test_draft_counts_outside_the_range_are_refused(tiny_cfg, tmp_path):
+def test_draft_counts_outside_the_range_arerefused(tiny_cfg, tmp_path):
     for bad in (0, 4, True, 1.0):
         with pytest.raises(asm.AssemblyError, match=r"draft tokens must be in 1\.\.3") as e:
             asm.state_specs(tiny_cfg, 4, 24, torch.float32, bad)
@@ -134,27 +121,20 @@ def test_conversion_records_k_and_refuses_another(converted, tmp_path):
         nxconv.check_compiled(tmp_path / "k", meta, converted[2])
 
 
-def _refused(capsys, argv, match):
-    from harness.nxdi import run
-    assert run.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("harness.nxdi.run: error: ") and match in err, err
-
-
 def test_run_cli_refuses_another_k(converted, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     c, k = str(converted[1]), str(tmp_path / "k")
     decode = ["decode", "--converted", c, "--compiled", k, "--prompt-ids", "5,17,99", "--max-new-tokens", "4"]
     for cmd in (["compile", "--converted", c, "--compiled", k], decode):
-        _refused(capsys, cmd + ["--num-draft-tokens", "2"], "num_draft_tokens=1 (asked 2)")
-        _refused(capsys, cmd + ["--num-draft-tokens", "4"], "--num-draft-tokens must be in 1..3, found 4")
+        refused(capsys, cmd + ["--num-draft-tokens", "2"], "num_draft_tokens=1 (asked 2)")
+        refused(capsys, cmd + ["--num-draft-tokens", "4"], "--num-draft-tokens must be in 1..3, found 4")
     assert not Path(k).exists()     # nothing ran
-    _refused(capsys, ["convert", "--model-path", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"),
+    refused(capsys, ["convert", "--model-path", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"),
                       "--num-draft-tokens", "0"], "--num-draft-tokens must be in 1..3, found 0")
-    _refused(capsys, ["decode", "--executor", "cpu", "--model-path", str(tmp_path / "nowhere"), "--prompt-ids", "1",
+    refused(capsys, ["decode", "--executor", "cpu", "--model-path", str(tmp_path / "nowhere"), "--prompt-ids", "1",
                       "--num-draft-tokens", "5"], "found 5")
     # rounds of K drafts need K - 1 positions more than rounds of one (the last verify runs K past the last token)
-    _refused(capsys, ["decode", "--converted", str(converted[3]), "--compiled", k, "--prompt-ids", "5,17,99",
+    refused(capsys, ["decode", "--converted", str(converted[3]), "--compiled", k, "--prompt-ids", "5,17,99",
                       "--max-new-tokens", "35"], "needs 41 positions (prompt + new tokens + K)")
 
 
@@ -221,7 +201,7 @@ def test_trn2_cli_flow_with_k_drafts(fake_nxd, tiny, plain, converted, tmp_path,
     assert out["tokens"] == plain[:8] and out["num_draft_tokens"] == 2 and len(out["acceptance_per_position"]) == 2
     assert out["launches"] == len(teacher_forced_launches(len(PROMPT), 2)) + out["rounds"]
     # the compiled directory of the K = 2 conversion is not the K = 1 conversion's
-    _refused(capsys, ["decode", "--converted", str(converted[1]), "--compiled", k, "--prompt-ids", ids,
+    refused(capsys, ["decode", "--converted", str(converted[1]), "--compiled", k, "--prompt-ids", ids,
                       "--max-new-tokens", "4"], "compiled from another conversion")
 
 
@@ -253,3 +233,22 @@ def test_trn2_megakernel_flow_with_k_drafts_tokens_equal_plain_greedy(fake_nxd, 
     res = generate(v, prompt, n, draft_source=alternating(prompt, want, cfg.vocab_size, K))
     assert res.tokens == want and res.accepted_per_round[:2] == [K + 1, 1]
     assert v.launches == len(teacher_forced_launches(len(prompt), K)) + res.rounds
+
+
+def test_trn2_check_runs_k_token_accepts_on_the_device_path(fake_nxd, tiny, converted, tmp_path, capsys, monkeypatch):
+    """``run check`` on a K = 2 conversion against the fakes: every round forces both drafts to the reference's
+    tokens and commits K + 1 = 3 of them (the K-token accept of the round graph), and the check passes."""
+    from harness.nxdi import run
+    cfg, params = tiny
+    save_checkpoint(tmp_path / "hf", cfg, params)
+    k = str(tmp_path / "k")
+    assert run.main(["compile", "--converted", str(converted[2]), "--compiled", k]) == 0
+    commits = []
+    real = Decoder.commit
+    monkeypatch.setattr(Decoder, "commit", lambda self, n: commits.append(n) or real(self, n))
+    assert run.main(["check", "--converted", str(converted[2]), "--compiled", k, "--model-path", str(tmp_path / "hf"),
+                     "--prompt-ids", ",".join(map(str, PROMPT)), "--tokens", "8", "--json", "--skip-warmup"]
+                    ) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] and out["num_draft_tokens"] == 2 and out["positions"] == 8
+    assert commits == [3, 3]           # predictions 2..4 and 5..7 by K-token accepts, 8 by a step
