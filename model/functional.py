@@ -187,9 +187,11 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         return x.reshape(-1, chunk, *x.shape[1:]).transpose(1, 2)
     qc, kc, vc = split(q), split(k), split(v)
     gc, bc = split(g[..., None])[..., 0], split(beta[..., None])[..., 0]  # [chunks, Hv, C]
-    eye = torch.eye(chunk)
-    lower_strict = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool), -1)
-    lower_incl = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool))
+    dev = q.device               # constants on the inputs' device (traceable on any device)
+    eye = torch.eye(chunk, device=dev)
+    lower_strict = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool, device=dev), -1)
+    lower_incl = torch.tril(torch.ones(chunk, chunk, dtype=torch.bool, device=dev))
+    zero = torch.zeros((), device=dev)
     s = state.float().clone()
     outs = []
     for c in range(qc.shape[0]):
@@ -197,12 +199,12 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         diff = gam[:, :, None] - gam[:, None, :]
         decay = torch.where(lower_incl, diff, torch.full_like(diff, float("-inf"))).exp()  # [Hv, C, C]
         kb = kc[c] * bc[c][..., None]
-        a = torch.where(lower_strict, (kb @ kc[c].transpose(-1, -2)) * decay, torch.zeros(()))
+        a = torch.where(lower_strict, (kb @ kc[c].transpose(-1, -2)) * decay, zero)
         tinv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
         u = tinv @ (vc[c] * bc[c][..., None])
         w = tinv @ (kb * gam.exp()[..., None])
         v_new = u - w @ s
-        attn = torch.where(lower_incl, (qc[c] @ kc[c].transpose(-1, -2)) * decay, torch.zeros(()))
+        attn = torch.where(lower_incl, (qc[c] @ kc[c].transpose(-1, -2)) * decay, zero)
         outs.append((qc[c] * gam.exp()[..., None]) @ s + attn @ v_new)
         last = gam[:, -1:]
         s = s * last.exp()[..., None] + (kc[c] * (last - gam).exp()[..., None]).transpose(-1, -2) @ v_new

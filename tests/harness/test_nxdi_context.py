@@ -141,6 +141,29 @@ def test_xla_context_prefill_equals_the_reference_prefill(tiny, n, buckets, chun
         assert_close(got[k], want[k], rel=1e-4, name=k)
 
 
+def test_xla_context_has_no_host_values_and_keeps_the_device(tiny_cfg):
+    """What the xla context graph traces: fake tensors raise on .item()/.tolist()/int()/bool() of a tensor (an XLA
+    trace would bake the value in as a constant), meta tensors refuse tensors created on another device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.params import random_params
+    from model.tp.collectives import SINGLE_RANK
+    cfg = tiny_cfg
+    w = asm.rank_weights(cfg, random_params(cfg, seed=0), "xla", 0, 1, 2)
+    st = asm.zero_states(asm.state_specs(cfg, 1, 160, torch.bfloat16))
+    rt = {k: torch.as_tensor(v) for k, v in ctx.context_inputs(cfg, prompt_of(80), 7, 64).items()}
+    plan = ctx.context_plan(cfg, 64, 1, 2)
+    with FakeTensorMode() as m:
+        out = ctx.xla_context(cfg, plan, *({k: m.from_tensor(t) for k, t in d.items()} for d in (w, st, rt)),
+                              SINGLE_RANK)
+    assert [tuple(o.shape) for o in out[:3]] == [(1, 1), (1, 1), (1, cfg.hidden_size)]
+    assert out[0].dtype == out[1].dtype == torch.int32
+    assert [tuple(o.shape) for o in out[3:]] == [tuple(st[n].shape) for n in rp.STATE]
+    assert [o.dtype for o in out[3:]] == [st[n].dtype for n in rp.STATE]
+    meta = ctx.xla_context(cfg, plan, *({k: t.to("meta") for k, t in d.items()} for d in (w, st, rt)), SINGLE_RANK)
+    assert meta[2].device.type == "meta"
+
+
 # --------------------------------------------------------------------------------------------------
 # The trn2 module against the fakes
 # --------------------------------------------------------------------------------------------------
