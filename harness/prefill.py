@@ -8,10 +8,12 @@ and predicted with the trn2 cost model (``harness.costmodel.predict_band``), and
 sum, per chunk, of
 
 * the embedding (one gather per 128 tokens) and the first layer's input RMSNorm (``rmsnorm_prefill``),
-* per layer the mixer kernel (``gdn_prefill`` / ``attention_prefill`` at the chunk's start) and ``moe_prefill``,
-* after every mixer and MoE the residual all-reduce fused with the RMSNorm that follows it (the post-attention
-  norm's rows, the next layer's input norm's xT, after the last layer the final norm's rows:
-  ``megakernel.prefill.residual_allreduce_stage``, traced on 4 ranks with its collectives),
+* per layer the mixer kernel (``gdn_prefill`` / ``attention_prefill`` at the chunk's start), then the residual
+  all-reduce fused with the post-attention RMSNorm's rows (``megakernel.prefill.residual_allreduce_stage``,
+  traced on 4 ranks with its collectives),
+* per layer ``moe_prefill`` with the residual all-reduce and the next RMSNorm fused into its combine (the next
+  layer's input norm's xT, after the last layer the final norm's rows; ``moe_prefill(residual=...)``, traced on
+  4 ranks: the ``moe_prefill`` part includes that all-reduce),
 * the MTP fc and the MTP layer's K/V rows over the chunk's rows (``attention_prefill_kv_kernel``: its attention
   output is not needed),
 * on the last chunk the decode head stage on the last position (final norm + LM head + argmax),
@@ -111,13 +113,20 @@ class Costs:
                          [args], lnc=1)
         return _traced(("mtp_kv", self.key, N), build)
 
-    def moe(self, N):
+    def moe_fused(self, N, norm):
+        """``moe_prefill`` with the next step fused (residual + all-reduce over the TP ranks + the next RMSNorm's
+        ``norm`` output: rows | xT | none), traced on every rank (its collectives)."""
         from harness.kernel_cases import moe_prefill_launch
+        from nki_kernels.common import P
+        H = self.cfg.hidden_size
 
         def build():
-            kern, args = moe_prefill_launch(self.cfg, tp=self.tp, N=N, dtype=self.dtype, lnc=self.lnc)
-            return _case(kern, [args], lnc=1)
-        return _traced(("moe", self.key, N), build)
+            from nki_kernels.moe_prefill import moe_prefill
+            _, args = moe_prefill_launch(self.cfg, tp=self.tp, N=N, dtype=self.dtype, lnc=self.lnc)
+            w = self._sd((P, H // P), "float32") if norm != "none" else None
+            full = tuple(args) + (None, self._sd((N, H)), self.tp, w, float(self.cfg.rms_norm_eps), norm)
+            return _case(moe_prefill, [full] * self.tp, tp=self.tp, lnc=self.lnc)
+        return _traced(("moe_fused", self.key, N, norm), build)
 
     def norm(self, N, layout):
         """The chunk's RMSNorm with one output: "rows" (token-major) or "xT" (feature-major)."""
@@ -254,13 +263,13 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
         if ext:
             extrapolated.append(ch.start)
         add("attention_prefill", att, n_attn)
-        add("moe_prefill", costs.moe(N), L)
-        # after each mixer: all-reduce + the post-attention norm's rows; after each MoE: all-reduce + the next
-        # layer's input norm (xT), after the last one the final norm's rows (the MTP head's hidden) or nothing
+        # after each mixer: all-reduce + the post-attention norm's rows (a launch of its own); each MoE with its
+        # all-reduce fused, + the next layer's input norm (xT), after the last one the final norm's rows (the MTP
+        # head's hidden) or nothing
         add("all_reduce", costs.allreduce(N, True, "rows"), L)
-        add("all_reduce", costs.allreduce(N, False, "xT"), L - 1)
-        add("all_reduce", costs.allreduce(N, False, "rows" if ch.mtp_rows else "none"))
-        k = 1 + 4 * L + tiles
+        add("moe_prefill", costs.moe_fused(N, "xT"), L - 1)
+        add("moe_prefill", costs.moe_fused(N, "rows" if ch.mtp_rows else "none"))
+        k = 1 + 3 * L + tiles
         if ch.mtp_rows:
             m = ch.mtp_rows
             add("embedding", costs.embed(P) if m >= P else costs.embed(m), -(-m // P))

@@ -107,10 +107,12 @@ from __future__ import annotations
 import math
 
 import nki
+import nki.collectives as ncc
 import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import PSUM_BANK, program_sharding
 from nki_kernels.moe import INT32_MAX, MAX8, P, block_width, geometry as _geometry, layers_per_table
+from nki_kernels.rmsnorm_prefill import broadcast_weight, residual_norm_tile
 
 BANK = PSUM_BANK    # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 WIN = 128           # rows of one down-projection window (token-major output rows on partitions)
@@ -121,6 +123,7 @@ XCH = 256           # tokens per x^T transpose DMA
 PSUM_POOL = 7       # PSUM banks handed out round-robin to the slot and combine phases
 UP_AHEAD = 2        # slots whose gate|up is issued before the down projection of the current slot
 GATHER_AHEAD = 6    # slots whose x^T gather is issued ahead
+FUSE_TILES = 2      # 128-token tiles per collective of the fused combine (16 KB fp32 per partition)
 F32 = nl.float32
 I32 = nl.int32
 U32 = nl.uint32
@@ -199,10 +202,10 @@ def check_finite(finite, what="moe_prefill"):
 # traced helpers: pools
 # ---------------------------------------------------------------------------------------------
 
-def _psum_pool():
-    """PSUM_POOL one-bank fp32 tiles handed out round-robin (a bank is reused PSUM_POOL requests later)."""
+def _psum_pool(n_banks=PSUM_POOL):
+    """``n_banks`` one-bank fp32 tiles handed out round-robin (a bank is reused n_banks requests later)."""
     banks = []
-    for b in range(PSUM_POOL):
+    for b in range(n_banks):
         banks.append(nl.ndarray((P, BANK), dtype=F32, buffer=nl.psum, name="moe_pf_psum" + str(b)))
     return {"banks": banks, "next": 0}
 
@@ -212,7 +215,7 @@ def _ps(c, parts, cols, name):
     pool = c["psum"]
     if pool == None:
         return nl.ndarray((parts, cols), dtype=F32, buffer=nl.psum, name=name)
-    b = pool["banks"][pool["next"] % PSUM_POOL]
+    b = pool["banks"][pool["next"] % len(pool["banks"])]
     pool["next"] = pool["next"] + 1
     return b[0:parts, 0:cols]
 
@@ -1099,46 +1102,141 @@ def _heavy_windows(g, geo, tab, scratch, nhw, hid, experts_w):
     nl.fori_loop(0, n_reg, window)
 
 
-def _combine(g, c, scratch, st, y):
-    """Token tiles ti = pid, pid + L, ..: y[tile, :] = sum_j w_tj * scratch[dest_tj] (PE against diag(w), fp32
-    PSUM) + gate_t * scratch[SHB + t] (the shared expert's rows), full rows, written to y."""
-    T, k, H, adt, L, pid, SHB = g["T"], g["k"], g["H"], g["adt"], g["L"], g["pid"], g["SHB"]
+def _combine_loads(g, c, scratch, st, ti):
+    """Token tile ti's gathers for :func:`_combine`: its k expert rows (``DEST``) and its shared-expert rows.
+    Returns (G [P, k, H], sh [P, H]), activation dtype."""
+    T, k, H, adt, SHB = g["T"], g["k"], g["H"], g["adt"], g["SHB"]
+    t0, n = g["tiles"][ti]
     depth = 2 if adt == nl.bfloat16 else 1          # 32 KB per partition per tile of gathered bf16 rows
-    for ti in range(pid, T, L):
-        t0, n = g["tiles"][ti]
-        G = _tile(c, "moe_pf_rows", (P, k, H), adt, depth)
+    G = _tile(c, "moe_pf_rows", (P, k, H), adt, depth)
+    for j in range(k):
+        nisa.dma_copy(dst=G[0:n, j, :], src=scratch.ap(pattern=[[H, n], [1, H]], offset=0,
+                                                       vector_offset=st["DEST"].ap(pattern=[[T * k, n], [1, 1]],
+                                                                                   offset=ti * k + j),
+                                                       indirect_dim=0))
+    sh = _tile(c, "moe_pf_shared_rows", (P, H), adt, 2)
+    nisa.dma_copy(dst=sh[0:n, :], src=scratch[SHB + t0:SHB + t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
+    return G, sh
+
+
+def _combine_math(g, c, st, ti, G, sh, yt, col):
+    """Token tile ti of :func:`_combine`: sum_j w_tj G[:, j] (PE against diag(w), fp32 PSUM) + gate_t * sh ->
+    ``yt[0:n, col:col + H]`` (float32 SBUF)."""
+    T, k, H, adt = g["T"], g["k"], g["H"], g["adt"]
+    t0, n = g["tiles"][ti]
+    dg = _tile(c, "moe_pf_diag", (P, k, P), adt, 2)
+    nisa.tensor_tensor(dst=dg[0:n, :, 0:n], data1=c["ident_a"].ap(pattern=[[P, n], [0, k], [1, n]], offset=0),
+                       data2=st["W8"].ap(pattern=[[T * k, n], [1, k], [0, n]], offset=ti * k), op=nl.multiply)
+    for c0, cw in chunks(H, BANK):
+        rp = _ps(c, n, cw, "moe_pf_routed_ps")
         for j in range(k):
-            nisa.dma_copy(dst=G[0:n, j, :], src=scratch.ap(pattern=[[H, n], [1, H]], offset=0,
-                                                           vector_offset=st["DEST"].ap(pattern=[[T * k, n], [1, 1]],
-                                                                                       offset=ti * k + j),
-                                                           indirect_dim=0))
-        sh = _tile(c, "moe_pf_shared_rows", (P, H), adt, 2)
-        nisa.dma_copy(dst=sh[0:n, :], src=scratch[SHB + t0:SHB + t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
-        dg = _tile(c, "moe_pf_diag", (P, k, P), adt, 2)
-        nisa.tensor_tensor(dst=dg[0:n, :, 0:n], data1=c["ident_a"].ap(pattern=[[P, n], [0, k], [1, n]], offset=0),
-                           data2=st["W8"].ap(pattern=[[T * k, n], [1, k], [0, n]], offset=ti * k), op=nl.multiply)
-        yt = _tile(c, "moe_pf_y", (P, H), F32, 2)
-        for c0, cw in chunks(H, BANK):
-            rp = _ps(c, n, cw, "moe_pf_routed_ps")
-            for j in range(k):
-                nisa.nc_matmul(dst=rp, stationary=dg[0:n, j, 0:n], moving=G[0:n, j, c0:c0 + cw], accumulate=j > 0)
-            nisa.scalar_tensor_tensor(dst=yt[0:n, c0:c0 + cw], data=sh[0:n, c0:c0 + cw], op0=nl.multiply,
-                                      operand0=st["GATE"][0:n, ti:ti + 1], op1=nl.add, operand1=rp)
-        nisa.dma_copy(dst=y[t0:t0 + n, :], src=yt[0:n, :])
+            nisa.nc_matmul(dst=rp, stationary=dg[0:n, j, 0:n], moving=G[0:n, j, c0:c0 + cw], accumulate=j > 0)
+        nisa.scalar_tensor_tensor(dst=yt[0:n, col + c0:col + c0 + cw], data=sh[0:n, c0:c0 + cw], op0=nl.multiply,
+                                  operand0=st["GATE"][0:n, ti:ti + 1], op1=nl.add, operand1=rp)
+
+
+def _fused_groups(g):
+    """This core's token groups for the fused combine: (first tile, tiles) of FUSE_TILES consecutive full tiles
+    (a partial last tile alone), dealt round-robin over the cores."""
+    T, L, pid = g["T"], g["L"], g["pid"]
+    out = []
+    ti = 0
+    gid = 0
+    while ti < T:
+        kk = FUSE_TILES
+        if ti + kk > T or g["tiles"][ti + kk - 1][1] != P:
+            kk = 1
+        if gid % L == pid:
+            out.append((ti, kk))
+        gid = gid + 1
+        ti = ti + kk
+    return out
+
+
+def _group_ap(t, t0, rows, kk, H):
+    """Rows of ``kk`` consecutive 128-token tiles of a token-major ``[N, H]`` HBM tensor from token t0 as a ``[rows,
+    kk H]`` access pattern (partition p, column block s = token t0 + 128 s + p)."""
+    return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=t0 * H)
+
+
+def _combine(g, c, scratch, st, y, fuse=None):
+    """Token tiles ti = pid, pid + L, ..: y[tile, :] = sum_j w_tj * scratch[dest_tj] (PE against diag(w), fp32
+    PSUM) + gate_t * scratch[SHB + t] (the shared expert's rows), full rows, written to y.
+
+    With ``fuse`` (the composition's next step fused, :func:`moe_prefill`) the core takes groups of FUSE_TILES
+    consecutive tiles instead (:func:`_fused_groups`): a group's rows are all-reduced over the TP ranks (one SBUF
+    collective per group), added to the residual, written as the new residual and normalised
+    (``rmsnorm_prefill.residual_norm_tile``) -- the math of ``megakernel.prefill.residual_allreduce_stage`` on
+    y, which never reaches HBM. Software-pipelined in program order: the gathers of the next tile before this
+    tile's sums; a group's collective issued after its last tile, its residual / stores / norm after the next
+    group's collective."""
+    L, pid, H = g["L"], g["pid"], g["H"]
+    if fuse == None:
+        for ti in range(pid, g["T"], L):
+            t0, n = g["tiles"][ti]
+            G, sh = _combine_loads(g, c, scratch, st, ti)
+            yt = _tile(c, "moe_pf_y", (P, H), F32, 2)
+            _combine_math(g, c, st, ti, G, sh, yt, 0)
+            nisa.dma_copy(dst=y[t0:t0 + n, :], src=yt[0:n, :])
+        return
+    seq = []                  # (group, sub-tile, tile) in order
+    groups = _fused_groups(g)
+    for q in range(len(groups)):
+        for s in range(groups[q][1]):
+            seq.append((q, s, groups[q][0] + s))
+    ld = None
+    if len(seq) > 0:
+        ld = _combine_loads(g, c, scratch, st, seq[0][2])
+    prev = None
+    yt = None
+    xs = None
+    for i in range(len(seq)):
+        q, s, ti = seq[i]
+        t0, n = g["tiles"][groups[q][0]]
+        kk = groups[q][1]
+        if s == 0:
+            yt = _tile(c, "moe_pf_y", (P, kk * H), F32, 2)
+            xs = _tile(c, "moe_pf_residual", (P, kk * H), g["adt"], 2)
+            nisa.dma_copy(dst=xs[0:n, :], src=_group_ap(fuse["x"], t0, n, kk, H))
+        nxt = None
+        if i + 1 < len(seq):
+            nxt = _combine_loads(g, c, scratch, st, seq[i + 1][2])
+        _combine_math(g, c, st, ti, ld[0], ld[1], yt, s * H)
+        ld = nxt
+        if s < kk - 1:
+            continue
+        total = yt
+        if fuse["rg"] != None:
+            total = _tile(c, "moe_pf_total", (P, kk * H), F32, 2)
+            ncc.all_reduce(srcs=[yt[0:n, :]], dsts=[total[0:n, :]], replica_group=fuse["rg"], op=nl.add)
+        if prev != None:
+            _fused_finish(fuse, prev, H)
+        prev = (t0, n, kk, total, xs)
+    if prev != None:
+        _fused_finish(fuse, prev, H)
+
+
+def _fused_finish(fuse, item, H):
+    t0, n, kk, total, xs = item
+    residual_norm_tile(xs, total, n, kk, H, _group_ap(fuse["out"], t0, n, kk, H), fuse["norm_t"], fuse["norm_out"],
+                       t0, fuse["wb"], fuse["ident"], fuse["eps"])
 
 
 # ---------------------------------------------------------------------------------------------
 # body and wrapper
 # ---------------------------------------------------------------------------------------------
 
-def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=None):
+def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=None, fuse=None):
     """MoE of the chunk on one core: x [N*H/128, 128] HBM (token-major, activation dtype, :func:`token_rows`)
     -> this core's columns of the rank's partial written to ``y [N, H]`` (HBM float32). Weights from
     :func:`nki_kernels.moe.moe_hbm_layout` for this launch's LNC (whole, or stacked [G, ...] with ``layer``).
     capacity: static tokens per regular expert slot (default :func:`default_capacity`, rounded up to 16).
+    fuse: None, or the fused next step (:func:`moe_prefill` builds it; ``y`` is then None): dict with the
+    residual ``x [N, H]`` HBM, ``rg`` (the TP ReplicaGroup or None), ``out`` / ``norm_t`` / ``norm_out`` / ``w``
+    (norm weight row or None) / ``eps``.
     Returns ``finite [1, 1]`` float32 SBUF (1.0 when every router logit was finite)."""
     adt = x.dtype
-    N, H = y.shape
+    N, H = (y if fuse == None else fuse["x"]).shape
     J = H // P
     base = 0
     sh_base = 0
@@ -1182,8 +1280,10 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
                          f"F], [{L}, {P}, {J}, E/{L} + 1], [{L}, {P}, Fs])")
     if not 1 <= top_k <= MAX8 or E < MAX8 or E + 1 > BANK:
         raise ValueError(f"moe_prefill: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {BANK}")
-    if y.dtype != F32:
+    if fuse == None and y.dtype != F32:
         raise ValueError(f"moe_prefill: y is {y.dtype}, expected float32")
+    if fuse != None and fuse["x"].dtype != adt:
+        raise ValueError(f"moe_prefill: the residual is {fuse['x'].dtype} but the activations are {adt}")
     geo = _geometry(experts.shape[3], H, "expert")
     geo_s = _geometry(shared.shape[2], H, "shared-expert")
     for gg in (geo, geo_s):
@@ -1234,6 +1334,7 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
           "fin": nl.ndarray((1, 1), dtype=F32, buffer=nl.psum, name="moe_pf_finite_ps")}
     st["nfin"] = 0
     run = _route(g, c, xl, rr, st)
+    rr = None           # the router rows are dead
     xr = xl["xr"]
     tabs = _choice_tables(g)
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
@@ -1250,7 +1351,9 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     ring = None
     _scatter_entries(g, BB, st, tabs)
     _run_jobs(g, c, geo_s, _shared_jobs(g, shw, xr), scratch, None)
+    shw = None          # the shared expert's weights are dead
     xr = None
+    xl = None           # (it holds x^T too: released with it)
     tab = nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
     if L == 2:
         nisa.core_barrier(data=tabs[0], cores=(0, 1))
@@ -1268,27 +1371,64 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
         _heavy_windows(g, geo, tab, scratch, nhw, hid, experts_w)
         c["psum"] = _psum_pool()
 
-    # 5. combine (full rows; the other core wrote the other half of the columns)
+    # 5. combine (full rows; the other core wrote the other half of the columns); the routing and grouping
+    # tables it does not read are released (SBUF for the fused epilogue's tiles)
+    run, BB, ids, nhw, hid = None, None, None, None, None
+    st["E8"], st["RK8"] = None, None
+    c["rev"] = None
     c["rings"] = {}
+    if fuse != None:
+        fuse["wb"] = None
+        fuse["ident"] = None
+        if fuse["norm_out"] != "none":
+            c["psum"] = None            # the weight broadcast's PSUM bank, then the pool: 6 of the 8 banks (the
+            fuse["wb"] = broadcast_weight(fuse["w"], H)      # norm's transposes take two)
+            fuse["ident"] = nl.shared_identity_matrix(n=P, dtype=adt)
+            c["psum"] = _psum_pool(PSUM_POOL - 1)
     if L == 2:
         nisa.core_barrier(data=scratch, cores=(0, 1))
-    _combine(g, c, scratch, st, y)
+    _combine(g, c, scratch, st, y, fuse)
     return fin
 
 
 @nki.jit
-def moe_prefill(x, router, experts, shared, top_k, capacity=None):
+def moe_prefill(x, router, experts, shared, top_k, capacity=None, residual=None, tp=1, norm_w=None, eps=1e-6,
+                norm_out="none"):
     """HBM wrapper of :func:`moe_prefill_body`: x [N*H/128, 128] (:func:`token_rows`) -> (y [N, H] float32, the
     rank's partial; finite [n_cores, 1] float32). Weights from :func:`nki_kernels.moe.moe_hbm_layout` for the
-    launch's LNC; top_k: experts per token; capacity: static tokens per regular expert slot."""
+    launch's LNC; top_k: experts per token; capacity: static tokens per regular expert slot.
+
+    With ``residual`` (``[N, H]`` activation dtype, the block's residual) the composition's next step is fused
+    into the combine: the new residual ``residual + all-reduce over tp ranks(y)`` and, with ``norm_w`` (a ``[P,
+    H/P]`` row of ``norms``) and ``norm_out`` "rows" / "xT", its RMSNorm (the same math and instruction sequence
+    per tile as ``megakernel.prefill.residual_allreduce_stage`` on y) -> (residual [N, H], [normed,] finite);
+    y never reaches HBM."""
     H = router.shape[2] * P
     N = x.shape[0] * P // H
     L, pid = program_sharding()
-    y = nl.ndarray((N, H), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_out")
     fin_out = nl.ndarray((L, 1), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_finite_out")
-    fin = moe_prefill_body(x, router, experts, shared, top_k, y, capacity)
+    if residual == None:
+        y = nl.ndarray((N, H), dtype=F32, buffer=nl.shared_hbm, name="moe_pf_out")
+        fin = moe_prefill_body(x, router, experts, shared, top_k, y, capacity)
+        nisa.dma_copy(dst=fin_out[pid:pid + 1, :], src=fin)
+        return y, fin_out
+    if tuple(residual.shape) != (N, H) or norm_out not in ("none", "rows", "xT") or \
+            (norm_out != "none" and norm_w == None):
+        raise ValueError(f"moe_prefill: residual {list(residual.shape)} (expected [{N}, {H}]), norm_out {norm_out!r} "
+                         f"(none | rows | xT; rows / xT need norm_w)")
+    out = nl.ndarray((N, H), dtype=residual.dtype, buffer=nl.shared_hbm, name="moe_pf_residual_out")
+    norm_t = None
+    if norm_out == "rows":
+        norm_t = nl.ndarray((N, H), dtype=residual.dtype, buffer=nl.shared_hbm, name="moe_pf_rows_out")
+    elif norm_out == "xT":
+        norm_t = nl.ndarray((P, H // P, N), dtype=residual.dtype, buffer=nl.shared_hbm, name="moe_pf_xT_out")
+    rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
+    fuse = {"x": residual, "rg": rg, "out": out, "norm_t": norm_t, "norm_out": norm_out, "w": norm_w, "eps": eps}
+    fin = moe_prefill_body(x, router, experts, shared, top_k, None, capacity, fuse=fuse)
     nisa.dma_copy(dst=fin_out[pid:pid + 1, :], src=fin)
-    return y, fin_out
+    if norm_t != None:
+        return out, norm_t, fin_out
+    return out, fin_out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -337,3 +337,38 @@ def test_tiny_random_sweep(tiny_params, seed):
         N = int(rng.integers(1, 700))
         cap = None if seed % 2 else int(rng.integers(1, 64))
         check_parity(shard, tiny_x(cfg, N, seed=100 + seed, dtype=dtype), cfg, tp, 1 + seed % 2, dtype, cap)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused next step (residual + all-reduce over the ranks + RMSNorm in the combine)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,tp,norm_out", [(300, 2, "xT"), (129, 4, "rows"), (64, 2, "none")])
+def test_fused_residual_allreduce_equals_the_separate_stage(tiny_params, N, tp, norm_out):
+    """moe_prefill(residual=...) on every rank equals moe_prefill's partial y followed by
+    megakernel.prefill.residual_allreduce_stage (the separate launch it replaces), bit for bit: the new residual
+    and its normed rows / xT. N = 300 pipelines two tiles on core 0 and one on core 1; 129 a partial tile."""
+    from megakernel.prefill import residual_allreduce_stage
+    from nki_kernels.rmsnorm import rmsnorm_weight_layout
+    cfg = preset("tiny")
+    dtype = torch.bfloat16
+    k = cfg.num_experts_per_tok
+    x = tiny_x(cfg, N, seed=N, dtype=dtype)
+    residual = tiny_x(cfg, N, seed=N + 1, dtype=dtype)
+    w = rmsnorm_weight_layout(torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(5)) * 0.1)
+    w_arg = w if norm_out != "none" else None
+    lays = [moe_hbm_layout(shard_moe(tiny_params[dtype], PREFIX, cfg, r, tp), 2) for r in range(tp)]
+    ys = [moe_prefill[2](token_rows(x), L["router"], L["experts"], L["shared"], k)[0] for L in lays]
+    want = nkisim.launch(residual_allreduce_stage[2], [(residual, y, tp, False, w_arg, 1e-6, norm_out) for y in ys],
+                         tp=tp, lnc=2)
+    got = nkisim.launch(moe_prefill[2], [(token_rows(x), L["router"], L["experts"], L["shared"], k, None, residual,
+                                          tp, w_arg, 1e-6, norm_out) for L in lays], tp=tp, lnc=2)
+    for r in range(tp):
+        exp = want[r] if isinstance(want[r], tuple) else (want[r],)
+        assert len(got[r]) == len(exp) + 1 and bool((torch.as_tensor(got[r][-1]) == 1.0).all())
+        for a, b in zip(got[r][:-1], exp):
+            a, b = torch.as_tensor(a), torch.as_tensor(b)
+            assert a.dtype == dtype and torch.isfinite(a.float()).all() and (a != 0).any()
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    new_res = torch.as_tensor(got[0][0]).float()
+    assert not torch.equal(new_res, residual.float())          # the MoE output was added
