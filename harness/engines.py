@@ -173,8 +173,8 @@ class MegakernelEngine(HostEngine):
 
 
 class XlaEngine(HostEngine):
-    """The plan as plain PyTorch (``harness.xla.forward``), one thread per rank, no custom kernels. The one variant
-    that samples (``sampling``: a ``harness.sampling.Sampling``, set by the host; rounds then take ``draft_noise``
+    """The plan as plain PyTorch (``harness.xla.forward``), one thread per rank, no custom kernels. It samples
+    by the rejection rule (``sampling``: a ``harness.sampling.Sampling``, set by the host; rounds then take ``draft_noise``
     [K, V] float64 and return the distributions ``harness.sampling.accept`` needs)."""
 
     name = "xla"
