@@ -1,30 +1,37 @@
 """The NxDI application's context encoding: one graph per chunk-length bucket running the NKI prefill kernels on
 the per-rank decode weight layout, writing the decode state (plain, tested on CPU; wired by ``modeling``).
 
-A context graph of bucket C (a multiple of 64, :func:`check_buckets`) encodes C prompt tokens at positions
-s .. s+C-1 (s a run-time input) into the decode state every graph shares: GDN checkpoint slot 0 (the recurrent
-state and conv window after token s+C-1, read from slot 0 before it: the state is carried from chunk to chunk),
-the trunk's K/V rows s .. s+C-1 and the MTP layer's K/V rows s .. s+C-1. It is the pass of ``megakernel.prefill``
-for one chunk (``megakernel.prefill.prefill_plan``: embedding, per layer the input RMSNorm, ``gdn_prefill`` or
-``attention_prefill``, the residual all-reduce fused with the next RMSNorm (``residual_allreduce_stage``), the
-MoE prefill, ...; the MTP fc over the chunk's rows and the MTP layer's K/V rows (``attention_prefill_kv_kernel``);
-the decode head stage on its last position),
-traced as a sequence of NKI custom calls (:func:`megakernel_context`), or, for the xla backend, the same math with
-the ``model.tp`` twins (:func:`xla_context`). Its outputs are the three leading outputs of every graph (the token
-after the chunk as given, the greedy token after position s+C-1, the post-norm hidden h_{s+C-1}) and then every
-state buffer, aliased, as the round graph returns them.
+A context graph of bucket C (a multiple of 64, :func:`check_buckets`) encodes v <= C prompt tokens at positions
+s .. s+v-1 (s and v run-time inputs; v < C only in a prompt's first chunk, at s = 0) into the decode state every
+graph shares: GDN checkpoint slot 0 (the recurrent state and conv window after token s+v-1, read from slot 0
+before it: the state is carried from chunk to chunk), the trunk's and the MTP layer's K/V rows s .. s+v-1. It is
+the pass of ``megakernel.prefill`` for one chunk (``megakernel.prefill.prefill_plan``: embedding, per layer the
+input RMSNorm, ``gdn_prefill`` or ``attention_prefill``, the residual all-reduce fused with the next RMSNorm
+(``residual_allreduce_stage``), the MoE prefill, the same all-reduce; the MTP fc over the chunk's rows and the MTP
+layer's K/V rows (``attention_prefill_kv_kernel``); the decode head stage on row v-1), traced as a sequence of NKI
+custom calls (:func:`megakernel_context`), or, for the xla backend, the same math with the ``model.tp`` twins
+(:func:`xla_context`). Its outputs are the three leading outputs of every graph (the token after the chunk as
+given, the greedy token after position s+v-1, the post-norm hidden h_{s+v-1}) and then every state buffer,
+aliased, as the round graph returns them.
 
-Run-time inputs (:func:`input_specs`, :func:`context_inputs`): ``ids`` int32 [C+1, 1] -- the chunk's tokens and
-the prompt token after it (the MTP row p needs token p+1; 0 when the chunk ends the prompt: that row, n-1, is
-rewritten by the first round's D1 before anything reads it), ``start`` int32 [1, 1], the chunk's RoPE rows
-``cos`` / ``sin`` float32 [C, R]. NxD routes calls by input shapes only, and these differ from every decode graph's.
+Run-time inputs (:func:`input_specs`, :func:`context_inputs`): ``ids`` int32 [C+1, 1] -- the chunk's v tokens,
+the prompt token after them (the MTP row p needs token p+1; 0 when the chunk ends the prompt: that row, n-1, is
+rewritten by the first round's D1 before anything reads it), zeros after that -- ``start`` and ``valid`` (v) int32
+[1, 1], the chunk's RoPE rows ``cos`` / ``sin`` float32 [C, R]. NxD routes calls by input shapes only, and these
+differ from every decode graph's.
 
-Why whole buckets, never a padded chunk: the GDN prefill kernel's token count is a compile-time shape (it pads
-inside its last tile with beta = 0 and g = 0), so a chunk padded at run time would run its padding tokens through
-the recurrence and the conv window. A prompt of n tokens is therefore cut into whole buckets, largest first
-(:func:`schedule`), and the tail of fewer tokens than the smallest bucket (< 64 with the default buckets) is fed
-teacher-forced through the round graph, K + 1 tokens per launch (:func:`tail_launches`). A prompt shorter than the
-smallest bucket is teacher-forced entirely, as before.
+A padded chunk, exactly. :func:`schedule` gives ONE chunk to a prompt of at most the largest bucket B (the
+smallest bucket that holds it); a longer prompt gets a first chunk of its n mod B leading tokens, then whole chunks
+of B. Only the first chunk is ever padded (v < C), at its end: in the attention layers the padding rows come after
+every real query (causal masking hides them) and their K/V rows land at positions >= v, which the next chunk or
+decoding overwrites before anything reads them; the MoE, norms and all-reduces work per row; the head reads row
+v-1. The GDN kernel's token count is a compile-time shape, so for it the chunk is ROTATED, the padding first, with
+the padding's inputs zeroed (:func:`pad_first`): from the zero state and zero conv window of a fresh sequence, a
+zero input gives zero projections, a zero conv output, q = k = v = 0 and so an unchanged (zero) state and window,
+whatever the gates; the real tokens follow with exactly their own history, and the window and state written after
+the last row are the real tokens'. Its output rows are rotated back (:func:`pad_last`). For a whole chunk (v = C)
+the rotation is the identity and the mask all ones. Without buckets a prompt is teacher-forced through the decode
+graphs (``megakernel.plan.teacher_forced_launches``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from megakernel import plan as rp
 GDN_BLOCK = 64                      # bucket sizes must be multiples of the GDN prefill kernel's block
 MAX_DEFAULT_BUCKET = 4096           # the largest default bucket: the prefill kernels' measured chunk (1K .. 4K)
 PREFIX = "context_"                 # graph mode of bucket C: "context_C"
-INPUTS = ("ids", "start", "cos", "sin")
+INPUTS = ("ids", "start", "valid", "cos", "sin")
 
 
 class ContextError(ValueError):
@@ -100,62 +107,63 @@ def input_specs(cfg, bucket: int) -> tuple:
     """The context graph's run-time inputs (module docstring), as ``megakernel.plan.TensorSpec`` s."""
     R = cfg.rotary_dim
     return (rp.TensorSpec("ids", (bucket + 1, 1), "int32"), rp.TensorSpec("start", (1, 1), "int32"),
-            rp.TensorSpec("cos", (bucket, R), "float32"), rp.TensorSpec("sin", (bucket, R), "float32"))
+            rp.TensorSpec("valid", (1, 1), "int32"), rp.TensorSpec("cos", (bucket, R), "float32"),
+            rp.TensorSpec("sin", (bucket, R), "float32"))
 
 
-def context_inputs(cfg, prompt: list[int], start: int, bucket: int) -> dict[str, np.ndarray]:
-    """Run-time inputs of the chunk prompt[start : start+bucket] (and the token after it, or 0 at the end)."""
-    if start < 0 or start + bucket > len(prompt):
-        raise ContextError(f"context chunk {start}..{start + bucket - 1} is outside the {len(prompt)}-token prompt")
-    after = prompt[start + bucket] if start + bucket < len(prompt) else 0
-    ids = np.array(list(prompt[start:start + bucket]) + [after], np.int32).reshape(-1, 1)
+def context_inputs(cfg, prompt: list[int], start: int, bucket: int, valid: int | None = None
+                   ) -> dict[str, np.ndarray]:
+    """Run-time inputs of the chunk prompt[start : start+valid] (``valid`` default: the whole bucket) in the graph
+    of ``bucket`` rows: the token after it (0 at the prompt's end), zeros after that. A padded chunk (valid <
+    bucket) must be the first one (start 0: its GDN rotation needs the fresh zero state, module docstring)."""
+    v = bucket if valid is None else valid
+    if not 1 <= v <= bucket or (v < bucket and start != 0):
+        raise ContextError(f"context chunk: {v} tokens at {start} in a bucket of {bucket} (a padded chunk must be "
+                           f"the first one)")
+    if start < 0 or start + v > len(prompt):
+        raise ContextError(f"context chunk {start}..{start + v - 1} is outside the {len(prompt)}-token prompt")
+    after = prompt[start + v] if start + v < len(prompt) else 0
+    ids = np.zeros((bucket + 1, 1), np.int32)
+    ids[:v + 1, 0] = list(prompt[start:start + v]) + [after]
     if ids.min() < 0 or ids.max() >= cfg.vocab_size:
         raise ContextError(f"prompt token ids must be in 0..{cfg.vocab_size - 1}")
     cos, sin = rp.rope_rows(cfg, start, bucket)
-    return {"ids": ids, "start": np.array([[start]], np.int32), "cos": cos, "sin": sin}
+    return {"ids": ids, "start": np.array([[start]], np.int32), "valid": np.array([[v]], np.int32), "cos": cos,
+            "sin": sin}
 
 
 # ---- the schedule of a prompt -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Schedule:
-    """How an n-token prompt is encoded: ``chunks`` ((start, bucket) in order, whole buckets), then the
-    teacher-forced ``tail`` (:func:`tail_launches` from position ``tail_start``; empty when the chunks end at n)."""
+    """How an n-token prompt is encoded: ``chunks`` ((start, bucket, valid) in order: ``valid`` tokens at
+    ``start`` in the graph of ``bucket``), or, without buckets, the ``teacher_forced`` launches."""
     n: int
     chunks: tuple
-    tail_start: int
-    tail: tuple
+    teacher_forced: tuple
 
     @property
     def launches(self) -> int:
-        return len(self.chunks) + len(self.tail)
+        return len(self.chunks) + len(self.teacher_forced)
 
 
 def schedule(n: int, buckets, drafts: int = rp.DEFAULT_DRAFTS) -> Schedule:
-    """Whole buckets, the largest that fits first, then the teacher-forced tail (module docstring)."""
+    """One chunk in the smallest bucket that holds the prompt; a longer one: its n mod B leading tokens (B the
+    largest bucket) in the smallest bucket that holds them, then whole chunks of B (module docstring). No buckets:
+    the prompt teacher-forced (``megakernel.plan.teacher_forced_launches``)."""
     if n < 1:
         raise ContextError("prefill: the prompt is empty")
+    if not buckets:
+        return Schedule(n, (), rp.teacher_forced_launches(n, drafts))
+    B = max(buckets)
+    first = n % B if n > B else n
     chunks, s = [], 0
-    for b in sorted(buckets, reverse=True):
-        while n - s >= b:
-            chunks.append((s, b))
-            s += b
-    return Schedule(n, tuple(chunks), s, tail_launches(s, n, drafts))
-
-
-def tail_launches(m: int, n: int, drafts: int = rp.DEFAULT_DRAFTS) -> tuple:
-    """The teacher-forced launches of prompt tokens m .. n-1 after a context prefill of tokens 0 .. m-1 (m = 0: the
-    whole prompt, ``megakernel.plan.teacher_forced_launches``): rounds at p = m, m + K + 1, ... on the pending x_p
-    and h_{p-1}, drafts forced to x_{p+1} .. x_{p+j} (j = min(K, n-1-p)), j + 1 tokens committed. The round's first
-    D1 writes MTP KV row p-1 (from x_p and h_{p-1}: the context graph wrote the same row), its verify the trunk
-    state of x_p .. x_{p+j}, its D2 the MTP rows p .. p+j-1."""
-    if m == 0:
-        return rp.teacher_forced_launches(n, drafts)
-    K = rp.check_drafts(drafts)
-    out = []
-    for p in range(m, n, K + 1):
-        j = min(K, n - 1 - p)
-        out.append(rp.PrefillLaunch("round", p, p + 1 if j else None, j + 1))
-    return tuple(out)
+    if first:
+        chunks.append((0, min(b for b in buckets if b >= first), first))
+        s = first
+    while s < n:
+        chunks.append((s, B, B))
+        s += B
+    return Schedule(n, tuple(chunks), ())
 
 
 # ---- the traced graphs --------------------------------------------------------------------------------------------
@@ -164,6 +172,25 @@ def context_plan(cfg, bucket: int, tp: int, lnc: int):
     layers, MTP layer, norm rows and settings; the chunk's MTP rows are all C of them, see the module docstring)."""
     from megakernel.prefill import prefill_plan
     return prefill_plan(cfg, bucket, tp, lnc, chunk=bucket)
+
+
+def pad_first(t: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with its C rows along ``dim`` rotated so that the padding rows (index >= v, v = ``valid`` int [1, 1])
+    come first and are zero, the real rows 0 .. v-1 last, in order (module docstring). Traceable: one gather, one
+    select."""
+    C = t.shape[dim]
+    v = valid.reshape(-1)[:1].long()
+    i = torch.arange(C, device=t.device)
+    rotated = t.index_select(dim, (i + v) % C)
+    real = (i >= C - v).reshape([C if d == dim else 1 for d in range(t.dim())])
+    return torch.where(real, rotated, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def pad_last(t: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse rotation of :func:`pad_first` along ``dim`` (real rows back to 0 .. v-1)."""
+    C = t.shape[dim]
+    v = valid.reshape(-1)[:1].long()
+    return t.index_select(dim, (torch.arange(C, device=t.device) + C - v) % C)
 
 
 def _replace(stack: torch.Tensor, a: int, rows: torch.Tensor) -> torch.Tensor:
@@ -185,8 +212,9 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
     from nki_kernels.gdn_prefill import gdn_prefill_kernel
     from nki_kernels.moe_prefill import moe_prefill, token_rows
     from nki_kernels.rmsnorm_prefill import rmsnorm_prefill_kernel
-    ids, start, cos, sin = rt["ids"], rt["start"], rt["cos"], rt["sin"]
+    ids, start, valid, cos, sin = rt["ids"], rt["start"], rt["valid"], rt["cos"], rt["sin"]
     C = ids.shape[0] - 1
+    last_row = (valid.reshape(-1)[:1].long() - 1).clamp(min=0)   # [1]; 0 for the example inputs' valid = 0
     eps, rows, tp = plan.eps, plan.norms, plan.tp
     norms = w["norms"]
     slot = start * 0                                   # GDN slot 0, read and written (int32 [1, 1])
@@ -226,8 +254,10 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
         if layer.kind == rp.GDN:
             j = layer.mixer
             part, states[j], windows[j], _ = gdn_prefill_kernel[lnc](
-                xT, w["gdn_w_in"][j], w["gdn_conv_w"][j], w["gdn_A_log"][j], w["gdn_dt_bias"][j],
-                w["gdn_norm_w"][j], w["gdn_w_out"][j], windows[j], states[j], slot, slot, eps, False)
+                pad_first(xT, valid, 2), w["gdn_w_in"][j], w["gdn_conv_w"][j], w["gdn_A_log"][j],
+                w["gdn_dt_bias"][j], w["gdn_norm_w"][j], w["gdn_w_out"][j], windows[j], states[j], slot, slot, eps,
+                False)
+            part = pad_last(part, valid, 1)
         else:
             part = attention(layer, xT)
         x, normed = residual_allreduce_stage[lnc](x, part, tp, True, norms[layer.post_norm], eps, "rows")
@@ -247,13 +277,13 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
                                        w["mtp_fc"], eps)
         x_m = coll.gather_last(torch.cat([fc[c] for c in range(fc.shape[0])], dim=-1)).to(x.dtype)
         kv_rows(plan.mtp, rmsnorm_prefill_kernel[lnc](x_m, norms[plan.mtp.in_norm], eps, False, True)[0])
-    best, hidden = head_stage[lnc](x[C - 1:C], norms, rows.final, w["lm_head"], eps)
+    best, hidden = head_stage[lnc](x.index_select(0, last_row), norms, rows.final, w["lm_head"], eps)
     allp = coll.gather_ranks(best.reshape(-1, 2)).reshape(-1, 2)           # [tp * lnc, 2] in global core order
     values, local = allp[:, 0], allp[:, 1]
     gidx = local + plan.vocab_per_core * torch.arange(allp.shape[0], device=allp.device, dtype=allp.dtype)
     top = values.max()
     target = torch.where(values == top, gidx, torch.full_like(gidx, float("inf"))).min()
-    out = [ids[C:C + 1], target.reshape(1, 1).to(torch.int32), hidden.to(x.dtype).reshape(1, -1)]
+    out = [ids.index_select(0, last_row + 1), target.reshape(1, 1).to(torch.int32), hidden.to(x.dtype).reshape(1, -1)]
     new = {"attn_k": kc, "attn_v": vc}
     if windows:
         new["gdn_window"], new["gdn_state"] = torch.stack(windows), torch.stack(states)
@@ -272,8 +302,9 @@ def xla_context(cfg, plan, w: dict, st: dict, rt: dict, coll) -> list[torch.Tens
     from model.tp.gdn import GdnDims
     from model.tp.gdn_prefill import gdn_prefill_rank
     from model.tp.moe import moe_rank
-    ids, start, cos, sin = rt["ids"], rt["start"], rt["cos"], rt["sin"]
+    ids, start, valid, cos, sin = rt["ids"], rt["start"], rt["valid"], rt["cos"], rt["sin"]
     C = ids.shape[0] - 1
+    last_row = (valid.reshape(-1)[:1].long() - 1).clamp(min=0)   # [1]; 0 for the example inputs' valid = 0
     tok = ids.reshape(-1).long()
     state = xla._State(st)
     slot = start * 0
@@ -285,8 +316,9 @@ def xla_context(cfg, plan, w: dict, st: dict, rt: dict, coll) -> list[torch.Tens
             continue
         j = layer.mixer
         h = fn.rms_norm(x, w["norms"][layer.in_norm], plan.eps)
-        part, win, s = gdn_prefill_rank(dims, {k: w["gdn_" + k][j] for k in xla.GDN_WEIGHTS}, h,
+        part, win, s = gdn_prefill_rank(dims, {k: w["gdn_" + k][j] for k in xla.GDN_WEIGHTS}, pad_first(h, valid, 0),
                                         state.windows[j][0], state.states[j][0])
+        part = pad_last(part, valid, 0)
         state.windows[j] = _replace(state.windows[j], 0, win[None])
         state.states[j] = _replace(state.states[j], 0, s[None])
         x = xla._add(x, coll.all_reduce(part))
@@ -300,10 +332,11 @@ def xla_context(cfg, plan, w: dict, st: dict, rt: dict, coll) -> list[torch.Tens
         hh = fn.rms_norm(hidden, w["norms"][rows.mtp_hidden], plan.eps)
         x_m = F.linear(torch.cat([e, hh], dim=-1), w["mtp_fc"])
         xla.decoder_layer(cfg, plan, plan.mtp, w, state, x_m, start, cos, sin, slot, coll)   # its KV rows only
-    target = greedy_rank(w["lm_head"], hidden[C - 1:C], coll)
+    h_last = hidden.index_select(0, last_row)
+    target = greedy_rank(w["lm_head"], h_last, coll)
     new = state.stacked()
-    return [ids[C:C + 1], target.reshape(1, 1).to(torch.int32), hidden[C - 1:C]] + [new[n] for n in rp.STATE
-                                                                                      if n in new]
+    after = ids.index_select(0, last_row + 1)
+    return [after, target.reshape(1, 1).to(torch.int32), h_last] + [new[n] for n in rp.STATE if n in new]
 
 
 # ---- the host side --------------------------------------------------------------------------------------------------
@@ -312,9 +345,9 @@ def _decoder_class():
 
     class ContextDecoder(Decoder):
         """A ``harness.speculative.Decoder`` whose prefill runs the engine's context graphs (``engine.buckets``,
-        modes ``context_C``) over the prompt's whole buckets, then the teacher-forced tail (:func:`schedule`);
-        rounds and steps are the engine's. ``prefill_info``: backend "context", chunks [[start, bucket], ...],
-        tail tokens, launches of the last prefill."""
+        modes ``context_C``; :func:`schedule`), or, without buckets, teacher-forces the prompt; rounds and steps
+        are the engine's. ``prefill_info``: backend "context" (or "teacher-forced"), chunks [[start, bucket,
+        tokens], ...], launches of the last prefill."""
 
         def __init__(self, engine):
             super().__init__(engine, reference=None)
@@ -327,21 +360,15 @@ def _decoder_class():
             plan = schedule(len(prompt), self.buckets, self.drafts)
             self.engine.start(max_len)
             self.slots.reset()
-            self.prefill_info = {"backend": "context", "chunks": [list(c) for c in plan.chunks],
-                                 "tail": len(prompt) - plan.tail_start, "launches": plan.launches}
+            self.prefill_info = {"backend": "context" if plan.chunks else "teacher-forced",
+                                 "chunks": [list(c) for c in plan.chunks], "launches": plan.launches}
             if not plan.chunks:
                 return self._teacher_forced(prompt)
             out = None
-            for s, b in plan.chunks:
-                out = self.engine.run(mode_of(b), context_inputs(self.cfg, prompt, s, b))
-            first, hidden = out.targets[0], out.hidden[0]
-            for launch in plan.tail:
-                forced = None if launch.forced is None else prompt[launch.forced:launch.forced + launch.accepted - 1]
-                r = self.round(prompt[launch.pos], hidden, launch.pos, forced)
-                self.slots.commit(launch.accepted)
-                first, hidden = r.targets[launch.accepted - 1], r.hidden[launch.accepted - 1]
+            for s, b, v in plan.chunks:
+                out = self.engine.run(mode_of(b), context_inputs(self.cfg, prompt, s, b, v))
             self.first_logits = None
-            return first, hidden
+            return out.targets[0], out.hidden[0]
 
     return ContextDecoder
 
@@ -366,6 +393,12 @@ class XlaContextEngine:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def start(self, max_len: int) -> None:
+        """The wrapped engine's start with room for a padded chunk's rows: at least the smallest bucket that holds
+        ``max_len`` positions (on the chip, the converted state holds every bucket, ``check_buckets``)."""
+        fits = [b for b in self.buckets if b >= max_len]
+        self.inner.start(max(max_len, min(fits)) if fits else max_len)
 
     def run(self, mode: str, inputs: dict):
         from harness import xla

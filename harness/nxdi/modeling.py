@@ -241,9 +241,8 @@ def graph_config(config, mode: str):
 class Qwen36ForCausalLM(NeuronBaseForCausalLM):
     """The application: graphs ``round_model``, ``step_model``, one ``context_encoding_model_<C>`` per context
     bucket C and ``reset_state_model``, sharing weights and decode state (``asm.graph_order``). A prompt is encoded
-    by the context graphs over its whole buckets and its tail teacher-forced through the round graph
-    (``harness.nxdi.context``); with no buckets, or ``--prefill teacher-forced``, all of it teacher-forced
-    (``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory
+    by the context graphs, one launch per chunk (``harness.nxdi.context``); with no buckets, or ``--prefill
+    teacher-forced``, it is teacher-forced through the decode graphs (``megakernel.plan.teacher_forced_launches``). ``model_path`` is a converted directory
     (``harness.nxdi.convert``)."""
 
     _model_cls = Qwen36NeuronModel

@@ -11,9 +11,9 @@
 same per-rank work on this machine (``harness.engines``: the xla backend over one thread per rank, the
 megakernel under nkisim) behind the same host loop. Prefill (``--prefill``): ``context`` (default) encodes the
 prompt with the context-encoding graphs, one per chunk-length bucket (``convert --context-buckets``; the NKI
-prefill kernels, or their PyTorch twins for the xla backend; ``harness.nxdi.context``), whole buckets first and
-the tail shorter than the smallest bucket teacher-forced; on the cpu executor the xla backend runs the same
-context function in process and the megakernel backend the NKI prefill pass of ``harness.prefill``.
+prefill kernels, or their PyTorch twins for the xla backend; ``harness.nxdi.context``): one launch per chunk of
+the largest bucket, the first chunk padded; on the cpu executor the xla backend runs the same context function in
+process and the megakernel backend the NKI prefill pass of ``harness.prefill``.
 ``teacher-forced`` feeds the whole prompt through the round graph, K + 1 tokens per launch. The chained MTP
 drafts per round (``--num-draft-tokens K``, 1..3) are fixed at conversion: the round graph's inputs and outputs
 and the decode state's K + 1 GDN checkpoint slots depend on K. Before touching the Neuron SDK, ``compile`` and
@@ -103,9 +103,9 @@ PREFILLS = ("context", "teacher-forced")
 
 def _prefill_flag(parser):
     parser.add_argument("--prefill", choices=PREFILLS, default="context",
-                        help="context (default): the context-encoding graphs over the prompt's whole buckets, the "
-                             "tail teacher-forced; teacher-forced: the whole prompt through the round graph, K + 1 "
-                             "tokens per launch (the fallback)")
+                        help="context (default): the context-encoding graphs, one launch per chunk of the largest "
+                             "bucket; teacher-forced: the prompt through the round graph, K + 1 tokens per launch "
+                             "(the fallback)")
 
 
 def _expected(parser, cpu: bool = False):
@@ -275,9 +275,7 @@ def cmd_decode(args) -> int:
         mode = "plain greedy" if args.no_spec else (f"{res.rounds} rounds of {res.drafts} draft(s), "
                                                     f"{res.tokens_per_round:.2f} tokens/round")
         pre = out["prefill"]
-        how = pre["backend"] if "chunks" not in pre else \
-            f"{pre['backend']}: {len(pre['chunks'])} chunk(s)" + (f", {pre['tail']} tail tokens teacher-forced"
-                                                                 if "tail" in pre else "")
+        how = pre["backend"] if not pre.get("chunks") else f"{pre['backend']}: {len(pre['chunks'])} chunk(s)"
         print(f"{len(res.tokens)} tokens, {mode}, {engine.launches} launches (prefill included: {how}), "
               f"{seconds:.2f} s")
     return 0

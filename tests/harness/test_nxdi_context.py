@@ -1,13 +1,15 @@
 """The NxDI context-encoding graphs (harness/nxdi/context.py) on CPU. Nothing here runs NxDI or the compiler.
 
-* Plain: buckets (defaults, refusals), the schedule of a prompt (whole buckets, then the teacher-forced tail: every
-  prompt position encoded exactly once), the graphs' run-time inputs, registration order, routes and aliasing.
+* Plain: buckets (defaults, refusals), the schedule of a prompt (one chunk up to the largest bucket, else a padded
+  first chunk then whole ones: every prompt position encoded exactly once), the run-time inputs, the padding
+  rotation of the GDN layers, registration order, routes and aliasing.
 * The xla backend's context function (``context.xla_context``) in process, one thread per rank: after a prefill of
-  one chunk + tail and of two chunks, the first token, hidden and decode state (every GDN state and window, trunk
-  and MTP K/V rows) equal the reference model's prefill (fp32, 1e-4 of the scale).
+  one padded chunk and of a padded chunk followed by whole ones, the first token, hidden and decode state (every
+  GDN state and window, trunk and MTP K/V rows) equal the reference model's prefill (fp32, 1e-4 of the scale); it
+  is traceable (fake and meta tensors).
 * The trn2 module against the faithful fakes (tests/harness/nxd_fakes.py): the context graphs registered between
   step and reset with their own prefill configs, warmup runs them, and the compile / load / context prefill /
-  round / step flow gives plain greedy's tokens for prompts of one chunk, one chunk + tail and two chunks + tail
+  round / step flow gives plain greedy's tokens for prompts of one padded chunk, one whole chunk and two chunks
   (xla backend; megakernel backend under nkisim, ``@pytest.mark.slow``: each rank's prefill kernel call is one
   TP=4 x LNC=2 nkisim launch, the fused residual all-reduce with its collectives included); through the CLI, with
   ``--prefill teacher-forced`` as the fallback; bad input is one line and exit 2.
@@ -62,26 +64,21 @@ def test_default_and_checked_buckets():
         ctx.parse_buckets("64;128")
 
 
-@pytest.mark.parametrize("K", [1, 2, 3])
-@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 128, 129, 200, 255, 256])
-def test_schedule_encodes_every_prompt_position_once(n, K):
-    s = ctx.schedule(n, BUCKETS, K)
-    covered, pos = [], 0
-    for start, b in s.chunks:                       # whole buckets from 0, largest first
-        assert start == pos and b in BUCKETS
-        covered += range(start, start + b)
-        pos += b
-    assert s.tail_start == pos and n - pos < min(BUCKETS)
-    if pos == 0:
-        assert s.tail == rp.teacher_forced_launches(n, K)   # too short for a bucket: teacher-forced, as before
-    for launch in s.tail if pos else ():
-        assert launch.mode == "round" and 1 <= launch.accepted <= K + 1
-        assert launch.forced == (launch.pos + 1 if launch.accepted > 1 else None)
-    for launch in s.tail:
-        covered += range(launch.pos, launch.pos + launch.accepted)
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 384])
+def test_schedule_encodes_every_prompt_position_once(n):
+    s = ctx.schedule(n, BUCKETS)
+    covered = []
+    for i, (start, b, v) in enumerate(s.chunks):
+        assert b in BUCKETS and 1 <= v <= b and start == len(covered)
+        if i == 0:
+            assert b == min(c for c in BUCKETS if c >= v)        # the smallest bucket that holds it
+        else:
+            assert b == v == max(BUCKETS)                        # only the first chunk is padded
+        covered += range(start, start + v)
     assert covered == list(range(n))
-    assert s.launches == len(s.chunks) + len(s.tail)
-    assert ctx.schedule(n, (), K).tail == rp.teacher_forced_launches(n, K)
+    assert len(s.chunks) == -(-n // max(BUCKETS)) and s.launches == len(s.chunks) and s.teacher_forced == ()
+    for K in (1, 3):                                             # no buckets: teacher-forced, as before
+        assert ctx.schedule(n, (), K).teacher_forced == rp.teacher_forced_launches(n, K)
     with pytest.raises(ctx.ContextError, match="empty"):
         ctx.schedule(0, BUCKETS)
 
@@ -90,9 +87,11 @@ def test_context_inputs(tiny_cfg):
     prompt = prompt_of(70)
     rt = ctx.context_inputs(tiny_cfg, prompt, 0, 64)
     assert list(rt) == list(ctx.INPUTS)
-    assert rt["ids"].shape == (65, 1) and rt["ids"].dtype == np.int32
+    assert rt["ids"].shape == (65, 1) and rt["ids"].dtype == np.int32 and rt["valid"].tolist() == [[64]]
     assert rt["ids"][:, 0].tolist() == prompt[:65]                    # the chunk and the token after it
     assert ctx.context_inputs(tiny_cfg, prompt[:64], 0, 64)["ids"][64, 0] == 0   # the chunk ends the prompt
+    pad = ctx.context_inputs(tiny_cfg, prompt, 0, 128, 70)                # a padded first chunk
+    assert pad["ids"][:, 0].tolist() == prompt + [0] * 59 and pad["valid"].tolist() == [[70]]
     cos, sin = rp.rope_rows(tiny_cfg, 6, 64)
     rt = ctx.context_inputs(tiny_cfg, prompt, 6, 64)
     assert rt["start"].tolist() == [[6]] and np.array_equal(rt["cos"], cos) and np.array_equal(rt["sin"], sin)
@@ -100,8 +99,22 @@ def test_context_inputs(tiny_cfg):
         assert rt[spec.name].shape == spec.shape and str(rt[spec.name].dtype) == spec.dtype
     with pytest.raises(ctx.ContextError, match="outside"):
         ctx.context_inputs(tiny_cfg, prompt, 10, 64)
+    with pytest.raises(ctx.ContextError, match="must be the first one"):
+        ctx.context_inputs(tiny_cfg, prompt, 6, 64, 30)
     with pytest.raises(ctx.ContextError, match="token ids"):
         ctx.context_inputs(tiny_cfg, [tiny_cfg.vocab_size] * 64, 0, 64)
+
+
+def test_padding_rotation():
+    t = torch.arange(1, 7, dtype=torch.float32).reshape(6, 1).expand(6, 2).contiguous()   # rows 1..6
+    v = torch.tensor([[4]], dtype=torch.int32)
+    first = ctx.pad_first(t, v, 0)
+    assert first[:, 0].tolist() == [0, 0, 1, 2, 3, 4]          # padding first and zero, the real rows in order
+    assert ctx.pad_last(first, v, 0)[:4, 0].tolist() == [1, 2, 3, 4]
+    whole = torch.tensor([[6]], dtype=torch.int32)
+    assert torch.equal(ctx.pad_first(t, whole, 0), t) and torch.equal(ctx.pad_last(t, whole, 0), t)
+    xT = t.t().reshape(1, 2, 6)                                  # feature-major: tokens on the last dim
+    assert ctx.pad_first(xT, v, 2)[0, 0].tolist() == [0, 0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("K", [1, 3])
@@ -111,7 +124,7 @@ def test_graph_order_routes_inputs_and_aliases(tiny_cfg, K):
     assert asm.graph_order() == asm.GRAPHS
     examples = {m: tuple(asm.runtime_example(tiny_cfg, m, torch.bfloat16, K).values()) for m in order}
     asm.check_routes(examples)                       # NxD routes by shapes only: every graph's differ
-    assert [tuple(t.shape) for t in examples["context_64"]] == [(65, 1), (1, 1), (64, tiny_cfg.rotary_dim),
+    assert [tuple(t.shape) for t in examples["context_64"]] == [(65, 1), (1, 1), (1, 1), (64, tiny_cfg.rotary_dim),
                                                                  (64, tiny_cfg.rotary_dim)]
     assert asm.graph_inputs("context_64") == ctx.INPUTS
     assert asm.output_names("context_64") == asm.output_names("round")
@@ -124,15 +137,17 @@ def test_graph_order_routes_inputs_and_aliases(tiny_cfg, K):
 # --------------------------------------------------------------------------------------------------
 # The xla backend's context function in process vs the reference prefill
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n, buckets, chunks", [(70, (64,), [[0, 64]]), (128, (64,), [[0, 64], [64, 64]])])
+@pytest.mark.parametrize("n, buckets, chunks", [(70, BUCKETS, [[0, 128, 70]]),
+                                                (134, (64,), [[0, 64, 6], [6, 64, 64], [70, 64, 64]])])
 def test_xla_context_prefill_equals_the_reference_prefill(tiny, n, buckets, chunks):
+    """A padded chunk, and a padded chunk followed by whole ones: the state after prefill is the reference's."""
     cfg, params = tiny
     prompt = prompt_of(n)
     ref = ReferenceDecoder(cfg, params)
     first_ref, h_ref = ref.prefill(prompt, n + 4)
     v = ctx.context_decoder(ctx.XlaContextEngine(make_engine("xla", cfg, params, tp=4), buckets))
     first, hidden = v.prefill(prompt, n + 4)
-    assert v.prefill_info["chunks"] == chunks and v.prefill_info["tail"] == n - 64 * len(chunks)
+    assert v.prefill_info["chunks"] == chunks
     assert first == first_ref
     assert_close(hidden, h_ref, rel=1e-4, name="hidden")
     got, want = v.committed(n), ref.committed(n)
@@ -151,7 +166,7 @@ def test_xla_context_has_no_host_values_and_keeps_the_device(tiny_cfg):
     cfg = tiny_cfg
     w = asm.rank_weights(cfg, random_params(cfg, seed=0), "xla", 0, 1, 2)
     st = asm.zero_states(asm.state_specs(cfg, 1, 160, torch.bfloat16))
-    rt = {k: torch.as_tensor(v) for k, v in ctx.context_inputs(cfg, prompt_of(80), 7, 64).items()}
+    rt = {k: torch.as_tensor(v) for k, v in ctx.context_inputs(cfg, prompt_of(80), 0, 64, 50).items()}
     plan = ctx.context_plan(cfg, 64, 1, 2)
     with FakeTensorMode() as m:
         out = ctx.xla_context(cfg, plan, *({k: m.from_tensor(t) for k, t in d.items()} for d in (w, st, rt)),
@@ -198,7 +213,8 @@ def test_context_graphs_registered_compiled_and_warmed_up(fake_nxd, converted, t
     assert not any(k.startswith(asm.STATES_PREFIX) for k in graph.weight_specs)
 
 
-@pytest.mark.parametrize("n, chunks", [(64, [[0, 64]]), (70, [[0, 64]]), (200, [[0, 128], [128, 64]])])
+@pytest.mark.parametrize("n, chunks", [(45, [[0, 64, 45]]), (64, [[0, 64, 64]]),
+                                       (200, [[0, 128, 72], [72, 128, 128]])])
 def test_xla_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, converted, tmp_path, n, chunks):
     cfg, params = tiny
     prompt = prompt_of(n)
@@ -207,8 +223,8 @@ def test_xla_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny,
     v = ctx.context_decoder(fake_nxd.NeuronEngine.load(converted, tmp_path / "k", warmup=False))
     res = generate(v, prompt, 8, draft_source=alternating(prompt, plain, cfg.vocab_size))
     assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.prefill_info["chunks"] == chunks and v.prefill_info["tail"] == n - sum(b for _, b in chunks)
-    assert v.launches == ctx.schedule(n, BUCKETS).launches + res.rounds
+    assert v.prefill_info["chunks"] == chunks
+    assert v.launches == len(chunks) + res.rounds
     assert generate(v, prompt, 8).tokens == plain                # the MTP's own drafts after the context prefill
     assert generate(v, prompt, 8, spec=False).tokens == plain    # the step graph after it
 
@@ -224,8 +240,9 @@ def test_cli_context_prefill_fallback_and_bad_input(fake_nxd, tiny, converted, t
             "--max-new-tokens", "6", "--json", "--skip-warmup"]
     assert run.main(base) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens"] == plain and out["prefill"] == {"backend": "context", "chunks": [[0, 64]], "tail": 6,
-                                                         "launches": 4}
+    assert out["tokens"] == plain and out["prefill"] == {"backend": "context", "chunks": [[0, 128, 70]],
+                                                         "launches": 1}
+    assert out["launches"] == 1 + out["rounds"]
     assert run.main(base + ["--prefill", "teacher-forced"]) == 0   # the fallback: the round graph only
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == plain and out["prefill"] == {"backend": "teacher-forced"}
@@ -249,21 +266,21 @@ def test_cpu_executor_context_prefill(tiny, tmp_path, capsys):
     assert run.main(["decode", "--executor", "cpu", "--model-path", str(tmp_path / "hf"), "--dtype", "float32",
                      "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens"] == plain and out["prefill"]["chunks"] == [[0, 64]] and out["prefill"]["tail"] == 2
+    assert out["tokens"] == plain and out["prefill"]["chunks"] == [[0, 128, 66]]
 
 
 @pytest.mark.slow  # ~2 minutes per case on 2 cores: every prefill kernel of every layer under nkisim, 4 ranks x 2 cores
-@pytest.mark.parametrize("n, buckets", [(66, (64,)), (130, (64,))])
-def test_megakernel_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path, n, buckets):
+@pytest.mark.parametrize("n, chunks", [(45, [[0, 64, 45]]), (100, [[0, 64, 36], [36, 64, 64]])])
+def test_megakernel_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path, n, chunks):
     """The megakernel backend's context graph under nkisim: embedding, RMSNorm, gdn_prefill / attention_prefill,
     residual_allreduce_stage (with its collectives), moe_prefill, the MTP fc and attention, the head stage, each
-    one joined TP=4 x LNC=2 launch; one chunk + tail and two chunks + tail, then rounds."""
+    one joined TP=4 x LNC=2 launch; one padded chunk, and a padded chunk then a whole one; then rounds."""
     cfg, params = tiny
     prompt = prompt_of(n)
     plain = reference_greedy(cfg, params, prompt, 4)
-    conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", n + 8, buckets=buckets)
+    conv = nxconv.write_converted(tmp_path / "mk", cfg, params, "megakernel", max(n + 8, 64), buckets=(64,))
     fake_nxd.NeuronEngine.compile(conv, tmp_path / "k")
     v = ctx.context_decoder(fake_nxd.NeuronEngine.load(conv, tmp_path / "k", warmup=False))
     res = generate(v, prompt, 4, draft_source=alternating(prompt, plain, cfg.vocab_size))
     assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
-    assert v.prefill_info["chunks"] == [[64 * i, 64] for i in range(n // 64)] and v.prefill_info["tail"] == n % 64
+    assert v.prefill_info["chunks"] == chunks

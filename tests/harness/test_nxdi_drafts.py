@@ -211,7 +211,7 @@ def test_run_cli_cpu_executor_with_k_drafts(tiny, plain, tmp_path, capsys):
     save_checkpoint(tmp_path / "hf", cfg, params)
     assert run.main(["decode", "--executor", "cpu", "--backend", "xla", "--model-path", str(tmp_path / "hf"),
                      "--dtype", "float32", "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "8",
-                     "--num-draft-tokens", "3", "--json"]) == 0
+                     "--num-draft-tokens", "3", "--json", "--prefill", "teacher-forced"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"] == plain[:8] and out["num_draft_tokens"] == 3
     assert out["launches"] == len(teacher_forced_launches(len(PROMPT), 3)) + out["rounds"]
