@@ -7,7 +7,8 @@ tokens); every kernel it launches is traced shape-only under nkisim at the real 
 and predicted with the trn2 cost model (``harness.costmodel.predict_band``), and the time to first token is the
 sum, per chunk, of
 
-* the embedding (one gather per 128 tokens) and the first layer's input RMSNorm (``rmsnorm_prefill``),
+* the embedding (``embedding_prefill``: one launch, a gather per 128 tokens) and the first layer's input
+  RMSNorm (``rmsnorm_prefill``),
 * per layer the mixer kernel (``gdn_prefill`` / ``attention_prefill`` at the chunk's start), then the residual
   all-reduce fused with the post-attention RMSNorm's rows (``megakernel.prefill.residual_allreduce_stage``,
   traced on 4 ranks with its collectives),
@@ -167,13 +168,15 @@ class Costs:
             return _case(mtp_fc_prefill_stage, [args], lnc=self.lnc)
         return _traced(("mtp_fc", self.key, N), build)
 
-    def embed(self, T):
-        from nki_kernels.embedding import embedding_kernel
+    def embed(self, N):
+        """The embedding of N tokens: one ``embedding_prefill_kernel`` launch."""
+        from nki_kernels.embedding_prefill import embedding_prefill_kernel
         H, V = self.cfg.hidden_size, self.cfg.vocab_size
 
         def build():
-            return _case(embedding_kernel, [(self._sd((V, H)), np.zeros((T, 1), np.int32))], lnc=1)
-        return _traced(("embed", self.key, T), build)
+            kern = embedding_prefill_kernel[self.lnc] if self.lnc > 1 else embedding_prefill_kernel
+            return _case(kern, [(self._sd((V, H)), np.zeros((N, 1), np.int32))], lnc=1)
+        return _traced(("embed", self.key, N), build)
 
     def head(self):
         from harness.kernel_cases import stage_case
@@ -237,7 +240,6 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
     """The time-to-first-token prediction of an n-token prompt (module docstring) as a dict."""
     from harness.costmodel import constants as C
     from megakernel.prefill import CHUNK, prefill_plan
-    from nki_kernels.common import P
     chunk = chunk or CHUNK
     plan = prefill_plan(cfg, n, tp, lnc, chunk)
     costs = Costs(cfg, tp, lnc, dtype)
@@ -254,8 +256,7 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
             progress(f"chunk {i + 1}/{len(plan.chunks)} (start {ch.start}, {ch.tokens} tokens)")
         N = ch.tokens
         before = {k: len(v) for k, v in parts.items()}
-        tiles = -(-N // P)
-        add("embedding", costs.embed(P) if N >= P else costs.embed(N), tiles)
+        add("embedding", costs.embed(N))
         L = len(plan.layers)
         add("rmsnorm", costs.norm(N, "xT"))                     # the first layer's input norm
         add("gdn_prefill", costs.gdn(N), n_gdn)
@@ -269,14 +270,14 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
         add("all_reduce", costs.allreduce(N, True, "rows"), L)
         add("moe_prefill", costs.moe_fused(N, "xT"), L - 1)
         add("moe_prefill", costs.moe_fused(N, "rows" if ch.mtp_rows else "none"))
-        k = 1 + 3 * L + tiles
+        k = 2 + 3 * L
         if ch.mtp_rows:
             m = ch.mtp_rows
-            add("embedding", costs.embed(P) if m >= P else costs.embed(m), -(-m // P))
+            add("embedding", costs.embed(m))
             add("rmsnorm", costs.norm(m, "xT"))
             add("mtp", costs.mtp_fc(m))
             add("mtp", costs.mtp_kv(m))                          # its K/V rows only: the output is not needed
-            k += 3 + -(-m // P)
+            k += 4
         if ch is plan.last:
             add("lm_head", costs.head())
             k += 1

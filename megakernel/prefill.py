@@ -3,7 +3,7 @@
 What a prefill pass runs, per chunk of ``C`` prompt tokens at positions s .. s+C-1 (:class:`PrefillPlan`, built by
 :func:`prefill_plan` from the decode launch plan's layers, ``megakernel.plan``):
 
-1. embedding of the chunk's ids (``nki_kernels.embedding``, one gather per 128 tokens);
+1. embedding of the chunk's ids (``nki_kernels.embedding_prefill``: one launch, one gather per 128 tokens);
 2. per trunk layer: input RMSNorm (``nki_kernels.rmsnorm_prefill``: token-major rows + feature-major xT), the
    mixer -- ``gdn_prefill`` (reads / writes GDN slot 0: the chunk carries the recurrent state and conv window
    of the previous one) or ``attention_prefill`` (K/V rows s.. written into the decode cache, rows 0..s-1 read)
@@ -202,14 +202,14 @@ class LayerwisePrefill:
 
     # stages
     def embed(self, ids: list[int]) -> torch.Tensor:
-        from nki_kernels.embedding import check_token_ids, embedding_kernel
-        table = self.e.weights[0]["embed"]
-        rows = []
+        """The chunk's embedding rows [N, H]: one ``embedding_prefill_kernel`` launch (ids checked on the host first)."""
+        from nki_kernels.embedding import check_token_ids
+        from nki_kernels.embedding_prefill import embedding_prefill_kernel
+        parts = []
         for t0 in range(0, len(ids), P):
-            part = check_token_ids(np.array(ids[t0:t0 + P]), self.cfg.vocab_size, "prefill")
-            self.launches += 1
-            rows.append(torch.as_tensor(embedding_kernel(table, part.reshape(-1, 1))[0]))
-        return torch.cat(rows)
+            parts.append(check_token_ids(np.array(ids[t0:t0 + P]), self.cfg.vocab_size, "prefill"))
+        out = self._one(embedding_prefill_kernel, self.e.weights[0]["embed"], np.concatenate(parts).reshape(-1, 1))
+        return torch.as_tensor(out)
 
     def norm(self, x, row: int, layout: str):
         """The chunk ``x`` normed by norms row ``row``: rows [N, H] (layout "rows") or xT [P, H/P, N] ("xT")."""
