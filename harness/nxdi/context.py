@@ -203,7 +203,8 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
     ``kernel[lnc](...)`` on every rank (the replicated ones -- embedding, RMSNorm -- too: SPMD). w: the rank's
     ``megakernel.sharded.rank_weights``; st: its decode state (``plan.STATE`` names, not modified); rt: the run-time
     inputs as tensors; coll: the TP collectives (the MTP fc columns and the head's argmax are gathered over ranks).
-    Returns [ids[C], target, hidden [1, H], gdn_window, gdn_state, attn_k, attn_v]."""
+    Returns [the token after the chunk [1, 1], the greedy token after its last real row [1, 1] int32, that row's
+    post-norm hidden [1, H], gdn_window, gdn_state, attn_k, attn_v]."""
     from megakernel.layerwise import head_stage
     from megakernel.prefill import mtp_fc_prefill_stage, residual_allreduce_stage
     from nki_kernels.attention_prefill import KEY_BLOCK, attention_prefill_kernel, attention_prefill_kv_kernel
