@@ -79,6 +79,13 @@ register values and one runtime loop)
    of this core: k full-row gathers from the scratch and the shared rows, summed on the PE against ``diag(w)``
    stationaries (the routing weights in the activation dtype, as the twin's ``weights.to(x.dtype)``; fp32 PSUM)
    and the shared rows times their fp32 sigmoid gate on the eviction, into the fp32 output.
+6. **Fused next step** (optional, ``moe_prefill(residual=..., tp=, norm_w=, norm_out=)``, what the composition
+   runs on trn2): the combine takes groups of 2 consecutive token tiles per core instead, all-reduces a group's
+   fp32 rows over the TP ranks (one SBUF collective), adds the block's residual and writes the new residual and
+   the next RMSNorm's rows or xT (``rmsnorm_prefill.residual_norm_tile``): the math of
+   ``megakernel.prefill.residual_allreduce_stage`` on y, bit for bit, without y's HBM round trip or a launch.
+   4K: 2,145 us (1,918 - 2,582) against 2,058 + 245 (the separate stage) + 13 (its launch head)
+   (``bench/prefill_speed.md``).
 
 Read bound: a regular expert is read once in step 3, a heavy one once in step 4 (at its first window), an
 unused slot or a continuation window not at all; :func:`routed_expert_bytes` counts the reads of an executing
