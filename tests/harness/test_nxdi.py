@@ -602,7 +602,8 @@ def test_run_cli_cpu_decode_and_convert(tiny, plain, tmp_path, capsys):
     assert run.main(["decode", "--executor", "cpu", "--backend", "xla", "--model-path", str(tmp_path / "hf"),
                      "--dtype", "float32", "--prompt-ids", ids, "--max-new-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["tokens"] == plain[:8] and out["launches"] == len(teacher_forced_launches(len(PROMPT))) + out["rounds"]
+    assert out["tokens"] == plain[:8] and out["launches"] == 1 + out["rounds"]      # one context chunk, then rounds
+    assert out["prefill"] == {"backend": "context", "chunks": [[0, 64, len(PROMPT)]], "launches": 1}
     assert run.main(["convert", "--model-path", str(tmp_path / "hf"), "--out", str(tmp_path / "conv"),
                      "--backend", "xla", "--max-len", "64", "--dtype", "float32"]) == 0
     assert nxconv.read_meta(tmp_path / "conv")["backend"] == "xla"
