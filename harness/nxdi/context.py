@@ -55,8 +55,8 @@ class ContextError(ValueError):
 
 # ---- buckets and graph names -----------------------------------------------------------------------------------
 def default_buckets(max_len: int) -> tuple[int, ...]:
-    """Powers of two from 64 up to min(4096, max_len): any multiple of 64 is a sum of distinct ones, so a prompt
-    takes at most one launch per bucket below the largest."""
+    """Powers of two from 64 up to min(4096, max_len): a prompt's padded chunk (:func:`schedule`) then runs fewer
+    than twice its tokens (or 64), with log2(4096 / 64) + 1 = 7 graphs to compile."""
     out, b = [], GDN_BLOCK
     while b <= min(MAX_DEFAULT_BUCKET, max_len):
         out.append(b)
