@@ -30,7 +30,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
-from nki_kernels.attention import ATTENTION_REGISTERS, attention_body
+from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_ring
 from nki_kernels.collectives import add_split, allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
@@ -163,7 +163,7 @@ def verify(plan, stage, t, ids, rg, regs, core):
     pos, cos, sin = _stage_inputs(stage, t)
     layers = stage.layers
     for i in range(len(layers)):
-        x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i))
+        x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True)
     xT = rmsnorm_body(x, t.norms[plan.norms.final], plan.eps)
     return token_ids_from_best(_greedy(plan, t, xT, rg, core)), token_major(xT)
 
@@ -175,11 +175,14 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 
 
 # ---- layers --------------------------------------------------------------------------------------------------
-def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None):
+def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None, early_ring=False):
     """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
     all-reduced over the TP x LNC cores. ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``;
     None: none); its weights are issued into the launch's arena as soon as this layer's mixer is done, so they stream
-    under the all-reduces, the norm and the routing instead of at the top of that layer."""
+    under the all-reduces, the norm and the routing instead of at the top of that layer. ``early_ring`` (the verify's
+    layers): an attention layer's projection ring (``attention_ring``) is allocated and its first chunks issued
+    before the input norm, so they stream under the previous all-reduce (the MTP layers' drafts have no SBUF room
+    for it next to the GDN arena: they keep the body's own ring)."""
     g = t.gdn
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
@@ -189,9 +192,12 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
             gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
         wg = regs.gdn
         regs.gdn_layer = -1
+    ring = None
+    if layer.kind == ATTENTION and layer.groups == 1 and early_ring:
+        ring = attention_ring(t.attn[0], t.attn[1], t.attn[2], core, plan.lnc, layer.mixer)
     xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
     if layer.kind == ATTENTION:
-        y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs)
+        y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs, ring)
     else:
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
                      layer=layer.mixer, weights=wg)
@@ -272,14 +278,15 @@ def _stage_inputs(stage, t):
     return t.pos, t.cos_v[r0:r1, :], t.sin_v[r0:r1, :]
 
 
-def _attention(plan, layer, t, xT, pos, cos, sin, core, regs):
-    """The rank's attention partial: one attention body per KV-head group of the layer, partials added."""
+def _attention(plan, layer, t, xT, pos, cos, sin, core, regs, ring=None):
+    """The rank's attention partial: one attention body per KV-head group of the layer, partials added (``ring``:
+    the first group's ``attention_ring``, or None)."""
     a = t.attn
     y = None
     for g in range(layer.groups):
         yg = attention_body(xT, a[0], a[1], a[2], a[3], a[4], cos, sin, t.attn_k, t.attn_v, pos, eps=plan.eps,
                             core=core, n_cores=plan.lnc, max_context=plan.max_context, regs=regs.attention,
-                            layer=layer.mixer * layer.groups + g)
+                            layer=layer.mixer * layer.groups + g, ring=ring if g == 0 else None)
         if g == 0:
             y = yg
         else:

@@ -228,7 +228,7 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
 
 # ---- body ----------------------------------------------------------------------------------------
 def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6,
-                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None, layer=None):
+                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None, layer=None, ring=None):
     """Body: this core's gated-attention partial for T tokens (see the module docstring for every layout).
 
     xT: SBUF ``[P, KT, T]`` act dtype (normed hidden, feature-major). wqg, wk, wv, wo, norm_w: HBM, the rank's
@@ -240,6 +240,8 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     layers passes the same ones to every call; each call reloads them), else they are allocated here.
     layer: with stacked tensors (``megakernel.plan``: weights ``[N, ...]``, caches ``[N, L, D]``), the index of
     this layer's KV-head group in the stack (nki_kernels/common.py "Stacked tensors"); None: one layer's tensors.
+    ring: :func:`attention_ring` of the same tensors / core / layer (its first chunks' DMAs issued earlier by the
+    caller), or None: allocated and filled here.
     Returns ``y`` SBUF ``[T, H]`` float32: the o_proj partial over this core's query heads.
     """
     offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
@@ -256,7 +258,7 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     warm = nl.ndarray((1, 1), F32, buffer=nl.sbuf, name="att_act_warm")
     nisa.memset(dst=warm, value=0.0, engine=POOL_ENG)
     nisa.activation(dst=warm, op=nl.exp, data=warm)
-    w = {"wqg": wqg, "wk": wk, "wv": wv, "wo_hbm": wo}
+    w = {"wqg": wqg, "wk": wk, "wv": wv, "wo_hbm": wo, "ring": ring}
     # qg [nr, 2, D] act (rounded), vnew [T, D+1] act, and the set-up of everything else
     qg, vnew, rt, ident, at = _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs)
     qk = _norm_rope(g, qg, w, eps)                      # [nr, D] act: q rows 0..nq-1, k rows KP..KP+T-1
@@ -392,17 +394,13 @@ def _project(g, xT, w):
     returns (qg_psum [nr, 2, D], v_psum [T, D] or None) for :func:`_project_out`.
 
     The weights stream through a ring of WR SBUF slots of JG input-feature tiles each (this core's heads of
-    wqg, and wk / wv where this core projects them): the DMA of chunk c + WR is issued after chunk c's
+    wqg, and wk / wv where this core projects them; WR = 3, or the slots of a caller's :func:`attention_ring`,
+    whose first WR chunks' DMAs the caller issued early): the DMA of chunk c + WR is issued after chunk c's
     matmuls (it reuses that slot), so the chunks arrive in order and the matmuls of chunk c overlap the
     transfer of the later ones instead of waiting for every weight byte."""
     act, KT, Hc, D, T, nq, nr = g.act, g.KT, g.Hc, g.D, g.T, g.nq, g.nr
-    JG = 2 if KT % 2 == 0 else 1
-    NK = KT // JG
-    WR = min(3, NK)
-    kv_names = []
-    for nm, on in (("wk", g.do_k), ("wv", g.do_v)):
-        if on:
-            kv_names.append(nm)
+    JG, NK, WR = _ring_shape(KT)
+    kv_names = _kv_names(g.do_k, g.do_v)
     nx = Hc + (1 if g.do_k else 0)
     xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
     nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
@@ -410,14 +408,13 @@ def _project(g, xT, w):
         nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
     if g.do_k:
         nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
-    ring = []
-    for i in range(WR):
-        slot = {"wqg": nl.ndarray((P, JG, 2, Hc, D), act, buffer=nl.sbuf, name=f"att_wqg_ring{i}")}
-        for nm in kv_names:
-            slot[nm] = nl.ndarray((P, JG, D), act, buffer=nl.sbuf, name=f"att_{nm}_ring{i}")
-        ring.append(slot)
-    for ck in range(WR):
-        _load_chunk(g, w, ring[ck % WR], ck * JG, JG, kv_names)
+    ring = w["ring"]
+    if ring == None:
+        ring = _fill_ring(g, w, act, kv_names)
+    elif not WR <= len(ring) <= NK or tuple(ring[0]["wqg"].shape) != (P, JG, 2, Hc, D):
+        raise ValueError(f"attention: a ring of {len(ring)} slots {list(ring[0]['wqg'].shape)} was passed, expected "
+                         f"{WR}..{NK} of [{P}, {JG}, 2, {Hc}, {D}] (attention_ring of the same tensors and core)")
+    WR = len(ring)
     ps = nl.ndarray((nr, 2, D), F32, buffer=nl.psum, name="att_qg_psum")
     vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="att_v_psum") if g.do_v else None
     first = True
@@ -437,6 +434,66 @@ def _project(g, xT, w):
         if ck + WR < NK:
             _load_chunk(g, w, ring[(ck + WR) % WR], (ck + WR) * JG, JG, kv_names)
     return ps, vps
+
+
+EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real shapes (30 KiB per partition); the
+# megakernel cannot place 7 or 8 next to its GDN weight arena and MoE expert ring (first-fit SBUF: nkisim
+# AllocationError), and a 3-slot ring issued early gains ~1 us per layer only (bench/decode_speed.md row 19)
+
+
+def _ring_shape(KT):
+    """(JG input tiles per ring chunk, NK chunks, WR ring slots) of the projection weight ring."""
+    JG = 2 if KT % 2 == 0 else 1
+    return JG, KT // JG, min(3, KT // JG)
+
+
+def _kv_names(do_k, do_v):
+    out = []
+    for nm, on in (("wk", do_k), ("wv", do_v)):
+        if on:
+            out.append(nm)
+    return out
+
+
+def _fill_ring(g, w, act, kv_names, WR=None):
+    """Allocate the WR ring slots of :func:`_project` (default: ``_ring_shape``'s) and issue the DMAs of its first
+    WR chunks."""
+    JG, NK, WR0 = _ring_shape(g.KT)
+    if WR == None:
+        WR = WR0
+    ring = []
+    for i in range(WR):
+        slot = {"wqg": nl.ndarray((P, JG, 2, g.Hc, g.D), act, buffer=nl.sbuf, name=f"att_wqg_ring{i}")}
+        for nm in kv_names:
+            slot[nm] = nl.ndarray((P, JG, g.D), act, buffer=nl.sbuf, name=f"att_{nm}_ring{i}")
+        ring.append(slot)
+    for ck in range(WR):
+        _load_chunk(g, w, ring[ck], ck * JG, JG, kv_names)
+    return ring
+
+
+class _RingGeometry(nl.NKIObject):
+    """What :func:`_fill_ring` / :func:`_load_chunk` read of an :class:`AttentionGeometry`, from the weights alone."""
+
+    def __init__(self, KT, Hq, D, core, n_cores, offsets):
+        self.KT, self.Hq, self.Hc, self.D, self.core = KT, Hq, Hq // n_cores, D, core
+        self.wqg_off, self.wk_off, self.wv_off = offsets
+
+
+def attention_ring(wqg, wk, wv, core=0, n_cores=1, layer=None, slots=EARLY_RING):
+    """Allocate the projection weight ring of :func:`attention_body` with ``slots`` chunk slots (at least the
+    body's own 3, at most all chunks) and issue the DMAs of its first chunks (those the body would issue, in the
+    same order) for ``attention_body(..., ring=)``: a caller issues them early, e.g. before the layer's input norm,
+    so they stream under the previous all-reduce and the norm instead of after them (issue 15). Arguments as for
+    the body."""
+    offs = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer))
+    if layer != None:
+        wqg, wk, wv = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer)
+    H, _, Hq, D = wqg.shape
+    g = _RingGeometry(H // P, Hq, D, core, n_cores, offs)
+    JG, NK, WR = _ring_shape(H // P)
+    return _fill_ring(g, {"wqg": wqg, "wk": wk, "wv": wv}, wqg.dtype, _kv_names(core == 0, core == n_cores - 1),
+                      max(WR, min(slots, NK)))
 
 
 def _load_chunk(g, w, slot, j0, JG, kv_names):
@@ -882,21 +939,26 @@ def _o_proj(g, og, wo, ident):
 # ---- wrapper -------------------------------------------------------------------------------------
 @nki.jit
 def attention_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6,
-                     kv_tile=KV_TILE, max_context=None):
+                     kv_tile=KV_TILE, max_context=None, ring_slots=0):
     """Wrapper: HBM in, HBM out. xT ``[P, KT, T]``; weights from :func:`attention_layout`; cos/sin
     ``[T, R]`` float32; caches ``[1, L, D]``; pos ``[1, 1]`` int32.
 
     Launch ``attention_kernel(...)`` (LNC=1: one core does all heads, K and V) or ``attention_kernel[2](...)``
     (LNC=2). Returns ``(partials [n_cores, T, H] float32, k_cache, v_cache)``: core c's o_proj partial in
-    row c (the rank's output is their sum) and the caches, mutated in place at rows p..p+T-1.
+    row c (the rank's output is their sum) and the caches, mutated in place at rows p..p+T-1. ``ring_slots`` > 0:
+    the projection ring comes from :func:`attention_ring` with that many slots, issued before the input DMA (the
+    megakernel's early issue), else the body fills its own.
     """
     n_cores, core = program_sharding()
+    ring = None
+    if ring_slots > 0:
+        ring = attention_ring(wqg, wk, wv, core, n_cores, slots=ring_slots)
     Pp, KT, T = xT.shape
     out = nl.ndarray((n_cores, T, KT * P), F32, buffer=nl.shared_hbm, name="attention_partials")
     xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf, name="att_xT_in")
     nisa.dma_copy(dst=xs, src=xT)
     y = attention_body(xs, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=eps, core=core,
-                       n_cores=n_cores, kv_tile=kv_tile, max_context=max_context)
+                       n_cores=n_cores, kv_tile=kv_tile, max_context=max_context, ring=ring)
     nisa.dma_copy(dst=out[core], src=y)
     return out, k_cache, v_cache
 

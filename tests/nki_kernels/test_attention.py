@@ -417,3 +417,27 @@ def test_body_reuses_caller_registers():
     got = eight(*args)
     for i in range(8):
         assert_close(got[i], want, rel=1e-5, name=f"launch {i} vs twin")
+
+
+@pytest.mark.parametrize("slots,lnc", [(6, 2), (8, 1)])
+def test_early_ring_same_bits(slots, lnc):
+    """attention_ring (the megakernel's early-issued projection ring; real shapes: 8 chunks of 2 input tiles)
+    gives the body's own 3-slot ring's outputs bit for bit: the same DMAs and matmuls in another order."""
+    cfg, sh = _shard(REAL, torch.bfloat16, 1)
+    lay = att.attention_layout(sh)
+    g = torch.Generator().manual_seed(7)
+    T, p, L, D = 2, 300, 1024, cfg.head_dim
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    k0 = torch.randn(1, L, D, generator=g).to(torch.bfloat16)
+    v0 = torch.randn(1, L, D, generator=g).to(torch.bfloat16)
+    kernel = att.attention_kernel if lnc == 1 else att.attention_kernel[lnc]
+    outs = []
+    for rs in (0, slots):
+        kc, vc = k0.clone(), v0.clone()
+        args = att.kernel_args(lay, x, kc, vc, p, cfg)
+        out, _, _ = kernel(*args, rs)
+        outs.append((torch.as_tensor(out), kc, vc))
+    (a, ka, va), (b, kb, vb) = outs
+    assert torch.isfinite(a).all() and (a != 0).any()
+    assert torch.equal(a, b) and torch.equal(ka.view(torch.int16), kb.view(torch.int16)) \
+        and torch.equal(va.view(torch.int16), vb.view(torch.int16))
