@@ -167,3 +167,24 @@ def test_cli_refuses_unsupported_sampling_flags(capsys, argv, msg):
     assert decode.main(argv) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
+
+
+def test_bench_draft1_figures(tiny):
+    """``bench spec``'s draft-1 figures for a Gumbel variant: round 0's optimum is 1 - TV of the reference's target
+    and MTP distributions after the prompt; the coupling's expected acceptance never exceeds the optimum (beyond
+    its Monte Carlo error, 3 sigma of 4,096 draws)."""
+    from harness.sampling import probabilities
+    from harness.spec_bench import COUPLING_DRAWS, draft1_figures
+    from model.reference import ReferenceModel
+    cfg, params = tiny
+    tokens = reference_gumbel(cfg, params, PROMPT, 6, S)
+    opt, coup = draft1_figures(ReferenceModel(cfg, params), PROMPT, tokens, [2, 1, 2], S.temperature)
+    assert len(opt) == len(coup) == 3
+    ref = ReferenceDecoder(cfg, params)
+    h = ref.prefill(PROMPT, 16)[1]                      # h_{n-1}, n = len(PROMPT): the pending token x_n's position
+    hm = ref.ref.mtp(torch.tensor([tokens[0]]), h[None], ref.state, len(PROMPT) - 1)
+    p = probabilities(ref.ref.logits(ref.step(tokens[0], len(PROMPT))[1][None]), S)[0]    # the target at n + 1
+    q = probabilities(ref.ref.logits(hm), S)[0]
+    assert abs(opt[0] - float(torch.minimum(p, q).sum())) < 1e-5      # chunked vs step trunk: fp32 order
+    for o, c in zip(opt, coup):
+        assert 0 < c <= o + 3 * (0.25 / COUPLING_DRAWS) ** 0.5 and o <= 1
