@@ -230,7 +230,8 @@ class GumbelMarkovEngine(MarkovEngine):
         return LaunchResult(drafts or tokens[:1], [int(t) for t in targets], torch.zeros(len(tokens), self.cfg.hidden_size))
 
 
-@pytest.mark.parametrize("drafts,s", [(2, GUMBEL_SETTINGS[0]), (3, GUMBEL_SETTINGS[1]),
+@pytest.mark.parametrize("drafts,s", [(2, GUMBEL_SETTINGS[0]),
+                                      pytest.param(3, GUMBEL_SETTINGS[1], marks=pytest.mark.slow),
                                       pytest.param(3, GUMBEL_SETTINGS[0], marks=pytest.mark.slow),
                                       pytest.param(2, GUMBEL_SETTINGS[1], marks=pytest.mark.slow)],
                          ids=["K2-T1", "K3-T0.7", "K3-T1", "K2-T0.7"])
