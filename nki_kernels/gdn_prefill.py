@@ -333,7 +333,7 @@ def _a_open(g, c, xT, s, prev):
     jq = (J + 3) // 4              # four DMAs: the first matmuls (j ascending) start after the first quarter
     for j0 in range(0, J, jq):
         nisa.dma_copy(dst=xs[:, j0:min(J, j0 + jq), 0:vs], src=xT[:, j0:min(J, j0 + jq), t0:t0 + vs],
-                      engine=ACT_ENG, dge_mode=nisa.dge_mode.hwdge)
+                      engine=nisa.engine.sync, dge_mode=nisa.dge_mode.hwdge)
     ucat = c["u_ring"][s % 2][:, :, 0:Km1 + W]    # raw u behind the carried columns
     if s == 0:
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev, engine=POOL_ENG)
