@@ -29,9 +29,11 @@ ranks ascending, then lane 0 + lane 1). The replicated work -- the RMSNorms and 
 every rank -- is launched once (one rank, its LNC cores) and its output handed to every rank. The layerwise and
 the megakernel variants both prefill through it: the issue allows one launch per layer per chunk, and the
 megakernel variant's decode launch is a round, not a chunk. ``harness.prefill`` predicts the same plan's time
-on trn2 from shape-only traces of the same kernels, with the cross-core step on chip: each all-reduce is
+on trn2 from shape-only traces of the same kernels, with the cross-core step on chip: the mixers' all-reduce is
 :func:`residual_allreduce_stage`, which also emits the RMSNorm that follows it (the same math as the separate
-norm launch the nkisim executor makes after its host-side sum; both are tested against the reference norm).
+norm launch the nkisim executor makes after its host-side sum; both are tested against the reference norm), and
+the MoE's all-reduce and the norm after it run inside ``moe_prefill`` (``residual=``; bit-identical to
+``moe_prefill`` followed by :func:`residual_allreduce_stage`, tested).
 """
 
 from __future__ import annotations
