@@ -31,7 +31,7 @@ import nki.language as nl
 
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
 from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_ring
-from nki_kernels.collectives import add_split, allgather_cores, allreduce_partials, argmax_combine, tp_group
+from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
@@ -301,10 +301,9 @@ def _moe(plan, layer, t, xT, regs, weights=None):
 
 
 def _add_into(x, y):
-    """Residual update: x (activation dtype) + y (fp32 sum of the partials), rounded once; the column halves on
-    VectorE and GpSimd at once (``add_split``)."""
+    """Residual update: x (activation dtype) + y (fp32 sum of the partials), rounded once."""
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf, name="residual")
-    add_split(out, x, y)
+    nisa.tensor_tensor(dst=out, data1=x, data2=y, op=nl.add)
     return out
 
 

@@ -39,11 +39,10 @@ Layouts (nki_kernels/README.md): partial ``y`` SBUF ``[T, H]`` float32, token-ma
 ``best`` SBUF ``[T, 2]`` float32 ``(value, local index)``. Collective operands must be dense 2-D SBUF
 tiles (MK: "nccl SBUF all-reduce needs a densely packed operand").
 
-Cost note: the lane combine is an add over ``[T, H]`` -- DVE time grows with the free size, not the
+Cost note: the lane combine is a DVE add over ``[T, H]`` -- DVE time grows with the free size, not the
 partitions (trn2-costs calibration: ~0.15 us + 1.04 ns/element), so ~2.3 us at H = 2048 whatever T is.
-It is the same one add the sendrecv-first order would need. :func:`add_split` runs its two column halves on
-VectorE and GpSimd at once (~1.2 us; the megakernel's residual add uses it too); only a producer-side layout
-with H spread over more partitions would make it cheaper still.
+It is the same one add the sendrecv-first order would need; only a producer-side layout with H spread
+over more partitions would make it cheaper.
 """
 
 from __future__ import annotations
@@ -100,7 +99,7 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
     rg: ``tp_group(tp)`` (None at TP = 1: no collective).
     pipe_id: sendrecv pipe for the intra-rank exchange (distinct from any concurrently open pipe).
     Returns SBUF ``[T, H]`` float32, identical bits on every core: lane sums over ranks in ascending
-    order, then ``lane0 + lane1``. Cost: 1 all-reduce per lane + 1 sendrecv + 1 add (:func:`add_split`).
+    order, then ``lane0 + lane1``. Cost: 1 all-reduce per lane + 1 sendrecv + 1 DVE add.
     """
     y = _dense(y, "allreduce_partials")
     if y.dtype != nl.float32:
@@ -117,24 +116,8 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
     peer = nl.ndarray((T, H), nl.float32, buffer=nl.sbuf, name="ar_peer_lane")
     nisa.sendrecv(src=lane, dst=peer, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=pipe_id)
     total = nl.ndarray((T, H), nl.float32, buffer=nl.sbuf, name="ar_total")
-    add_split(total, lane, peer)            # commutative: same bits on both cores
+    nisa.tensor_tensor(dst=total, data1=lane, data2=peer, op=nl.add)       # commutative: same bits on both cores
     return total
-
-
-def add_split(dst, a, b):
-    """``dst = a + b`` on ``[T, F]`` SBUF tiles, the columns split between VectorE (first half) and GpSimd (second
-    half), which run in parallel. A token-major ``[T, H]`` tile has only T partitions, so one engine's time is the
-    free size (trn2-costs: DVE ~0.15 us + 1.04 ns/element, ~2.3 us at H = 2048): two halves take about half.
-    Elementwise, so the values are those of one add: both engines compute in fp32 and round once to ``dst``'s
-    dtype (RNE; ref §8 "Engine math precision"). GpSimd cannot read PSUM: a, b and dst must be in SBUF."""
-    F = dst.shape[1]
-    h = F // 2
-    for nm, t in (("dst", dst), ("a", a), ("b", b)):
-        if t.buffer != nl.sbuf or len(t.shape) != 2 or t.shape[1] != F:
-            raise ValueError(f"add_split: {nm} must be a 2-D SBUF tile with {F} columns, got {t.buffer} "
-                             f"{list(t.shape)}")
-    nisa.tensor_tensor(dst=dst[:, 0:h], data1=a[:, 0:h], data2=b[:, 0:h], op=nl.add, engine=nisa.engine.vector)
-    nisa.tensor_tensor(dst=dst[:, h:F], data1=a[:, h:F], data2=b[:, h:F], op=nl.add, engine=nisa.engine.gpsimd)
 
 
 def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = True):

@@ -254,9 +254,9 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     u64 = _upper_block(BLOCK, True, "ub64")
     i64 = _upper_block(BLOCK, False, "ib64")
     m2 = nl.ndarray((P, P), F32, buffer=nl.sbuf, name="m16")
-    nisa.tensor_tensor(dst=m2, data1=u16, data2=u4, op=nl.subtract, engine=POOL_ENG)
+    nisa.tensor_tensor(dst=m2, data1=u16, data2=u4, op=nl.subtract, engine=DVE_ENG)
     m3 = nl.ndarray((P, P), F32, buffer=nl.sbuf, name="m64")
-    nisa.tensor_tensor(dst=m3, data1=u64, data2=u16, op=nl.subtract, engine=POOL_ENG)
+    nisa.tensor_tensor(dst=m3, data1=u64, data2=u16, op=nl.subtract, engine=DVE_ENG)
     c["m1"], c["m2"], c["m3"] = u4, m2, m3
     # additive masks 0 (kept) / NEG (masked): (mask - 1) * (-NEG)
     ma_i = nl.ndarray((P, P), F32, buffer=nl.sbuf, name="madd_incl")
@@ -297,7 +297,7 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     nisa.tensor_copy(dst=wc32, src=wc, engine=POOL_ENG)
     taps = nl.ndarray((D, NH, K, D), mdt, buffer=nl.sbuf, name="conv_diag")
     nisa.tensor_tensor(dst=taps, data1=_bview(c["I_f"], D, [[0, NH * K], [1, D]], 0),
-                       data2=_bview(wc32, D, [[1, NH * K], [0, D]], 0), op=nl.multiply, engine=POOL_ENG)
+                       data2=_bview(wc32, D, [[1, NH * K], [0, D]], 0), op=nl.multiply, engine=DVE_ENG)
     c["taps"] = taps
     vh0 = g["vh0"]
     nA = nl.ndarray((hv, 1), F32, buffer=nl.sbuf, name="neg_exp_A")
@@ -605,15 +605,15 @@ def inverse_stage(c, st, k):
     if k == 0:                        # level-1 operands and the level-2/3 parts of A^T (POOL)
         n1t = nl.ndarray((P, n, P), idt, buffer=nl.sbuf, name="inv_n1t")
         nisa.tensor_tensor(dst=n1t, data1=st["z"], data2=_bview(c["m1"], P, [[0, n], [1, P]], 0), op=nl.multiply,
-                           engine=POOL_ENG)
+                           engine=DVE_ENG)
         imnt = nl.ndarray((P, n, P), idt, buffer=nl.sbuf, name="inv_imnt")
         nisa.tensor_tensor(dst=imnt, data1=_bview(I_f, P, [[0, n], [1, P]], 0), data2=n1t, op=nl.subtract,
-                           engine=POOL_ENG)
+                           engine=DVE_ENG)
         st["imnt"] = imnt
         for lev in (2, 3):
             t = nl.ndarray((P, n, P), idt, buffer=nl.sbuf, name="inv_z" + str(lev))
             nisa.tensor_tensor(dst=t, data1=st["z"], data2=_bview(c["m" + str(lev)], P, [[0, n], [1, P]], 0),
-                               op=nl.multiply, engine=POOL_ENG)
+                               op=nl.multiply, engine=DVE_ENG)
             st["z" + str(lev)] = t
         st["z"] = None
     elif k == 1:                      # I + N1 = 2I - (I - N1^T)^T (a PE transpose)
@@ -679,7 +679,7 @@ def _expand(g, c, gr, q, W, c0, grp, name):
     else:
         t = nl.ndarray((hv, n, TILE), F32, buffer=nl.sbuf, name=name)
     nisa.tensor_tensor(dst=t, data1=_bview(gr, hv, [[0, n], [1, TILE]], q * W + c0),
-                       data2=c["blockind"][:, h0:h0 + n, :], op=nl.multiply, engine=POOL_ENG)
+                       data2=c["blockind"][:, h0:h0 + n, :], op=nl.multiply, engine=DVE_ENG)
     return t
 
 
@@ -829,10 +829,10 @@ def _p1_item(g, c, T, item):
             m = i1 - i0
             nisa.tensor_tensor(dst=bgk[:, i0:i1, :], data1=_bview(kt, P, [[0, m], [1, D]], kk * D),
                                data2=_bview(gt, P, [[1, m], [0, D]], gto + C_BG * hv + h0 + i0), op=nl.multiply,
-                               engine=POOL_ENG)
+                               engine=DVE_ENG)
             nisa.tensor_tensor(dst=ktl[:, i0:i1, :], data1=_bview(kt, P, [[0, m], [1, D]], kk * D),
                                data2=_bview(gt, P, [[1, m], [0, D]], gto + C_DEC * hv + h0 + i0), op=nl.multiply,
-                               engine=POOL_ENG)
+                               engine=DVE_ENG)
         G["bv"], G["bgk"], G["ktl"] = bv, bgk, ktl
         if gi == len(T["grp"]) - 1:
             T["kt"] = None

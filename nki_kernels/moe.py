@@ -300,9 +300,8 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     v8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
     nisa.max8(dst=v8, src=p)
     vk = v8[:, k - 1:k]
-    gt = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)          # on GpSimd: only the last step (sel) reads it
-    nisa.tensor_tensor(dst=gt, data1=p, data2=v8.ap(pattern=[[MAX8, T], [0, E]], offset=k - 1), op=nl.greater,
-                       engine=nisa.engine.gpsimd)
+    gt = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)          # VectorE: GpSimd runs no float tensor_tensor
+    nisa.tensor_tensor(dst=gt, data1=p, data2=v8.ap(pattern=[[MAX8, T], [0, E]], offset=k - 1), op=nl.greater)
     c8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=c8, data=v8, op0=nl.greater, operand0=vk)
     ngt = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)

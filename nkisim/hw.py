@@ -37,6 +37,17 @@ MAX8_MAX_ELEMS = 16384
 AP_MAX_FREE_DIMS = 4                         # engine access patterns: <= 4 free dims (SDK-ARCH, SDK-AP)
 AP_MAX_DIM_SIZE = 65535                      # per-dim size is uint16 (SDK-ARCH)
 AP_MAX_STRIDE = 32767                        # per-dim stride is int16, in elements (SDK-ARCH)
+# Free elements per partition one VectorE / ScalarE / GpSimd instruction may access: "up to 64K elements for SBUF or
+# 4K elements for PSUM" (SDK nki/guides/architecture/trainium_inferentia2_arch.rst, VectorE and ScalarE "Layout &
+# Tile Size"; GpSimd ASSUMED the same). The SDK tiling overview's Tile-Size Constraint #2 (PSUM tiles F <= 512) reads
+# as stricter; the engine sections are the specific statement, so reads spanning PSUM banks are accepted.
+ENGINE_SBUF_FMAX = 65536
+ENGINE_PSUM_FMAX = 4096
+# tensor_tensor on GpSimd with floating-point operands (not op=nl.power): "error" (default), "warn" or "off". Ref §5.0's
+# engine map gives GpSimd tensor_tensor only with int32/uint32 operands or op=nl.power, and the seed's hardware runs
+# met "tensor_tensor cannot run on Pool" (shared/docs/trn2-costs.md, "Pitfalls met on real hardware"); the SDK-ISA
+# docstring lists engine=gpsimd without the restriction. When in doubt, refuse.
+POOL_FLOAT_TENSOR_TENSOR = "error"
 
 # --- start-partition rule (SDK-ARCH "Accessing SBUF/PSUM tensors using compute engines") ------
 # n partitions in (64, 128] must start at 0; (32, 64] at 0 or 64; (0, 32] at 0/32/64/96.

@@ -316,10 +316,29 @@ def reg_id(inst, reg):
     return reg.id
 
 
+_FREE_LIMITED = ("ACT", "DVE", "POOL")
+
+
+def _free_limits(op, eng, reads, writes):
+    """Per-instruction free size of a VectorE / ScalarE / GpSimd operand (hw.ENGINE_SBUF_FMAX / ENGINE_PSUM_FMAX)."""
+    for lst in (reads, writes):
+        for nm, t in lst:
+            if type(t) is NkiTensor and t.shape and t.shape[0]:
+                free = t.size // t.shape[0]
+                cap = hw.ENGINE_PSUM_FMAX if t.storage.psum else hw.ENGINE_SBUF_FMAX
+                if free > cap:
+                    raise NkiValidationError(
+                        f"{op}: {nm} has {free} elements per partition; one {eng} instruction accesses at most "
+                        f"{cap} in {'PSUM' if t.storage.psum else 'SBUF'} (SDK trainium_inferentia2_arch.rst, "
+                        f"'Layout & Tile Size')")
+
+
 def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     """Check the launch is alive and, when tracing, append one instruction record (see trace.py / README)."""
     inst = current(op)
     launch = inst.launch
+    if eng in _FREE_LIMITED:
+        _free_limits(op, eng, reads, writes)
     if launch.world.aborted is not None:
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")

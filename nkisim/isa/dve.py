@@ -66,6 +66,18 @@ def _engine_of(where, engine, default, allowed):
     return eng
 
 
+def _pool_float(where):
+    msg = (f"{where}: engine=gpsimd with floating-point operands: GpSimd runs tensor_tensor only on int32/uint32 "
+           f"operands or op=nl.power (ref §5.0 engine map; trn2-costs 'Pitfalls met on real hardware': "
+           f"'tensor_tensor cannot run on Pool'); use VectorE (switch: nkisim.hw.POOL_FLOAT_TENSOR_TENSOR)")
+    if hw.POOL_FLOAT_TENSOR_TENSOR == "error":
+        raise NkiValidationError(msg)
+    if hw.POOL_FLOAT_TENSOR_TENSOR == "warn":
+        import warnings
+        from ..errors import NkiFidelityWarning
+        warnings.warn(msg, NkiFidelityWarning, stacklevel=3)
+
+
 def _operands(where, eng, *named):
     for nm, t in named:
         if isinstance(t, NkiTensor):
@@ -87,6 +99,8 @@ def tensor_tensor(dst, data1, data2, op, engine=E.unknown, name=None):
     eng = _engine_of(w, engine, default, ("DVE", "POOL"))
     if o.name == "power" and eng != "POOL":
         raise NkiValidationError(f"{w}: op=nl.power runs on GpSimd only")
+    if eng == "POOL" and not ints and o.name != "power":
+        _pool_float(w)
     _operands(w, eng, ("dst", dst), ("data1", data1), ("data2", data2))
     match(w, "dst", dst, "data1", data1)
     match(w, "dst", dst, "data2", data2)

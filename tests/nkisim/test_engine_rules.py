@@ -55,6 +55,47 @@ def test_gpsimd_cannot_read_psum():
         run_body(body)
 
 
+@pytest.mark.parametrize("dt", [nl.float32, nl.bfloat16])
+def test_gpsimd_runs_no_float_tensor_tensor(dt):
+    """Ref §5.0: GpSimd tensor_tensor only with int32/uint32 operands or op=nl.power; the seed's hardware runs met
+    'tensor_tensor cannot run on Pool' (trn2-costs pitfalls). A float add on GpSimd is refused, on VectorE accepted."""
+    def on_pool(x):
+        a, b = _zeros((4, 8), dt), _zeros((4, 8), dt)
+        nisa.tensor_tensor(dst=_zeros((4, 8), dt), data1=a, data2=b, op=nl.add, engine=nisa.engine.gpsimd)
+
+    def on_dve(x):
+        a, b = _zeros((4, 8), dt), _zeros((4, 8), dt)
+        nisa.tensor_tensor(dst=_zeros((4, 8), dt), data1=a, data2=b, op=nl.add, engine=nisa.engine.vector)
+    with pytest.raises(NkiValidationError, match=r"engine=gpsimd with floating-point operands.*POOL_FLOAT_TENSOR"):
+        run_body(on_pool)
+    run_body(on_dve)
+
+
+def test_gpsimd_tensor_tensor_on_int32_is_accepted():
+    def body(x):
+        a = nl.ndarray((4, 8), nl.int32, buffer=nl.sbuf)
+        nisa.memset(dst=a, value=3)
+        c = nl.ndarray((4, 8), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=c, data1=a, data2=a, op=nl.add, engine=nisa.engine.gpsimd)
+    run_body(body)
+
+
+@pytest.mark.parametrize("buf, free, ok", [(nl.sbuf, 65536, True), (nl.sbuf, 65537, False),
+                                           (nl.psum, 4096, True)])
+def test_engine_free_size_per_instruction(buf, free, ok):
+    """SDK trainium_inferentia2_arch.rst: one VectorE / ScalarE instruction reads at most 64K elements per partition
+    from SBUF and 4K from PSUM."""
+    def body(x):
+        t = nl.ndarray((2, free), nl.bfloat16 if buf == nl.sbuf else nl.float32, buffer=buf)
+        nisa.memset(dst=t, value=0.0, engine=nisa.engine.vector)
+    if ok:
+        run_body(body)
+    else:
+        with pytest.raises(NkiValidationError, match=r"65537 elements per partition; one DVE instruction accesses "
+                                                     r"at most 65536 in SBUF"):
+            run_body(body)
+
+
 # ---- a kernel refused by the front end is refused at every launch --------------------------------------------
 
 def test_front_end_refusal_repeats_on_every_launch():
