@@ -369,7 +369,8 @@ def cmd(a):
 PREFILL_MODES = ("nki", "host", "teacher-forced")
 
 
-def _decoder_class():
+def nki_prefill_decoder_class():
+    """The ``NkiPrefillDecoder`` class, built on first call (``harness.speculative`` is imported only then)."""
     from harness.speculative import Decoder
 
     class NkiPrefillDecoder(Decoder):
@@ -406,7 +407,7 @@ def nki_decoder(name: str, cfg, params, tp: int = 4, lnc: int = 2, chunk: int | 
     """The ``name`` variant (layerwise | megakernel) with its prefill through the NKI prefill kernels
     (``engine_kw``: further ``harness.engines.make_engine`` options, e.g. ``drafts``)."""
     from harness.engines import make_engine
-    return _decoder_class()(make_engine(name, cfg, params, tp=tp, lnc=lnc, **engine_kw), chunk)
+    return nki_prefill_decoder_class()(make_engine(name, cfg, params, tp=tp, lnc=lnc, **engine_kw), chunk)
 
 
 def backend_of(variant: str, mode: str) -> str:

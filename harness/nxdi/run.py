@@ -227,8 +227,8 @@ def decoder(args, engine):
         return context_decoder(engine)
     if engine.name == "xla":
         return context_decoder(XlaContextEngine(engine, default_buckets(engine.cfg.max_position_embeddings)))
-    from harness.prefill import _decoder_class as nki_prefill_decoder   # NkiPrefillDecoder (harness.prefill)
-    return nki_prefill_decoder()(engine)
+    from harness.prefill import nki_prefill_decoder_class
+    return nki_prefill_decoder_class()(engine)
 
 
 def cmd_decode(args) -> int:
