@@ -5,14 +5,17 @@ A context graph of bucket C (a multiple of 64, :func:`check_buckets`) encodes v 
 s .. s+v-1 (s and v run-time inputs; v < C only in a prompt's first chunk, at s = 0) into the decode state every
 graph shares: GDN checkpoint slot 0 (the recurrent state and conv window after token s+v-1, read from slot 0
 before it: the state is carried from chunk to chunk), the trunk's and the MTP layer's K/V rows s .. s+v-1. It is
-the pass of ``megakernel.prefill`` for one chunk (``megakernel.prefill.prefill_plan``: embedding, per layer the
-input RMSNorm, ``gdn_prefill`` or ``attention_prefill``, the residual all-reduce fused with the next RMSNorm
-(``residual_allreduce_stage``), the MoE prefill, the same all-reduce; the MTP fc over the chunk's rows and the MTP
-layer's K/V rows (``attention_prefill_kv_kernel``); the decode head stage on row v-1), traced as a sequence of NKI
-custom calls (:func:`megakernel_context`), or, for the xla backend, the same math with the ``model.tp`` twins
-(:func:`xla_context`). Its outputs are the three leading outputs of every graph (the token after the chunk as
-given, the greedy token after position s+v-1, the post-norm hidden h_{s+v-1}) and then every state buffer,
-aliased, as the round graph returns them.
+the pass of ``megakernel.prefill`` for one chunk (``megakernel.prefill.prefill_plan``), composed as
+``harness.prefill`` predicts it: the chunk's embedding (``embedding_prefill``, one launch) and the first layer's
+input RMSNorm; per layer ``gdn_prefill`` or ``attention_prefill``, the residual all-reduce fused with the
+post-attention RMSNorm (``residual_allreduce_stage``), then ``moe_prefill`` with its all-reduce, the residual add
+and the next RMSNorm fused into its combine (``moe_prefill(residual=, tp=, norm_w=, norm_out=)``: the next layer's
+input norm, after the last layer the final norm's rows); the MTP fc over the chunk's rows (their embedding one
+more ``embedding_prefill`` launch) and the MTP layer's K/V rows (``attention_prefill_kv_kernel``); the decode head
+stage on row v-1. It is traced as that sequence of NKI custom calls (:func:`megakernel_context`), or, for the xla
+backend, the same math with the ``model.tp`` twins (:func:`xla_context`). Its outputs are the three leading
+outputs of every graph (the token after the chunk as given, the greedy token after position s+v-1, the post-norm
+hidden h_{s+v-1}) and then every state buffer, aliased, as the round graph returns them.
 
 Run-time inputs (:func:`input_specs`, :func:`context_inputs`): ``ids`` int32 [C+1, 1] -- the chunk's v tokens,
 the prompt token after them (the MTP row p needs token p+1; 0 when the chunk ends the prompt: that row, n-1, is
@@ -200,7 +203,9 @@ def _replace(stack: torch.Tensor, a: int, rows: torch.Tensor) -> torch.Tensor:
 
 def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> list[torch.Tensor]:
     """One rank's context graph of the megakernel backend: the NKI prefill kernels as custom calls, each launched
-    ``kernel[lnc](...)`` on every rank (the replicated ones -- embedding, RMSNorm -- too: SPMD). w: the rank's
+    ``kernel[lnc](...)`` on every rank (the replicated ones -- embedding, RMSNorm -- too: SPMD), in the sequence
+    ``harness.prefill.predict`` costs (module docstring): 2 + 3 x layers launches for the trunk (an attention
+    layer's mixer one launch per K/V group), 4 for the MTP head, 1 for the head stage. w: the rank's
     ``megakernel.sharded.rank_weights``; st: its decode state (``plan.STATE`` names, not modified); rt: the run-time
     inputs as tensors; coll: the TP collectives (the MTP fc columns and the head's argmax are gathered over ranks).
     Returns [the token after the chunk [1, 1], the greedy token after its last real row [1, 1] int32, that row's
@@ -208,8 +213,7 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
     from megakernel.layerwise import head_stage
     from megakernel.prefill import mtp_fc_prefill_stage, residual_allreduce_stage
     from nki_kernels.attention_prefill import KEY_BLOCK, attention_prefill_kernel, attention_prefill_kv_kernel
-    from nki_kernels.common import P
-    from nki_kernels.embedding import embedding_kernel
+    from nki_kernels.embedding_prefill import embedding_prefill_kernel
     from nki_kernels.gdn_prefill import gdn_prefill_kernel
     from nki_kernels.moe_prefill import moe_prefill, token_rows
     from nki_kernels.rmsnorm_prefill import rmsnorm_prefill_kernel
@@ -223,9 +227,8 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
     states = list(st["gdn_state"].unbind(0)) if "gdn_state" in st else []
     kc, vc = st["attn_k"], st["attn_v"]
 
-    def embed(tok):
-        parts = [embedding_kernel[lnc](w["embed"], tok[t0:t0 + P])[0] for t0 in range(0, tok.shape[0], P)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    def embed(tok):                # ONE launch for the chunk's ids [C, 1] int32
+        return embedding_prefill_kernel[lnc](w["embed"], tok)
 
     def attention(layer, xT):
         nonlocal kc, vc
@@ -262,17 +265,19 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
         else:
             part = attention(layer, xT)
         x, normed = residual_allreduce_stage[lnc](x, part, tp, True, norms[layer.post_norm], eps, "rows")
+        # the MoE with its all-reduce, the residual add and the next RMSNorm fused into its combine: the next
+        # layer's input norm (xT), after the last layer the final norm's rows (the MTP head's hidden) or nothing
         table, e = layer.experts
-        y, _ = moe_prefill[lnc](token_rows(normed), w["moe_router"][layer.moe], w[f"moe_experts_{table}"][e],
-                                w["moe_shared"][layer.moe], plan.top_k)
         last = i == len(plan.layers) - 1
-        x, nxt = residual_allreduce_stage[lnc](x, y, tp, False, norms[rows.final if last else
-                                                                     plan.layers[i + 1].in_norm], eps,
-                                               "rows" if last else "xT")
-        if last:
-            hidden_rows = nxt
-        else:
-            xT = nxt
+        out_layout = ("rows" if plan.mtp is not None else "none") if last else "xT"
+        out = moe_prefill[lnc](token_rows(normed), w["moe_router"][layer.moe], w[f"moe_experts_{table}"][e],
+                               w["moe_shared"][layer.moe], plan.top_k, None, x, tp,
+                               norms[rows.final if last else plan.layers[i + 1].in_norm], eps, out_layout)
+        x = out[0]
+        if out_layout == "xT":
+            xT = out[1]
+        elif out_layout == "rows":
+            hidden_rows = out[1]
     if plan.mtp is not None:
         fc = mtp_fc_prefill_stage[lnc](embed(ids[1:C + 1]), hidden_rows, norms, rows.mtp_emb, rows.mtp_hidden,
                                        w["mtp_fc"], eps)

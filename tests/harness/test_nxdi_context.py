@@ -7,11 +7,14 @@
   one padded chunk and of a padded chunk followed by whole ones, the first token, hidden and decode state (every
   GDN state and window, trunk and MTP K/V rows) equal the reference model's prefill (fp32, 1e-4 of the scale); it
   is traceable (fake and meta tensors).
+* The megakernel backend's context function with every kernel replaced by a recorder (nothing executed): its
+  custom calls are the sequence ``harness.prefill.predict`` costs (one ``embedding_prefill`` launch per chunk,
+  ``moe_prefill`` with the all-reduce, residual and next norm fused, no separate stage after it).
 * The trn2 module against the faithful fakes (tests/harness/nxd_fakes.py): the context graphs registered between
   step and reset with their own prefill configs, warmup runs them, and the compile / load / context prefill /
   round / step flow gives plain greedy's tokens for prompts of one padded chunk, one whole chunk and two chunks
   (xla backend; megakernel backend under nkisim, ``@pytest.mark.slow``: each rank's prefill kernel call is one
-  TP=4 x LNC=2 nkisim launch, the fused residual all-reduce with its collectives included); through the CLI, with
+  TP=4 x LNC=2 nkisim launch, the fused residual all-reduces with their collectives included); through the CLI, with
   ``--prefill teacher-forced`` as the fallback; bad input is one line and exit 2.
 """
 
@@ -180,6 +183,114 @@ def test_xla_context_has_no_host_values_and_keeps_the_device(tiny_cfg):
 
 
 # --------------------------------------------------------------------------------------------------
+# The megakernel backend's kernel sequence (recorded, no kernel executed)
+# --------------------------------------------------------------------------------------------------
+class _Recorded:
+    """A stand-in for one NKI kernel: ``kernel[lnc](*args)`` checks the arguments bind to the real kernel's
+    signature, records (name, args, outputs) and returns ``outputs(*args)`` (right shapes, constant values)."""
+
+    def __init__(self, real, outputs, calls, lnc):
+        self.real, self.outputs, self.calls, self.lnc = real, outputs, calls, lnc
+
+    def __getitem__(self, lnc):
+        assert lnc == self.lnc
+        return self
+
+    def __call__(self, *args):
+        import inspect
+        inspect.signature(self.real.fn).bind(*args)
+        out = self.outputs(*args)
+        self.calls.append((self.real.fn.__name__, args, out))
+        return out
+
+
+def test_megakernel_context_runs_the_predicted_kernel_sequence(tiny_cfg, monkeypatch):
+    """``megakernel_context``'s custom calls are the sequence ``harness.prefill.predict`` costs: ONE
+    ``embedding_prefill`` launch for the chunk's C ids (and one for the MTP rows' ids), per layer the mixer, the
+    residual all-reduce fused with the post-attention norm, then ``moe_prefill`` with the MoE all-reduce, the
+    residual add and the next norm fused (its residual the all-reduce's output, the next layer's input norm's xT its
+    normed output, the final norm's rows after the last layer) and no separate stage after it; the MTP fc and K/V
+    rows; the head stage. No host all-reduce. (The numbers: the slow megakernel flow test below.)"""
+    from megakernel import layerwise, prefill
+    from model.params import random_params
+    from model.tp.collectives import Collectives
+    from nki_kernels import attention_prefill, embedding_prefill, gdn_prefill, moe_prefill, rmsnorm_prefill
+    from nki_kernels.common import P
+    cfg, tp, lnc, C = tiny_cfg, 4, 2, 64
+    H = cfg.hidden_size
+    plan = ctx.context_plan(cfg, C, tp, lnc)
+    w = asm.rank_weights(cfg, random_params(cfg, seed=0), "megakernel", 0, tp, lnc)
+    st = asm.zero_states(asm.state_specs(cfg, tp, 128, torch.float32))
+    rt = {k: torch.as_tensor(v) for k, v in ctx.context_inputs(cfg, prompt_of(80), 0, C, 50).items()}
+    calls = []
+    fills = iter(range(1, 10 ** 6))
+
+    def z(*shape):                                   # a new value per output: identities below are meaningful
+        return torch.full(shape, float(next(fills)))
+
+    def normed(layout):                              # a fused RMSNorm's output, if any
+        return {"xT": (z(P, H // P, C),), "rows": (z(C, H),), "none": ()}[layout]
+
+    def fused(x, router, experts, shared, top_k, capacity=None, residual=None, tp_=1, norm_w=None, eps=1e-6,
+              norm_out="none"):
+        if residual is None:                         # the unfused form: the rank's partial y
+            return z(C, H), torch.ones(lnc, 1)
+        return (residual.clone(), *normed(norm_out), torch.ones(lnc, 1))
+
+    stubs = {
+        (embedding_prefill, "embedding_prefill_kernel"): lambda table, ids: z(ids.shape[0], H),
+        (rmsnorm_prefill, "rmsnorm_prefill_kernel"): lambda x, *a: (z(P, H // P, x.shape[0]),),
+        (gdn_prefill, "gdn_prefill_kernel"): lambda *a: (z(lnc, C, H), a[8], a[7], torch.ones(1, 1)),
+        (attention_prefill, "attention_prefill_kernel"): lambda *a: (z(lnc, C, H), z(C, 3), a[8], a[9]),
+        (attention_prefill, "attention_prefill_kv_kernel"): lambda *a: (z(lnc, 1), a[6], a[7]),
+        (prefill, "residual_allreduce_stage"): lambda x, part, tp_, per_core, norm_w=None, eps=1e-6, norm_out="none":
+            (x.clone(), *normed(norm_out)),
+        (moe_prefill, "moe_prefill"): fused,
+        (prefill, "mtp_fc_prefill_stage"): lambda e, *a: z(lnc, e.shape[0], H // (tp * lnc)),
+        (layerwise, "head_stage"): lambda x, *a: (z(lnc, 1, 2), z(1, H)),
+    }
+    for (module, name), outputs in stubs.items():
+        monkeypatch.setattr(module, name, _Recorded(getattr(module, name), outputs, calls, lnc))
+
+    def no_host_sum(t):
+        raise AssertionError("the context graph sums on chip, never through coll.all_reduce")
+
+    coll = Collectives(all_reduce=no_host_sum, gather_last=lambda t: torch.cat([t] * tp, dim=-1))
+    out = ctx.megakernel_context(plan, w, st, rt, coll, lnc)
+    assert [tuple(o.shape) for o in out[3:]] == [tuple(st[n].shape) for n in rp.STATE]
+
+    want = ["embedding_prefill_kernel", "rmsnorm_prefill_kernel"]
+    for layer in plan.layers:
+        mixer = ["gdn_prefill_kernel"] if layer.kind == rp.GDN else ["attention_prefill_kernel"] * layer.groups
+        want += mixer + ["residual_allreduce_stage", "moe_prefill"]
+    want += ["embedding_prefill_kernel", "mtp_fc_prefill_stage", "rmsnorm_prefill_kernel"]
+    want += ["attention_prefill_kv_kernel"] * plan.mtp.groups + ["head_stage"]
+    names = [c[0] for c in calls]
+    assert names == want
+    assert len(names) == 2 + 3 * len(plan.layers) + 4 + 1       # harness.prefill.predict: a last chunk
+
+    embeds = [c for c in calls if c[0] == "embedding_prefill_kernel"]
+    assert torch.equal(embeds[0][1][1], rt["ids"][0:C]) and torch.equal(embeds[1][1][1], rt["ids"][1:C + 1])
+    norms = w["norms"]
+    for i, layer in enumerate(plan.layers):
+        at = [k for k, c in enumerate(calls) if c[0] == "moe_prefill"][i]
+        ar, moe, after = calls[at - 1], calls[at], calls[at + 1]
+        assert ar[0] == "residual_allreduce_stage" and ar[1][2:4] == (tp, True) and ar[1][6] == "rows"
+        assert torch.equal(ar[1][4], norms[layer.post_norm])
+        args = moe[1]
+        assert args[5] is None and args[6] is ar[2][0] and args[7] == tp     # the residual: the all-reduce's output
+        last = i == len(plan.layers) - 1
+        assert args[10] == ("rows" if last else "xT")
+        assert torch.equal(args[8], norms[plan.norms.final if last else plan.layers[i + 1].in_norm])
+        if last:                                                  # the final norm's rows: the MTP fc's hidden
+            assert after[0] == "embedding_prefill_kernel" and calls[at + 2][1][1] is moe[2][1]
+        elif after[0] == "gdn_prefill_kernel":                    # the next layer's input norm: its mixer's xT,
+            assert torch.equal(after[1][0], ctx.pad_first(moe[2][1], rt["valid"], 2))   # rotated for the GDN
+        else:
+            assert after[0] == "attention_prefill_kernel" and after[1][0] is moe[2][1]
+
+
+# --------------------------------------------------------------------------------------------------
 # The trn2 module against the fakes
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -272,9 +383,10 @@ def test_cpu_executor_context_prefill(tiny, tmp_path, capsys):
 @pytest.mark.slow  # ~2 minutes per case on 2 cores: every prefill kernel of every layer under nkisim, 4 ranks x 2 cores
 @pytest.mark.parametrize("n, chunks", [(45, [[0, 64, 45]]), (100, [[0, 64, 36], [36, 64, 64]])])
 def test_megakernel_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, tmp_path, n, chunks):
-    """The megakernel backend's context graph under nkisim: embedding, RMSNorm, gdn_prefill / attention_prefill,
-    residual_allreduce_stage (with its collectives), moe_prefill, the MTP fc and attention, the head stage, each
-    one joined TP=4 x LNC=2 launch; one padded chunk, and a padded chunk then a whole one; then rounds."""
+    """The megakernel backend's context graph under nkisim: embedding_prefill, RMSNorm, gdn_prefill /
+    attention_prefill, residual_allreduce_stage (with its collectives), moe_prefill with the all-reduce, residual
+    and next norm fused (its collectives too), the MTP fc and K/V rows, the head stage, each one joined TP=4 x
+    LNC=2 launch; one padded chunk, and a padded chunk then a whole one; then rounds."""
     cfg, params = tiny
     prompt = prompt_of(n)
     plain = reference_greedy(cfg, params, prompt, 4)
