@@ -390,10 +390,7 @@ def nki_prefill_decoder_class():
 
         def prefill(self, prompt: list[int], max_len: int):
             from megakernel.prefill import LayerwisePrefill
-            if not prompt:
-                raise ValueError("prefill: the prompt is empty")
-            self.engine.start(max_len)
-            self.slots.reset()
+            self.begin_prefill(prompt, max_len)
             res = LayerwisePrefill(self.engine).run(list(prompt), self.chunk)
             self.engine.launches += res.launches
             self.prefill_info = {"backend": "nki", "launches": res.launches, "chunks": res.chunks,

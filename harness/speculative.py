@@ -117,14 +117,20 @@ class Decoder:
     def launches(self) -> int:
         return self.engine.launches
 
-    def prefill(self, prompt: list[int], max_len: int) -> tuple[int, torch.Tensor]:
-        """Encode the prompt; returns (first generated token, h at the last prompt position). Also fills the MTP KV
-        cache for positions 0..p-2 (the MTP at p uses token p+1)."""
+    def begin_prefill(self, prompt: list[int], max_len: int) -> None:
+        """What every prefill (this one and the NKI / NxDI context ones) does first: refuse an empty prompt, start
+        the engine's decode state, reset the slot book and forget the previous prompt's first-token facts."""
         if not prompt:
             raise ValueError("prefill: the prompt is empty")
         self.engine.start(max_len)
         self.slots.reset()
         self.first_sampled = False
+        self.first_logits = None
+
+    def prefill(self, prompt: list[int], max_len: int) -> tuple[int, torch.Tensor]:
+        """Encode the prompt; returns (first generated token, h at the last prompt position). Also fills the MTP KV
+        cache for positions 0..p-2 (the MTP at p uses token p+1)."""
+        self.begin_prefill(prompt, max_len)
         if self.reference is None:
             return self._teacher_forced(prompt)
         ref, cfg = self.reference, self.cfg

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from megakernel import plan as rp
+from model.tp.embed_head import combine_argmax
 
 GDN_BLOCK = 64                      # bucket sizes must be multiples of the GDN prefill kernel's block
 MAX_DEFAULT_BUCKET = 4096           # the largest default bucket: the prefill kernels' measured chunk (1K .. 4K)
@@ -285,10 +286,7 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
         kv_rows(plan.mtp, rmsnorm_prefill_kernel[lnc](x_m, norms[plan.mtp.in_norm], eps, False, True)[0])
     best, hidden = head_stage[lnc](x.index_select(0, last_row), norms, rows.final, w["lm_head"], eps)
     allp = coll.gather_ranks(best.reshape(-1, 2)).reshape(-1, 2)           # [tp * lnc, 2] in global core order
-    values, local = allp[:, 0], allp[:, 1]
-    gidx = local + plan.vocab_per_core * torch.arange(allp.shape[0], device=allp.device, dtype=allp.dtype)
-    top = values.max()
-    target = torch.where(values == top, gidx, torch.full_like(gidx, float("inf"))).min()
+    _, target = combine_argmax(allp[:, 0:1], allp[:, 1:2], plan.vocab_per_core)
     out = [ids.index_select(0, last_row + 1), target.reshape(1, 1).to(torch.int32), hidden.to(x.dtype).reshape(1, -1)]
     new = {"attn_k": kc, "attn_v": vc}
     if windows:
@@ -361,11 +359,8 @@ def _decoder_class():
             self.prefill_info = None
 
         def prefill(self, prompt: list[int], max_len: int):
-            if not prompt:
-                raise ValueError("prefill: the prompt is empty")
             plan = schedule(len(prompt), self.buckets, self.drafts)
-            self.engine.start(max_len)
-            self.slots.reset()
+            self.begin_prefill(prompt, max_len)
             self.prefill_info = {"backend": "context" if plan.chunks else "teacher-forced",
                                  "chunks": [list(c) for c in plan.chunks], "launches": plan.launches}
             if not plan.chunks:
@@ -373,7 +368,6 @@ def _decoder_class():
             out = None
             for s, b, v in plan.chunks:
                 out = self.engine.run(mode_of(b), context_inputs(self.cfg, prompt, s, b, v))
-            self.first_logits = None
             return out.targets[0], out.hidden[0]
 
     return ContextDecoder
@@ -404,7 +398,7 @@ class XlaContextEngine:
         """The wrapped engine's start with room for a padded chunk's rows: at least the smallest bucket that holds
         ``max_len`` positions (on the chip, the converted state holds every bucket, ``check_buckets``)."""
         fits = [b for b in self.buckets if b >= max_len]
-        self.inner.start(max(max_len, min(fits)) if fits else max_len)
+        self.inner.start(min(fits, default=max_len))
 
     def run(self, mode: str, inputs: dict):
         from harness import xla
