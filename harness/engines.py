@@ -34,6 +34,7 @@ from megakernel import plan as rp
 from megakernel.sharded import gather_state, kv_heads, rank_state, rank_weights
 from model.config import ModelConfig
 from model.state import DecodeState
+from model.tp.embed_head import combine_argmax
 from nki_kernels.host import as_torch
 
 ENGINE_NAMES = ("xla", "layerwise", "megakernel")
@@ -264,10 +265,7 @@ class LayerwiseEngine(HostEngine):
                                                        None if noise is None else noise[r])
                                                       for r, w in enumerate(self.weights)])
         best = torch.cat([torch.as_tensor(b) for b, _ in outs])  # [tp*lnc, T, 2], global core order
-        values, local = best[..., 0], best[..., 1]
-        idx = local + vc * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
-        top = values.max(dim=0).values
-        idx = torch.where(values == top, idx, torch.full_like(idx, float("inf"))).min(dim=0).values
+        _, idx = combine_argmax(best[..., 0], best[..., 1], vc)
         ids = [int(i) for i in idx]
         if sub:
             ids = [int(self.draft_ids[i]) for i in ids]

@@ -48,9 +48,10 @@ import nki.collectives as ncc
 import nki.isa as nisa
 import nki.language as nl
 from megakernel import plan as rp
+from model.tp.embed_head import combine_argmax
 from nki_kernels.common import P, kernel_assert, program_sharding
 from nki_kernels.rmsnorm_prefill import (broadcast_weight, feature_major_tile, residual_norm_tile,
-                                         rmsnorm_rows_tile)
+                                         rmsnorm_rows_tile, token_group_ap)
 
 CHUNK = 4096            # default prompt tokens per chunk (the prefill kernels' measured sizes: 1K .. 4K)
 GDN_BLOCK = 64          # chunk lengths (except the last) must be multiples of the GDN kernel's block
@@ -303,10 +304,7 @@ class LayerwisePrefill:
         outs = self._all(lw.head_stage, [(x_last, w["norms"], self.plan.norms.final, w["lm_head"], self.plan.eps)
                                          for w in self.e.weights])
         best = torch.cat([torch.as_tensor(b) for b, _ in outs])      # [tp*lnc, 1, 2] in global core order
-        values, local = best[..., 0], best[..., 1]
-        idx = local + self.plan.vocab_per_core * torch.arange(best.shape[0], dtype=torch.float32)[:, None]
-        top = values.max(dim=0).values
-        idx = torch.where(values == top, idx, torch.full_like(idx, float("inf"))).min(dim=0).values
+        _, idx = combine_argmax(best[..., 0], best[..., 1], self.plan.vocab_per_core)
         return int(idx[0]), torch.as_tensor(outs[0][1])[0]
 
     def run(self, prompt: list[int], chunk: int = CHUNK) -> PrefillResult:
@@ -329,12 +327,6 @@ class LayerwisePrefill:
 AR_TILE_BYTES = 16 * 1024   # bytes per partition of one collective's fp32 operand (2 tokens x H 2048)
 
 
-def _group_rows(t, base, rows, kk, H):
-    """The rows of a group of ``kk`` 128-token sub-tiles of a token-major ``[.., H]`` HBM tensor as a ``[rows, kk *
-    H]`` access pattern: partition p, sub-tile s = token row base / H + 128 s + p."""
-    return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=base)
-
-
 def _allreduce_loads(x, partial, group, c, per_core, mine, peer, xs):
     """The loads of one group ``(t0, rows, kk)`` of :func:`residual_allreduce_stage` on core c into its ring tiles
     ``[P, >= kk H]``: ``mine`` this core's partial (float32; the rows' partial with disjoint rows), ``peer`` the
@@ -343,11 +335,11 @@ def _allreduce_loads(x, partial, group, c, per_core, mine, peer, xs):
     N, H = x.shape
     t0, rows, kk = group
     F = kk * H
-    nisa.dma_copy(dst=mine[0:rows, 0:F], src=_group_rows(partial, (c * N + t0) * H if per_core else t0 * H,
+    nisa.dma_copy(dst=mine[0:rows, 0:F], src=token_group_ap(partial, (c * N + t0) * H if per_core else t0 * H,
                                                          rows, kk, H))
     if peer != None:
-        nisa.dma_copy(dst=peer[0:rows, 0:F], src=_group_rows(partial, ((1 - c) * N + t0) * H, rows, kk, H))
-    nisa.dma_copy(dst=xs[0:rows, 0:F], src=_group_rows(x, t0 * H, rows, kk, H))
+        nisa.dma_copy(dst=peer[0:rows, 0:F], src=token_group_ap(partial, ((1 - c) * N + t0) * H, rows, kk, H))
+    nisa.dma_copy(dst=xs[0:rows, 0:F], src=token_group_ap(x, t0 * H, rows, kk, H))
 
 
 def _allreduce_reduce(group, H, rg, mine, peer, total):
@@ -448,7 +440,7 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
         if q < 0:
             continue
         t0, rows, kk = mine_groups[q]
-        residual_norm_tile(xs[q % 3], sums[q % 3], rows, kk, H, _group_rows(out, t0 * H, rows, kk, H), norm_t,
+        residual_norm_tile(xs[q % 3], sums[q % 3], rows, kk, H, token_group_ap(out, t0 * H, rows, kk, H), norm_t,
                            norm_out, t0, wb, ident, eps)
     if norm_t != None:
         return out, norm_t

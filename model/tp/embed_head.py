@@ -79,7 +79,7 @@ def combine_argmax(values: torch.Tensor, local_idx: torch.Tensor, vc: int) -> tu
     global index = core * vc + local index; among cores holding the same maximum the lowest
     global index wins (= the first such core, since each core's range lies above the previous)."""
     n = values.shape[0]
-    gidx = local_idx.to(torch.int64) + vc * torch.arange(n, dtype=torch.int64)[:, None]
+    gidx = local_idx.to(torch.int64) + vc * torch.arange(n, dtype=torch.int64, device=values.device)[:, None]
     best = values.max(dim=0).values
     cand = torch.where(values == best[None], gidx, torch.iinfo(torch.int64).max)
     return best, cand.min(dim=0).values
