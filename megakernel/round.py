@@ -186,10 +186,8 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     g = t.gdn
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
-        if regs.gdn == None:        # layer of the stage, else issued here, before the norm
-            regs.gdn = gdn_weight_tiles(g[0], g[5])
-        if regs.gdn_layer != layer.mixer:
-            gdn_weights(g[0], g[5], layer.mixer, regs.gdn)
+        if regs.gdn_layer != layer.mixer:   # layer of the stage, else issued here, before the norm
+            gdn_weights(g[0], g[5], layer.mixer, _gdn_arena(regs, g))
         wg = regs.gdn
         regs.gdn_layer = -1
     ring = None
@@ -203,13 +201,18 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
                      layer=layer.mixer, weights=wg)
     wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
-        if regs.gdn == None:
-            regs.gdn = gdn_weight_tiles(g[0], g[5])
-        gdn_weights(g[0], g[5], next_gdn.mixer, regs.gdn)
+        gdn_weights(g[0], g[5], next_gdn.mixer, _gdn_arena(regs, g))
         regs.gdn_layer = next_gdn.mixer
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs, wm), rg))
+
+
+def _gdn_arena(regs, g):
+    """The launch's GDN weight arena (``gdn_weight_tiles``), allocated on first use."""
+    if regs.gdn == None:
+        regs.gdn = gdn_weight_tiles(g[0], g[5])
+    return regs.gdn
 
 
 def _next_gdn(layers, i):

@@ -114,7 +114,7 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import MOVING_MAX, P, PSUM_BANK, program_sharding
+from nki_kernels.common import INT32_MAX, MOVING_MAX, P, PSUM_BANK, program_sharding
 from nki_kernels.attention import attention_layout, rope_tables, xT_layout  # noqa: F401  (the shared layout)
 
 SEG = MOVING_MAX        # keys per score segment: one PSUM bank of fp32 scores (gemm_moving_fmax)
@@ -225,7 +225,7 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_
         raise ValueError(f"{nm}: cache length {L} is shorter than one key block ({KB}); use a smaller key_block")
     if L < N:
         raise ValueError(f"{nm}: a chunk of {N} tokens does not fit a cache of {L} rows")
-    if L * D >= 2 ** 31:
+    if L * D > INT32_MAX:
         raise ValueError(f"{nm}: cache of {L} x {D} elements: element offsets exceed int32")
     tau = static_tau(L)
     if tau < TAU_MIN:
@@ -1045,7 +1045,7 @@ def kv_rows_body(xT, wk, wv, norm_w, cos, sin, k_cache, v_cache, start, eps, cor
     for nmc, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if len(c.shape) != 3 or c.shape[0] != 1 or c.shape[2] != D or c.dtype != act or c.shape[1] < N:
             raise ValueError(f"{nm}: {nmc} is {c.dtype}{list(c.shape)}, expected {act}[1, L >= {N}, D={D}]")
-    if k_cache.shape[1] * D >= 2 ** 31:
+    if k_cache.shape[1] * D > INT32_MAX:
         raise ValueError(f"{nm}: cache of {k_cache.shape[1]} x {D} elements: element offsets exceed int32")
     if tuple(start.shape) not in ((1, 1), (1,)) or start.dtype != I32:
         raise ValueError(f"{nm}: start must be an int32 [1, 1] tensor, got {start.dtype}{list(start.shape)}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import P, kernel_assert, program_sharding
+from nki_kernels.common import INT32_MAX, P, kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body
 
 RING = 3        # ids / row tiles in flight per core
@@ -32,7 +32,7 @@ def embedding_prefill_kernel(table, ids):
     kernel_assert(len(ids.shape) == 2 and ids.shape[1] == 1 and ids.dtype == nl.int32,
                   f"embedding_prefill: ids must be int32 [N, 1], got {ids.dtype}{list(ids.shape)}")
     N = ids.shape[0]
-    kernel_assert(N * H < 2 ** 31, f"embedding_prefill: x [{N}, {H}] has element offsets beyond int32")
+    kernel_assert(N * H <= INT32_MAX, f"embedding_prefill: x [{N}, {H}] has element offsets beyond int32")
     n_cores, core = program_sharding()
     out = nl.ndarray((N, H), table.dtype, buffer=nl.shared_hbm, name="embed_prefill_out")
     ring = []

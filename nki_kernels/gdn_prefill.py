@@ -132,7 +132,7 @@ import math
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import P, PSUM_BANK, kernel_assert, program_sharding
+from nki_kernels.common import INT32_MAX, P, PSUM_BANK, kernel_assert, program_sharding
 from nki_kernels.gdn import L2_EPS, core_split
 
 BLOCK = 64              # C: tokens per chunk of the delta rule
@@ -1104,7 +1104,7 @@ def gdn_prefill_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, st
                   f"state {state.shape}, window {window.shape}")
     kernel_assert(tuple(y.shape) == (L, H), f"gdn_prefill: y has shape {y.shape}, expected [{L}, {H}]")
     kernel_assert(D <= P, f"gdn_prefill: head dim {D} exceeds {P} partitions")
-    kernel_assert(L * H < 2 ** 31 and slots * hv_r * D * D < 2 ** 31 and slots * (K - 1) * C_rank < 2 ** 31,
+    kernel_assert(L * H <= INT32_MAX and slots * hv_r * D * D <= INT32_MAX and slots * (K - 1) * C_rank <= INT32_MAX,
                   "gdn_prefill: a tensor's element offsets exceed int32")
     kd_r = (C_rank - hv_r * D) // 2
     hk_r = kd_r // D
@@ -1216,7 +1216,7 @@ def gdn_prefill_kernel(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, 
     """
     _, J, L = xT.shape
     n = w_in.shape[0]
-    kernel_assert(n * L * J * P < 2 ** 31, f"gdn_prefill: y [{n}, {L}, {J * P}] has element offsets beyond int32")
+    kernel_assert(n * L * J * P <= INT32_MAX, f"gdn_prefill: y [{n}, {L}, {J * P}] has element offsets beyond int32")
     y_out = nl.ndarray((n, L, J * P), F32, buffer=nl.shared_hbm, name="y_partials")
     fin_out = nl.ndarray((n, 1), F32, buffer=nl.shared_hbm, name="finite")
     _, core = program_sharding()

@@ -497,11 +497,11 @@ def _place(st, n):
     return st["ring"][:, p:p + n, :]
 
 
-def _issue(st, group, engine=None):
+def _issue(st, group, engine=nisa.engine.unknown):
     """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
     (round robin over the id registers) that is the ``scalar_offset`` of one HWDGE DMA of the expert's [P, F]
-    block of this core (triggered from ``engine``'s queue, e.g. ``nisa.engine.scalar``; None: the default).
-    Returns the group's ring view."""
+    block of this core (triggered from ``engine``'s queue, e.g. ``nisa.engine.scalar``; ``engine.unknown``: the
+    default queue). Returns the group's ring view."""
     s0, n = group
     F = st["F"]
     buf = _place(st, n)
@@ -510,10 +510,7 @@ def _issue(st, group, engine=None):
         st["next"] = st["next"] + 1
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
         src = st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"], scalar_offset=r, indirect_dim=st["edim"])
-        if engine == None:
-            nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge)
-        else:
-            nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+        nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
     return buf
 
 

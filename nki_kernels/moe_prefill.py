@@ -117,9 +117,9 @@ import nki
 import nki.collectives as ncc
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import PSUM_BANK, program_sharding
-from nki_kernels.moe import INT32_MAX, MAX8, P, block_width, geometry as _geometry, layers_per_table
-from nki_kernels.rmsnorm_prefill import broadcast_weight, residual_norm_tile
+from nki_kernels.common import INT32_MAX, P, PSUM_BANK, program_sharding
+from nki_kernels.moe import MAX8, block_width, geometry as _geometry, layers_per_table
+from nki_kernels.rmsnorm_prefill import broadcast_weight, residual_norm_tile, token_group_ap
 
 BANK = PSUM_BANK    # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 WIN = 128           # rows of one down-projection window (token-major output rows on partitions)
@@ -285,22 +285,22 @@ def _consts(g):
     return c
 
 
-def _load_x(g, c, x):
+def _load_x(g, x):
     """xr [128, N, jc]: x^T of this core's contraction rows, token-major within each partition; the loads are
     issued chunk by chunk by :func:`_x_upto` (the routing of the first tiles need not wait for all of x)."""
     xr = nl.ndarray((P, g["N"], g["jc"]), dtype=g["adt"], buffer=nl.sbuf, name="moe_pf_xr")
     return {"xr": xr, "x": x, "chunks": chunks(g["N"], XCH), "next": 0}
 
 
-def _x_upto(g, c, xl, t_end):
+def _x_upto(g, xl, t_end):
     """Issue the x^T chunk loads of :func:`_load_x` up to the one holding token t_end - 1 and one more."""
     while xl["next"] < len(xl["chunks"]) and (xl["next"] == 0 or xl["chunks"][xl["next"] - 1][0] < t_end):
         t0, n = xl["chunks"][xl["next"]]
-        _load_x_chunk(g, c, xl["x"], xl["xr"], t0, n)
+        _load_x_chunk(g, xl["x"], xl["xr"], t0, n)
         xl["next"] = xl["next"] + 1
 
 
-def _load_x_chunk(g, c, x, xr, t0, n):
+def _load_x_chunk(g, x, xr, t0, n):
     """Tokens t0..t0+n-1 of xr (DMA transposes in bfloat16, row loads + PE transposes in float32)."""
     J, jc, p0, npart, jb0, adt = g["J"], g["jc"], g["p0"], g["np"], g["jb0"], g["adt"]
     if adt == nl.bfloat16:          # DMA transpose [jc, n, np] -> [np, n, jc] (SDK-TRN2: up to 90 % of DMA rate)
@@ -481,7 +481,7 @@ def _route(g, c, xl, rr, st):
         nisa.memset(dst=run, value=0.0)
         for ti in range(T):
             t0, n = tiles[ti]
-            _x_upto(g, c, xl, t0 + n)
+            _x_upto(g, xl, t0 + n)
             ps = _partial_logits(g, xr, rr, t0, n)
             full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
             nisa.tensor_copy(dst=full, src=ps)
@@ -504,7 +504,7 @@ def _route(g, c, xl, rr, st):
         for half in range(2):
             ti = 2 * i + half
             t0, n = tiles[ti]
-            _x_upto(g, c, xl, t0 + n)
+            _x_upto(g, xl, t0 + n)
             ps = _partial_logits(g, xr, rr, t0, n)
             if half == pid:
                 mine = ps
@@ -527,7 +527,7 @@ def _route(g, c, xl, rr, st):
         ti = T - 1
         t0, n = tiles[ti]
         full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
-        _x_upto(g, c, xl, t0 + n)
+        _x_upto(g, xl, t0 + n)
         _swap_add(g, c, _partial_logits(g, xr, rr, t0, n), full, "moe_pf_logits")
         last = (ti, _route_math(g, c, full, n, ti, st))
     # counts of every tile: mine (tile 2i + pid) and the other core's (tile 2i + 1 - pid) of every pair
@@ -1160,12 +1160,6 @@ def _fused_groups(g):
     return out
 
 
-def _group_ap(t, t0, rows, kk, H):
-    """Rows of ``kk`` consecutive 128-token tiles of a token-major ``[N, H]`` HBM tensor from token t0 as a ``[rows,
-    kk H]`` access pattern (partition p, column block s = token t0 + 128 s + p)."""
-    return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=t0 * H)
-
-
 def _combine(g, c, scratch, st, y, fuse=None):
     """Token tiles ti = pid, pid + L, ..: y[tile, :] = sum_j w_tj * scratch[dest_tj] (PE against diag(w), fp32
     PSUM) + gate_t * scratch[SHB + t] (the shared expert's rows), full rows, written to y.
@@ -1204,7 +1198,7 @@ def _combine(g, c, scratch, st, y, fuse=None):
         if s == 0:
             yt = _tile(c, "moe_pf_y", (P, kk * H), F32, 2)
             xs = _tile(c, "moe_pf_residual", (P, kk * H), g["adt"], 2)
-            nisa.dma_copy(dst=xs[0:n, :], src=_group_ap(fuse["x"], t0, n, kk, H))
+            nisa.dma_copy(dst=xs[0:n, :], src=token_group_ap(fuse["x"], t0 * H, n, kk, H))
         nxt = None
         if i + 1 < len(seq):
             nxt = _combine_loads(g, c, scratch, st, seq[i + 1][2])
@@ -1225,8 +1219,9 @@ def _combine(g, c, scratch, st, y, fuse=None):
 
 def _fused_finish(fuse, item, H):
     t0, n, kk, total, xs = item
-    residual_norm_tile(xs, total, n, kk, H, _group_ap(fuse["out"], t0, n, kk, H), fuse["norm_t"], fuse["norm_out"],
-                       t0, fuse["wb"], fuse["ident"], fuse["eps"])
+    out_rows = token_group_ap(fuse["out"], t0 * H, n, kk, H)
+    residual_norm_tile(xs, total, n, kk, H, out_rows, fuse["norm_t"], fuse["norm_out"], t0, fuse["wb"], fuse["ident"],
+                       fuse["eps"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1322,8 +1317,8 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     g["jcol"] = c.get("jcol")
     # weights that do not depend on the routing: router rows, the shared expert; x^T resident
     rr = _load_router(g, router)
-    xl = _load_x(g, c, x)
-    _x_upto(g, c, xl, 1)
+    xl = _load_x(g, x)
+    _x_upto(g, xl, 1)
     shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)
     _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import P, kernel_assert, program_sharding
+from nki_kernels.common import INT32_MAX, P, kernel_assert, program_sharding
 
 F32 = nl.float32
 BANK_COLS = 512        # fp32 columns of one PSUM bank: four 128-column transposes
@@ -109,6 +109,12 @@ def feature_major_tile(rows, nt, ident, xt=None, col=0):
     return xt
 
 
+def token_group_ap(t, base, rows, kk, H):
+    """The rows of a group of ``kk`` 128-token sub-tiles of a token-major ``[.., H]`` HBM tensor as a ``[rows, kk *
+    H]`` access pattern: partition p, sub-tile s = token row base / H + 128 s + p (base: an element offset)."""
+    return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=base)
+
+
 def residual_norm_tile(xs, total, rows, kk, H, out_rows, norm_t, norm_out, t0, wb, ident, eps):
     """The step after a cross-core / cross-rank sum: ``xs[0:rows, 0:kk H] += total`` (the new residual, rounded to
     the activation dtype; ``xs`` SBUF residual rows, ``total`` their float32 sum, both [P, >= kk H] in sub-tile
@@ -143,7 +149,7 @@ def rmsnorm_prefill_body(x, w1, eps, rows_out=None, xT_out=None):
     N, H = x.shape
     J = H // P
     kernel_assert(H % P == 0, f"rmsnorm_prefill: hidden size {H} is not a multiple of {P}")
-    kernel_assert(N * H < 2 ** 31, f"rmsnorm_prefill: x [{N}, {H}] has element offsets beyond int32")
+    kernel_assert(N * H <= INT32_MAX, f"rmsnorm_prefill: x [{N}, {H}] has element offsets beyond int32")
     if rows_out != None:
         kernel_assert(tuple(rows_out.shape) == (N, H), f"rmsnorm_prefill: rows_out has shape "
                                                       f"{list(rows_out.shape)}, expected [{N}, {H}]")
