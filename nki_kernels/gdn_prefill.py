@@ -65,7 +65,7 @@ with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y 
    * ``[K K^T | K Q^T]`` with the key index on partitions: ONE matmul per key head (stationary K^T, moving
      [K^T | Q^T]): K^T shared by A_kk and A_qk, and by both value heads of the key head.
    * decays: exponent row_i - G_j + mask (0 / -1e30, block-causal) -- the row (G for P, G + ln beta for A)
-     broadcast over the partitions by an fp32 matmul of a ones stationary against block-expanded rows, the
+     broadcast over the partitions by fp32 matmuls of one-hot stationaries against the gate rows, the
      mask by a second matmul, -G_j as the per-partition bias of the ACT exp; every kept exponent is a
      within-block difference <= 0 (never exp of a large cumulative sum, never a split exp(G_i) exp(-G_j)).
      ``P^T = (K Q^T) * Gamma^T`` and ``A^T = (K K^T) * beta_i Gamma^T``: one DVE multiply each out of PSUM.
@@ -270,15 +270,11 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
         nisa.tensor_copy(dst=c["madd_incl"], src=ma_i, engine=POOL_ENG)
         c["madd_strict"] = nl.ndarray((P, P), mdt, buffer=nl.sbuf, name="madd_strict_mm")
         nisa.tensor_copy(dst=c["madd_strict"], src=ma_s, engine=POOL_ENG)
-    # blockind[k, h, i] = (k == h): block-expands per-head rows along the free axis
-    bi = _ones((hv, hv, TILE), F32, "blockind")
-    nisa.affine_select(dst=bi, pattern=[[-1, hv], [0, TILE]], channel_multiplier=1, on_true_tile=bi,
+    # onehot[k, h, j] = (k == h): stationary h broadcasts head h's gate row over the partitions
+    oh = _ones((hv, hv, P), F32, "onehot")
+    nisa.affine_select(dst=oh, pattern=[[-1, hv], [0, P]], channel_multiplier=1, on_true_tile=oh,
                        on_false_value=0.0, cmp_op=nl.equal)
-    c["blockind"] = bi
-    c["ex_ring"] = [nl.ndarray((hv, PSUM_COLS // P, TILE), F32, buffer=nl.sbuf, name="rows_ring0"),
-                    nl.ndarray((hv, PSUM_COLS // P, TILE), F32, buffer=nl.sbuf, name="rows_ring1")]
-    c["ex_next"] = 0
-    c["ones_hv"] = _ones((hv, P), F32, "ones_hv")
+    c["onehot"] = oh
     sel = _ones((2 * hv, hv), mdt, "sel_a")           # sel[hv + i, i] = 1: moves the a rows to partition 0
     nisa.affine_select(dst=sel, pattern=[[-1, hv]], channel_multiplier=1, offset=-hv, on_true_tile=sel,
                        on_false_value=0.0, cmp_op=nl.equal)
@@ -667,31 +663,23 @@ def flywheel_inverse(c, zT, n, idt, out_dtype):
 # and the inverse), the chain (the two blocks' recurrence), P3 (output, gated norm, out_proj)
 # ---------------------------------------------------------------------------------------------
 
-def _expand(g, c, gr, q, W, c0, grp, name):
-    """Block-expanded gate rows of the group's heads [hv, n, 128]: e[k, h, i] = (k == h0 + h) gr[k, q, c0 + i]
-    (POOL). Used as the moving operand against a ones stationary: a per-head broadcast over the partitions.
-    name None: one of two alternating fixed buffers (the decays of a super-tile are built back to back; a
-    freshly allocated tile would land on the one just freed and wait for its reader)."""
-    hv, h0, n = g["hv"], grp["h0"], grp["n"]
-    if name == None:
-        t = c["ex_ring"][c["ex_next"] % 2][:, 0:n, :]
-        c["ex_next"] += 1
-    else:
-        t = nl.ndarray((hv, n, TILE), F32, buffer=nl.sbuf, name=name)
-    nisa.tensor_tensor(dst=t, data1=_bview(gr, hv, [[0, n], [1, TILE]], q * W + c0),
-                       data2=c["blockind"][:, h0:h0 + n, :], op=nl.multiply, engine=DVE_ENG)
-    return t
+def _broadcast_rows(c, ps, rows, h0, n, parts):
+    """ps[:, h, :] = rows[h0 + h, :] on each of ``parts`` partitions, for the group's n heads: one fp32 matmul
+    per head with the one-hot stationary ``onehot[:, h0 + h, 0:parts]`` (column j of it is e_{h0+h}) against
+    the rows ``[hv, 128]`` (every product is by 1.0 or 0.0: exact). No VectorE work, and the PE time of one
+    fp32 matmul of n x 128 columns against a block-expanded moving operand."""
+    for h in range(n):
+        nisa.nc_matmul(dst=ps[:, h, :], stationary=c["onehot"][:, h0 + h, 0:parts], moving=rows, accumulate=False)
 
 
 def _decay(g, c, A, q, madd, c0, grp, dtype, name):
     """exp(row_q[i] - G[j] + madd[j, i]) for the group's heads: [128 j, n, 128 i]. The row broadcast over the
-    partitions (fp32 matmul of a ones stationary against the block-expanded rows) plus the additive 0 / -1e30
-    block-causal mask (a matmul in the matmul dtype: 1 x -1e30 is as good in bf16) accumulate in PSUM; -G_j is
-    the per-partition bias of one ACT exp per head."""
+    partitions (:func:`_broadcast_rows`) plus the additive 0 / -1e30 block-causal mask (a matmul in the matmul
+    dtype: 1 x -1e30 is as good in bf16) accumulate in PSUM; -G_j is the per-partition bias of one ACT exp per
+    head."""
     h0, n = grp["h0"], grp["n"]
-    ex = _expand(g, c, A["gr"], q, A["W"], c0, grp, None)
     ps, pb = _ps(c, P, [n, TILE])
-    nisa.nc_matmul(dst=ps, stationary=c["ones_hv"], moving=ex, accumulate=False)
+    _broadcast_rows(c, ps, A["gr"][:, q, c0:c0 + TILE], h0, n, P)
     nisa.nc_matmul(dst=ps, stationary=c["I_m"], moving=_bview(madd, P, [[0, n], [1, TILE]], 0), accumulate=True)
     out = nl.ndarray((P, n, TILE), dtype, buffer=nl.sbuf, name=name)
     for h in range(n):
@@ -838,9 +826,8 @@ def _p1_item(g, c, T, item):
             T["kt"] = None
     elif kind == "gamma":
         # exp(G) broadcast over the D partitions, exp(G) Q^T (fp32)
-        ex = _expand(g, c, A["gam_rows"], 0, W, c0, G, "gamma_rows")
         gb_ps, pb = _ps(c, D, [n, TILE])
-        nisa.nc_matmul(dst=gb_ps, stationary=c["ones_hv"][:, 0:D], moving=ex, accumulate=False)
+        _broadcast_rows(c, gb_ps, A["gam_rows"][:, 0, c0:c0 + TILE], h0, n, D)
         gam = nl.ndarray((D, n, TILE), F32, buffer=nl.sbuf, name="gamma_b")
         nisa.activation(dst=gam, op=nl.copy, data=gb_ps)
         _ps_free(c, pb)
