@@ -69,13 +69,15 @@ SBUF layouts and algorithm (per core)
    group (q‖k, v).
 
 Trace at the real per-rank shapes (nkisim, LNC=2, bf16, per core; T = 1 / 2 / 4): PE 132 / 141 / 159,
-DVE 29 / 33 / 41, ACT 18 / 23 / 33, DMA 18 / 21 / 27, POOL 3 (identity constants), SP 1 (register load);
+DVE 29 / 33 / 41, ACT 20 / 25 / 35, DMA 18 / 21 / 27, POOL 5 (identity constants, table warm-ups), SP 1 (register load);
 HBM reads 8.70 MB (8.43 MB of weights, one 256 KiB state slot, one window slot, x), writes T x (256 KiB
 state + 6 KiB window) + y; peak SBUF 71 KB per partition (of 208 KB), PSUM 12 KB (6 of 8 banks).
 
 ACT table groups used, in program order: {copy} (PSUM evictions, the table the preceding RMSNorm left
 loaded), softplus, exp (exp(A_log), alpha, sigmoid(b), SiLU), {copy, square, rsqrt} (l2norm, state decay,
-gated norm): two table switches inside the mixer.
+gated norm): three table switches inside the mixer. The softplus and {copy, square, rsqrt} loads are warmed
+(``_warm_act``) while ScalarE waits for PE / VectorE; the exp load stays on the gate chain (warming it as well,
+with exp(A_log) and exp(-b) before the softplus, was predicted slower: ScalarE is not idle long enough there).
 """
 
 from __future__ import annotations
@@ -207,6 +209,16 @@ def gdn_weight_layout(w, lnc=2):
 def _bcast_col(t, col, rows, width):
     """[rows, width] view of column ``col`` of a 2-D on-chip tensor ``t``, repeated along the free axis."""
     return t.ap(pattern=[[t.shape[1], rows], [0, width]], offset=col)
+
+
+def _warm_act(op):
+    """Load ScalarE's activation table of ``op`` now, with a one-element activation of a constant tile (GpSimd
+    memset: VectorE is busy at both call sites). It depends on nothing the layer computes, so the table load
+    (trn2-costs: ACT_TABLE_LOAD 1,283 ns on any group switch) runs while ScalarE would wait for VectorE / PE,
+    instead of on the chain of the activation that needs it (as ``rmsnorm_body``'s step 0)."""
+    warm = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf, name="gdn_act_warm")
+    nisa.memset(dst=warm, value=1.0, engine=nisa.engine.gpsimd)
+    nisa.activation(dst=warm, op=op, data=warm)
 
 
 class GdnWeights(nl.NKIObject):
@@ -383,6 +395,8 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         else:
             nisa.tensor_copy(dst=proj[:, c0:c1], src=accs[k])
     accs = None
+    # warm ScalarE's softplus table while the gate inputs are broadcast (PE) and biased (DVE); see _warm_act
+    _warm_act(nl.softplus)
 
     # ---- 4a. channel-major window rows (PE transposes; the window DMA had the projections' time) --
     W = Km1 + T
@@ -437,6 +451,7 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.tensor_copy(dst=sil[:, NH:NH + hv_c, :], src=zT_ps)
     sig = nl.ndarray((D, NH + hv_c, T), f32, buffer=nl.sbuf, name="sigmoid")
     nisa.activation(dst=sig, op=nl.exp, data=sil, scale=-1.0)
+    _warm_act(nl.square)        # the {copy, square, rsqrt} table, while VectorE finishes the SiLU
     nisa.tensor_scalar(dst=sig, data=sig, op0=nl.add, operand0=1.0)
     nisa.reciprocal(dst=sig, data=sig)
     cact = nl.ndarray((D, NH, T), adt, buffer=nl.sbuf, name="conv_act")     # q heads, k heads, v heads
