@@ -251,23 +251,56 @@ def inverse_kernel(zT, idt_name):
     g = {"hv": n, "D": 32, "NH": 1, "K": 4, "mdt": idt, "idt": idt, "core": 0, "super": 1, "vh0": 0}
     c = {"I_f": nl.shared_identity_matrix(n=kp.P, dtype=nl.float32)}
     c["I_i"] = c["I_f"] if idt == nl.float32 else nl.shared_identity_matrix(n=kp.P, dtype=idt)
-    two = nl.ndarray((kp.P, kp.P), nl.float32, buffer=nl.sbuf, name="two_I")
-    nisa.tensor_scalar(dst=two, data=c["I_f"], op0=nl.multiply, operand0=2.0)
-    c["two_I"] = two
-    u4 = kp._upper_block(4, True, "ub4")
-    u16 = kp._upper_block(16, True, "ub16")
-    u64 = kp._upper_block(kp.BLOCK, True, "ub64")
-    m2 = nl.ndarray((kp.P, kp.P), nl.float32, buffer=nl.sbuf, name="m16")
-    nisa.tensor_tensor(dst=m2, data1=u16, data2=u4, op=nl.subtract)
-    m3 = nl.ndarray((kp.P, kp.P), nl.float32, buffer=nl.sbuf, name="m64")
-    nisa.tensor_tensor(dst=m3, data1=u64, data2=u16, op=nl.subtract)
-    c["m1"], c["m2"], c["m3"] = u4, m2, m3
+    kp.inverse_constants(c, idt)
     c["psum"] = kp.psum_pool()
     z = nl.ndarray((kp.P, n, kp.P), idt, buffer=nl.sbuf, name="zT")
     nisa.dma_copy(dst=z, src=zT)
     x = kp.flywheel_inverse(c, z, n, idt, nl.float32)
     nisa.dma_copy(dst=out, src=x)
     return out
+
+
+@nki.jit
+def inverse_step0_kernel(zT, idt_name):
+    """The operands step 0 of the Flywheel inverse builds from zT [128, n, 128] (GpSimd int32 bit ops on the
+    inverse's dtype): I - N1^T and the level-2/3 parts of A^T, stacked [3, 128, n, 128] in fp32."""
+    n = zT.shape[1]
+    idt = nl.float32 if idt_name == "float32" else nl.bfloat16
+    out = nl.ndarray((3, kp.P, n, kp.P), nl.float32, buffer=nl.shared_hbm, name="step0_out")
+    c = {"I_f": nl.shared_identity_matrix(n=kp.P, dtype=nl.float32)}
+    c["I_i"] = c["I_f"] if idt == nl.float32 else nl.shared_identity_matrix(n=kp.P, dtype=idt)
+    kp.inverse_constants(c, idt)
+    z = nl.ndarray((kp.P, n, kp.P), idt, buffer=nl.sbuf, name="zT")
+    nisa.dma_copy(dst=z, src=zT)
+    st = kp.inverse_open(z, n, idt, idt)
+    kp.inverse_stage(c, st, 0)
+    nisa.dma_copy(dst=out[0], src=st["imnt"])
+    nisa.dma_copy(dst=out[1], src=st["z2"])
+    nisa.dma_copy(dst=out[2], src=st["z3"])
+    return out
+
+
+@pytest.mark.parametrize("idt", ["bfloat16", "float32"])
+def test_inverse_level_masks(idt):
+    """Step 0's GpSimd bit masks equal the 0/1 float masks exactly, on a dense random zT (not only the strictly
+    upper block-diagonal one the kernel builds): I - Z m4, Z (m16 - m4), Z (m64 - m16), with m_s[p, c] = 1
+    where c > p in the same s-block (values compared: a masked-out zero may differ in sign)."""
+    import ml_dtypes
+    rng = np.random.default_rng(4)
+    n = 3
+    z = rng.standard_normal((128, n, 128)).astype(np.float32)
+    if idt == "bfloat16":
+        z = z.astype(ml_dtypes.bfloat16)
+    zf = z.astype(np.float32)
+    p, col = np.arange(128)[:, None], np.arange(128)[None, :]
+
+    def m(s):
+        return ((col > p) & (col // s == p // s)).astype(np.float32)[:, None, :]
+    want = [np.eye(128, dtype=np.float32)[:, None, :] - zf * m(4), zf * (m(16) - m(4)), zf * (m(64) - m(16))]
+    got = inverse_step0_kernel(z, idt)
+    for i in range(3):
+        assert np.abs(want[i]).max() > 0
+        assert np.array_equal(np.asarray(got[i], dtype=np.float32), want[i]), i
 
 
 def _keys(kind, rng, d=128):
