@@ -15,6 +15,12 @@ round plan has K draft stages and a verify of K + 1 tokens, its GDN state K + 1 
 model's prefill) and give theirs back in the reference layout (``reference_state``, for the decode-state
 invariant tests).
 
+Device-side commit (``MegakernelEngine(device_commit=True)``, issue 15): besides the host-driven round the engine
+runs ``chain`` launches (a round plan with ``device_commit``): each round reads the decode-control state the
+previous one wrote (``plan.control_specs``, seeded once by :meth:`MegakernelEngine.seed_control` after the
+prefill), accepts on device and writes the next one's, so the host passes only ``force`` and reads the emitted
+tokens (``LaunchResult.emitted``).
+
 Sampling: the xla variant draws its drafts from the MTP head's processed distributions and returns the
 distributions for the host's rejection rule (``sampler = "rejection"``); the kernel variants sample inside the
 launch by Gumbel-max with host-supplied noise shared by position (``sampler = "gumbel"``: run-time input ``noise``
@@ -51,6 +57,8 @@ class LaunchResult:
     # [K, V] float64 they were drawn from, and the verify's logits [T, V] float32
     draft_probs: torch.Tensor | None = None
     target_logits: torch.Tensor | None = None
+    # device-committed rounds only: the tokens the round committed on device (1 .. K + 1; plan.EMITTED)
+    emitted: list[int] | None = None
 
 
 def read_outputs(drafts, targets, hidden) -> LaunchResult:
@@ -135,12 +143,16 @@ class HostEngine:
         inputs = dict(inputs)
         key = "draft_noise" if self.sampler == "rejection" else "noise"
         noise = inputs.pop(key, None)
+        if plan.device_commit and (self.sampling is not None or noise is not None):
+            raise ValueError(f"{self.name}: device-committed rounds are greedy (their noise rows would depend on the "
+                             f"device's position)")
         if (noise is not None) != (self.sampling is not None and (mode == "round" or key == "noise")):
             raise ValueError(f"{self.name}: {key} goes with sampled {'rounds' if key == 'draft_noise' else 'launches'}"
                              f" (engine sampling {self.sampling}, mode {mode})")
-        if set(inputs) != set(rp.input_names(mode)):
-            raise ValueError(f"{self.name}: {mode} inputs {sorted(inputs)} differ from {sorted(rp.input_names(mode))}")
-        if mode == "round" and inputs["force"].shape[0] != plan.drafts:
+        names = rp.input_names(plan.mode, plan.device_commit)
+        if set(inputs) != set(names):
+            raise ValueError(f"{self.name}: {mode} inputs {sorted(inputs)} differ from {sorted(names)}")
+        if plan.mode == "round" and inputs["force"].shape[0] != plan.drafts:
             raise ValueError(f"{self.name}: round inputs for {inputs['force'].shape[0]} drafts, the engine runs "
                              f"{plan.drafts}")
         if noise is not None:
@@ -157,20 +169,74 @@ class HostEngine:
 
 
 class MegakernelEngine(HostEngine):
-    """One launch of ``megakernel.round`` per round (D1 + V + D2) and per step, on every rank, under nkisim."""
+    """One launch of ``megakernel.round`` per round (D1 + V + D2) and per step, on every rank, under nkisim.
+    ``device_commit``: also ``chain`` rounds, accepted and committed on device (module docstring); the engine then
+    holds per rank the control state (``controls``) and the RoPE tables of the sequence (``rope``)."""
 
     name = "megakernel"
+
+    def __init__(self, cfg, params, tp: int = 4, lnc: int = 2, drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None,
+                 device_commit: bool = False):
+        super().__init__(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)
+        self.device_commit = bool(device_commit)
+        self.controls: list[dict] = []
+        self.rope: dict = {}
+        if self.device_commit:
+            if "round" not in self.plans:
+                raise ValueError(f"{self.name}: device-side commit needs speculative rounds (the checkpoint has no "
+                                 f"MTP head)")
+            self.plans["chain"] = rp.plan_for(cfg, "round", tp, lnc, drafts=drafts, device_commit=True,
+                                              draft_vocab=0 if draft_ids is None else len(draft_ids))
+
+    def start(self, max_len: int) -> None:
+        super().start(max_len)
+        self._start_control()
+
+    def load_state(self, state: DecodeState) -> None:
+        super().load_state(state)
+        self._start_control()
+
+    def _start_control(self) -> None:
+        """Zero control state and the RoPE tables of positions 0 .. cache_length(max_len) - 1 (device commit)."""
+        if not self.device_commit:
+            return
+        cos, sin = rp.rope_table(self.cfg, rp.cache_length(self.max_len))
+        self.rope = {"rope_cos": torch.from_numpy(cos), "rope_sin": torch.from_numpy(sin)}
+        self.controls = [{s.name: torch.zeros(s.shape, dtype=self.dtype if s.dtype == "activation" else torch.int32)
+                          for s in rp.control_specs(self.cfg, self.lnc)} for _ in range(self.tp)]
+
+    def seed_control(self, pending: int, hidden, pos: int, read_slot: int) -> None:
+        """Write the control state once (after the prefill): pending token at ``pos``, h_{pos-1}, ``read_slot``."""
+        if not self.device_commit:
+            raise ValueError(f"{self.name}: the engine was built without device_commit")
+        st = rp.control_state(self.cfg, self.dtype, pending, hidden, pos, read_slot, self.lnc, self.drafts)
+        for c in self.controls:
+            c["control"].copy_(torch.from_numpy(st["control"]))
+            c["control_hidden"].copy_(st["control_hidden"])
+
+    def control(self) -> dict:
+        """The control state the last round wrote, read back (tests, ``Decoder.committed``): {pending, read_slot,
+        pos: int, hidden: [H]} of rank 0, core 0 (every rank and core holds the same values)."""
+        row = self.controls[0]["control"][0]
+        return {**{k: int(v) for k, v in zip(rp.CONTROL_COLUMNS, row)}, "hidden": self.controls[0]["control_hidden"][0]}
 
     def _run(self, plan, inputs):
         import nkisim
         from megakernel.round import KERNELS
         names = rp.kernel_weights(plan.mode) + rp.EXPERTS + (rp.DRAFT_VOCAB if plan.draft_vocab_per_core else ())
         rt = {k: v for k, v in inputs.items() if k != "noise"}
-        per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **rt, **self.rank_noise(plan, inputs, r)}
+        if plan.device_commit:      # the host-driven inputs come from the control state
+            rt = {**{n: None for n in rp.input_names(plan.mode) if n not in rt}, **rt}
+        per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **rt, **self.rank_noise(plan, inputs, r),
+                     **(self.controls[r] if plan.device_commit else {}), **(self.rope if plan.device_commit else {})}
                     for r, (w, st) in enumerate(zip(self.weights, self.states))]
         self.launches += 1
         outs = nkisim.launch(KERNELS[plan.mode], per_rank, tp=self.tp, lnc=self.lnc)
-        return read_outputs(*outs[0][:3])   # the state was written in place (nkisim writes argument tensors back)
+        res = read_outputs(*outs[0][:3])    # the state was written in place (nkisim writes argument tensors back)
+        if not plan.device_commit:
+            return res
+        row = [int(v) for v in as_torch(outs[0][7]).reshape(-1)]
+        return dataclasses.replace(res, emitted=row[1:1 + row[0]])
 
 
 class XlaEngine(HostEngine):
@@ -331,12 +397,17 @@ ENGINES = {"xla": XlaEngine, "layerwise": LayerwiseEngine, "megakernel": Megaker
 
 
 def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None) -> HostEngine:
+                drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False) -> HostEngine:
     """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores, running rounds
     of ``drafts`` chained drafts, each the argmax over ``draft_ids`` (an FR-Spec draft vocabulary,
-    ``model.draft_vocab.load``) or over the full vocabulary (None)."""
+    ``model.draft_vocab.load``) or over the full vocabulary (None); ``device_commit`` (megakernel only): rounds
+    accepted and committed on device, launched back to back (module docstring)."""
     if name not in ENGINES:
         raise ValueError(f"unknown variant {name!r}; expected one of {ENGINE_NAMES}")
     rp.kv_groups(cfg, tp)
     kv_heads(cfg, 0, tp)
+    if device_commit:
+        if name != "megakernel":
+            raise ValueError(f"device-side commit runs in the megakernel variant only, not {name}")
+        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, device_commit=True)
     return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)

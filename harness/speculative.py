@@ -13,6 +13,12 @@ launch's positions (``harness.sampling.GumbelNoise``) as a run-time input, draft
 Gumbel-max token, and the host keeps the greedy accept rule: the committed tokens are those of plain Gumbel-max
 sampling with the same noise. Either way they are distributed exactly as plain sampling from the target model.
 
+Device-committed rounds (an engine built with ``device_commit``, the megakernel; greedy): after the prefill the
+host seeds the engine's control state once (:meth:`Decoder.start_chain`); then every round is launched with no
+input but ``force`` (:meth:`Decoder.chained_round`): the round accepts on device and writes the next round's
+pending token, read slot, position and hidden, and the host only reads the emitted tokens (to stop at EOS or
+max tokens). The tokens equal the host-driven rounds' (tested).
+
 :class:`Decoder` is the one host side of every variant: the slot bookkeeping (:class:`SlotBook`), the accept rule
 (:func:`accepted_count`), the run-time inputs of each launch (``megakernel.plan.round_inputs`` / ``step_inputs``)
 and the prefill: on the host with the reference model when the engine takes a state (``load_state``), otherwise
@@ -86,6 +92,12 @@ class Decoder:
         self.first_logits = None    # logits [V] of the token after the prompt (set by prefill)
         self.noise = None           # the shared Gumbel noise of a sampled sequence (sampler "gumbel")
         self.first_sampled = False  # prefill's first token is already its Gumbel-max sample (teacher-forced)
+        self.chained = False        # the device holds the control state (start_chain): it knows the read slot
+
+    @property
+    def device_commit(self) -> bool:
+        """Whether the engine runs device-committed rounds (``harness.engines.MegakernelEngine(device_commit)``)."""
+        return bool(getattr(self.engine, "device_commit", False))
 
     @property
     def gumbel(self) -> bool:
@@ -126,6 +138,7 @@ class Decoder:
         self.slots.reset()
         self.first_sampled = False
         self.first_logits = None
+        self.chained = False
 
     def prefill(self, prompt: list[int], max_len: int) -> tuple[int, torch.Tensor]:
         """Encode the prompt; returns (first generated token, h at the last prompt position). Also fills the MTP KV
@@ -199,6 +212,19 @@ class Decoder:
         self.commit(len(tokens))
         return tokens, r, p
 
+    def start_chain(self, pending: int, hidden: torch.Tensor, pos: int) -> None:
+        """Hand the sequence to the device (once, after the prefill): the control state of the pending token at
+        ``pos`` with h_{pos-1} = ``hidden`` and the committed checkpoint slot; from here on the rounds keep it."""
+        self.engine.seed_control(pending, hidden, pos, self.slots.read_slot)
+        self.chained = True
+
+    def chained_round(self, forced_draft=None) -> LaunchResult:
+        """One device-committed round (after :meth:`start_chain`): no host input but ``force`` (``forced_draft``:
+        ``plan.forced_drafts``, tests); ``LaunchResult.emitted`` holds the 1 .. K + 1 tokens it committed."""
+        if not self.chained:
+            raise ValueError("chained_round: start_chain first (the device holds no control state)")
+        return self.engine.run("chain", {"force": rp.force_input(self.cfg, forced_draft, self.drafts)})
+
     def commit(self, accepted: int) -> None:
         """Keep the first ``accepted`` (1 .. K + 1) verified tokens' state."""
         self.slots.commit(accepted)
@@ -209,16 +235,18 @@ class Decoder:
         read_back = getattr(self.engine, "reference_state", None)
         if read_back is None:
             raise TypeError(f"{type(self.engine).__name__} cannot read its decode state back")
-        return read_back(self.slots.read_slot).committed(length)
+        slot = self.engine.control()["read_slot"] if self.chained else self.slots.read_slot
+        return read_back(slot).committed(length)
 
 
 def make_decoder(name: str, cfg, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None) -> Decoder:
+                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False) -> Decoder:
     """A variant by name (``harness.engines.ENGINE_NAMES``) with rounds of ``drafts`` chained drafts (over the FR-Spec
-    draft vocabulary ``draft_ids``, or the full one): its in-process engine, prefilled on the host."""
+    draft vocabulary ``draft_ids``, or the full one): its in-process engine, prefilled on the host.
+    ``device_commit``: device-committed rounds (megakernel only)."""
     from harness.engines import make_engine
-    return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids),
-                   ReferenceModel(cfg, params))
+    return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids,
+                               device_commit=device_commit), ReferenceModel(cfg, params))
 
 
 @dataclass
@@ -284,7 +312,9 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
     the drafts of each round (one token or up to K, ``plan.forced_drafts``). on_tokens, if given, is called with
     each batch of newly emitted tokens (for progress display). sampling: temperature / top-k / top-p / seed
     (``harness.sampling.Sampling``; temperature 0 = greedy); ``sample`` picks the generator (seed + sample). A
-    Gumbel-sampling engine runs the greedy loop below on noisy scores (the noise rides with every launch).
+    Gumbel-sampling engine runs the greedy loop below on noisy scores (the noise rides with every launch). A
+    decoder whose engine commits on device (``Decoder.device_commit``) chains its rounds (greedy only): the host
+    reads the emitted tokens and computes no launch input.
     """
     if not prompt:
         raise ValueError("generate: the prompt is empty")
@@ -297,6 +327,10 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
         decoder.set_sampling(None)
     if sampled and draft_source is not None and not decoder.gumbel:
         raise ValueError("generate: forced drafts are for greedy decoding and Gumbel sampling")
+    chained = spec and getattr(decoder, "device_commit", False)
+    if chained and sampled:
+        raise ValueError("generate: device-committed rounds are greedy (their noise rows would depend on the "
+                         "device's position); sample with host-driven rounds")
     gumbel_sampled = sampled and decoder.gumbel      # the greedy loop on noisy scores
     gen = sampling.generator(sample) if sampled and not gumbel_sampled else None
     K = decoder.drafts
@@ -320,8 +354,16 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
     def finished() -> bool:
         return len(result.tokens) >= max_new_tokens or result.tokens[-1] in eos_ids
 
+    if chained and not finished():
+        decoder.start_chain(pending, hidden, pos)
     while not finished():
-        if not spec:
+        if chained:     # the device accepts and commits; the host reads the emitted tokens only
+            forced = draft_source(prompt + result.tokens) if draft_source else None
+            t0 = time.perf_counter()
+            emitted = decoder.chained_round(forced).emitted
+            result.round_seconds.append(time.perf_counter() - t0)
+            result.accepted_per_round.append(len(emitted))
+        elif not spec:
             if sampled and not gumbel_sampled:
                 pending, hidden = decoder.sampled_step(pending, pos, sampling, gen)
             else:

@@ -46,9 +46,20 @@ slots, ...], ``attn_k``, ``attn_v`` [A, L, D].
 
 Run-time inputs: :func:`input_specs` is their one definition (names, shapes, dtypes, order).
 
-What comes next, as data (not as new copies of the round): device-side accept (issue 15) moves inputs of :func:`input_specs` into the decode
-state; a chunked prefill (issue 16) is a plan of ``prefill`` stages over prompt chunks beside
-:func:`teacher_forced_launches`, today's host-driven prefill through the decode launches.
+Device-side accept and commit (``Plan.device_commit``, issue 15; opt-in, the host-driven round stays the default)
+-----------------------------------------------------------------------------------------------------------------
+A device-committed round takes no host-built run-time input but ``force``: it reads the pending token, the read
+slot, the position and h_{p-1} from the decode-control state (:func:`control_specs`, written by the previous round
+or once by the host after the prefill, :func:`control_state`), takes its RoPE rows from a cos/sin table by
+position (:func:`rope_table`, a register offset), accepts on device (n = the leading drafts equal to their
+targets) and writes the next round's control state (pending y_n, read slot n, position p + n + 1, hidden h_{p+n})
+and :data:`EMITTED` (the n + 1 committed tokens and their count), so rounds launch back to back and the host only
+reads tokens. The same equality rule is the accept of the shared-Gumbel sampled rounds (``harness.sampling``); a
+device-committed round is greedy here (its noise rows depend on the device's position).
+
+What comes next, as data (not as new copies of the round): a chunked prefill (issue 16) is a plan of ``prefill``
+stages over prompt chunks beside :func:`teacher_forced_launches`, today's host-driven prefill through the decode
+launches.
 """
 
 from __future__ import annotations
@@ -77,6 +88,13 @@ EXPERTS = tuple(f"moe_experts_{t}" for t in range(MOE_TABLES))
 DRAFT_VOCAB = ("draft_head", "draft_ids")   # a round's optional FR-Spec draft head and its ids (after the experts)
 NOISE = ("noise_v", "noise_d1")   # a sampled launch's optional Gumbel noise (:func:`noise_specs`; last parameters)
 STATE = ("gdn_window", "gdn_state", "attn_k", "attn_v")
+# A device-committed round's decode-control state and RoPE tables (:func:`control_specs`, :func:`rope_table`; the
+# last parameters of ``round_kernel``) and its extra output, written after the state: [1, T + 1] int32, column 0
+# the committed count c (1 .. K + 1), columns 1 .. c the committed tokens (the rest: the verify's other targets)
+CONTROL = ("control", "control_hidden")
+CONTROL_COLUMNS = ("pending", "read_slot", "pos")   # columns of ``control``
+ROPE_TABLES = ("rope_cos", "rope_sin")
+EMITTED = "emitted"
 # What a round / step launch returns first, before the state it writes (the same for every mode: NxD applies
 # the first graph's output packer to every graph, harness/nxdi/assembly.py)
 LEADING_OUTPUTS = ("draft", "targets", "hidden")
@@ -122,10 +140,10 @@ class Plan(nl.NKIObject):
     """A launch: ``mode`` (round | step), its stages, and the compile-time settings every stage shares.
     ``tokens``: the verify's T; ``drafts``: the draft stages K (0 in a step; T = K + 1 in a round);
     ``draft_vocab_per_core``: rows of the FR-Spec draft head per core (``model.draft_vocab``; 0: the drafts use the
-    full LM head)."""
+    full LM head); ``device_commit``: a round that accepts and commits on device (module docstring)."""
 
     def __init__(self, mode: str, stages: tuple, tp: int, lnc: int, eps: float, top_k: int, vocab_per_core: int,
-                 norms: NormRows, max_context=None, draft_vocab_per_core: int = 0):
+                 norms: NormRows, max_context=None, draft_vocab_per_core: int = 0, device_commit: bool = False):
         self.mode, self.stages = mode, stages
         self.tp, self.lnc, self.eps, self.top_k, self.vocab_per_core = tp, lnc, float(eps), top_k, vocab_per_core
         self.norms = norms
@@ -133,6 +151,7 @@ class Plan(nl.NKIObject):
         self.tokens = stages[len(stages) - 1].tokens if mode == "step" else _verify_tokens(stages)
         self.drafts = _count(stages, DRAFT)
         self.draft_vocab_per_core = draft_vocab_per_core
+        self.device_commit = bool(device_commit)
 
 
 def _count(stages, kind: str) -> int:
@@ -235,9 +254,12 @@ def draft_vocab_per_core(cfg: ModelConfig, draft_vocab: int, n_cores: int) -> in
     return draft_vocab // n_cores
 
 
-def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: int, draft_vocab: int = 0) -> Plan:
+def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: int, draft_vocab: int = 0,
+          device_commit: bool = False) -> Plan:
     if mode not in ("round", "step"):
         raise ValueError(f"plan: mode must be 'round' or 'step', got {mode!r}")
+    if device_commit and mode != "round":
+        raise ValueError("plan: device-side commit is a round's (a step has no drafts to accept)")
     check_drafts(drafts)
     experts_tables(cfg, tp, lnc)
     trunk = _trunk(cfg, kv_groups(cfg, tp), experts_per_table(cfg, tp, lnc))
@@ -252,15 +274,16 @@ def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: i
         stages = (Stage("V", VERIFY, 1, trunk, "v"),)
     return Plan(mode, stages, tp, lnc, cfg.rms_norm_eps, cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc),
                 NormRows(cfg.num_hidden_layers, mtp), max_context,
-                draft_vocab_per_core(cfg, draft_vocab, tp * lnc) if mode == "round" else 0)
+                draft_vocab_per_core(cfg, draft_vocab, tp * lnc) if mode == "round" else 0, device_commit)
 
 
 def round_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None, drafts: int = DEFAULT_DRAFTS,
-               draft_vocab: int = 0) -> Plan:
+               draft_vocab: int = 0, device_commit: bool = False) -> Plan:
     """The speculative round: ``drafts`` (K) chained D1 stages + V (K + 1 tokens) + D2 (K tokens).
     ``max_context`` (shape-only costing only) unrolls the attention loops for that context; the shipped kernel
-    has None. ``draft_vocab``: ids of the FR-Spec draft vocabulary (0: the drafts use the full LM head)."""
-    return _plan(cfg, "round", tp, lnc, max_context, drafts, draft_vocab)
+    has None. ``draft_vocab``: ids of the FR-Spec draft vocabulary (0: the drafts use the full LM head).
+    ``device_commit``: the round accepts and commits on device (module docstring)."""
+    return _plan(cfg, "round", tp, lnc, max_context, drafts, draft_vocab, device_commit)
 
 
 def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> Plan:
@@ -269,8 +292,8 @@ def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> 
 
 
 def plan_for(cfg: ModelConfig, mode: str, tp: int = 4, lnc: int = 2, max_context=None,
-             drafts: int = DEFAULT_DRAFTS, draft_vocab: int = 0) -> Plan:
-    return _plan(cfg, mode, tp, lnc, max_context, drafts, draft_vocab)
+             drafts: int = DEFAULT_DRAFTS, draft_vocab: int = 0, device_commit: bool = False) -> Plan:
+    return _plan(cfg, mode, tp, lnc, max_context, drafts, draft_vocab, device_commit)
 
 
 def stage_functions(plan: Plan) -> dict:
@@ -297,16 +320,21 @@ def kernel_weights(mode: str) -> tuple:
     return WEIGHTS if mode == "round" else tuple(n for n in WEIGHTS if n != "mtp_fc")
 
 
-def input_specs(cfg: ModelConfig, mode: str, drafts: int = DEFAULT_DRAFTS) -> tuple:
+def input_specs(cfg: ModelConfig, mode: str, drafts: int = DEFAULT_DRAFTS, device_commit: bool = False) -> tuple:
     """The run-time inputs of a launch, in order (the step's are a prefix of the round's): ``pending`` token id,
     ``read_slot`` (GDN checkpoint slot to read), ``pos`` (position of the pending token) int32 [1, 1]; ``cos_v``,
     ``sin_v`` float32 [T, rotary] (RoPE rows of positions pos .. pos+T-1, T = K + 1 in a round); round only:
     ``hidden`` [1, H] (h_{p-1}, post final norm), ``force`` int32 [K, 2], row i = (1, token) to impose draft i or
     (0, 0), ``pos_d1`` int32 [K, 1] (the draft stages' positions pos - 1 .. pos + K - 2) and their RoPE rows
-    ``cos_d1``, ``sin_d1`` [K, rotary]."""
+    ``cos_d1``, ``sin_d1`` [K, rotary]. A device-committed round (``device_commit``) takes ``force`` only (the rest
+    comes from its decode-control state, :func:`control_specs`)."""
     if mode not in ("round", "step"):
         raise ValueError(f"input_specs: mode must be 'round' or 'step', got {mode!r}")
     K, R = check_drafts(drafts), cfg.rotary_dim
+    if device_commit:
+        if mode != "round":
+            raise ValueError("input_specs: device-side commit is a round's")
+        return (TensorSpec("force", (K, 2), "int32"),)
     T = K + 1 if mode == "round" else 1
     out = [TensorSpec("pending", (1, 1), "int32"), TensorSpec("read_slot", (1, 1), "int32"),
            TensorSpec("pos", (1, 1), "int32"), TensorSpec("cos_v", (T, R), "float32"),
@@ -318,8 +346,10 @@ def input_specs(cfg: ModelConfig, mode: str, drafts: int = DEFAULT_DRAFTS) -> tu
     return tuple(out)
 
 
-def input_names(mode: str) -> tuple:
+def input_names(mode: str, device_commit: bool = False) -> tuple:
     """Names of :func:`input_specs` (shapes need no config)."""
+    if device_commit:
+        return ("force",)
     base = ("pending", "read_slot", "pos", "cos_v", "sin_v")
     return base + (("hidden", "force", "pos_d1", "cos_d1", "sin_d1") if mode == "round" else ())
 
@@ -410,22 +440,63 @@ def round_inputs(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_s
     if read_slot not in range(K + 1):
         raise ValueError(f"round: read_slot must be in 0..{K}, found {read_slot}")
     _check_token(cfg, pending, "round pending")
-    forced = forced_drafts(forced_draft, K)
-    for f in forced:
-        _check_token(cfg, f, "round forced draft")
+    force = force_input(cfg, forced_draft, K)
     h = as_torch(hidden).reshape(1, -1).to(dtype)
     if h.shape[1] != cfg.hidden_size:
         raise ValueError(f"round: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
     cos_d1, sin_d1 = rope_rows(cfg, pos - 1, K)
     cos_v, sin_v = rope_rows(cfg, pos, K + 1)
-    force = np.zeros((K, 2), np.int32)
-    for i, f in enumerate(forced):
-        force[i] = (1, f)
     out = {"pending": _i32(pending), "read_slot": _i32(read_slot), "pos": _i32(pos), "cos_v": cos_v, "sin_v": sin_v,
            "hidden": h.contiguous() if isinstance(h, torch.Tensor) else h, "force": force,
            "pos_d1": np.arange(pos - 1, pos - 1 + K, dtype=np.int32).reshape(K, 1), "cos_d1": cos_d1,
            "sin_d1": sin_d1}
     return out
+
+
+def force_input(cfg: ModelConfig, forced_draft=None, drafts: int = DEFAULT_DRAFTS) -> np.ndarray:
+    """``force`` int32 [K, 2]: row i = (1, token) imposing draft i + 1 (:func:`forced_drafts`), else (0, 0)."""
+    K = check_drafts(drafts)
+    force = np.zeros((K, 2), np.int32)
+    for i, f in enumerate(forced_drafts(forced_draft, K)):
+        _check_token(cfg, f, "round forced draft")
+        force[i] = (1, f)
+    return force
+
+
+def control_specs(cfg: ModelConfig, lnc: int = 2) -> tuple:
+    """A device-committed round's decode-control state, per rank, one row per core (each core reads and writes its
+    own row: no cross-core hazard; the cores hold the same values): ``control`` int32 [lnc, 3] (columns
+    :data:`CONTROL_COLUMNS`: the pending token id, the GDN checkpoint slot to read, the pending token's position)
+    and ``control_hidden`` [lnc, H] (activation dtype: h_{pos-1}, the trunk's post-norm hidden before it)."""
+    return (TensorSpec("control", (lnc, len(CONTROL_COLUMNS)), "int32"),
+            TensorSpec("control_hidden", (lnc, cfg.hidden_size), "activation"))
+
+
+def control_state(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_slot: int, lnc: int = 2,
+                  drafts: int = DEFAULT_DRAFTS) -> dict:
+    """The :func:`control_specs` tensors of a sequence whose pending token ``pending`` sits at ``pos`` >= 1 with
+    hidden h_{pos-1} and checkpoint slot ``read_slot`` (what the host writes once after the prefill; the rounds
+    write it after that)."""
+    import torch
+
+    from nki_kernels.host import as_torch
+    K = check_drafts(drafts)
+    if pos < 1:
+        raise ValueError(f"control: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
+    if read_slot not in range(K + 1):
+        raise ValueError(f"control: read_slot must be in 0..{K}, found {read_slot}")
+    _check_token(cfg, pending, "control pending")
+    h = as_torch(hidden).reshape(1, -1).to(dtype)
+    if h.shape[1] != cfg.hidden_size:
+        raise ValueError(f"control: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
+    return {"control": np.tile(_i32(pending, read_slot, pos), (lnc, 1)),
+            "control_hidden": h.expand(lnc, -1).contiguous()}
+
+
+def rope_table(cfg: ModelConfig, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rope_cos``, ``rope_sin`` float32 [rows, rotary_dim] of positions 0 .. rows - 1 (:func:`rope_rows`): a
+    device-committed round reads rows pos - 1 .. pos + K (``rows`` > the largest position a sequence reaches)."""
+    return rope_rows(cfg, 0, rows)
 
 
 def step_inputs(cfg: ModelConfig, token: int, pos: int, read_slot: int, slots: int = SLOTS) -> dict:

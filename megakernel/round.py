@@ -21,6 +21,14 @@ Parameters (hand-written, fixed): the plan (compile time), the stacked per-rank 
 run-time inputs of ``plan.input_specs`` -- 36 HBM tensors for a round of Qwen3.6 at TP=4 x LNC=2. Inside, the
 tensors travel as one :class:`LaunchTensors` object. The decode state is written in place and also returned,
 after ``draft``, ``targets``, ``hidden``, so the compiler keeps the writes.
+
+Device-side accept and commit (``plan.device_commit``, opt-in; ``megakernel.plan`` module docstring): the round
+takes ``force``, the decode-control state ``control`` / ``control_hidden`` and the RoPE tables ``rope_cos`` /
+``rope_sin`` instead of the other run-time inputs (those parameters are None). :func:`control_inputs` builds the
+stages' inputs from them at the launch top (register offsets into the tables, no branch), :func:`commit` accepts
+right after the verify (arithmetic selection: a prefix product of draft == target, a one-hot of the last committed
+token) and writes the next round's control state, so it runs beside D2; the launch also returns ``emitted``, then
+the control state.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ class LaunchTensors(nl.NKIObject):
         self.hidden, self.force, self.pos_d1, self.cos_d1, self.sin_d1 = hidden, force, pos_d1, cos_d1, sin_d1
         self.draft_head = self.draft_ids = None     # the FR-Spec draft head and its token ids (round, optional)
         self.noise_v = self.noise_d1 = None         # a sampled launch's Gumbel noise (plan.noise_specs, optional)
+        self.control = self.control_hidden = None   # a device-committed round's control state (plan.control_specs)
+        self.rope_cos = self.rope_sin = None        # ... and its RoPE tables (plan.rope_table)
+        self.d1_rows = None                         # ... and its drafts' (pos, cos, sin), built by control_inputs
 
 
 @nki.jit
@@ -63,12 +74,26 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                  gdn_w_out, attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w, moe_router, moe_shared, gdn_window,
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1, moe_experts_0, moe_experts_1=None, moe_experts_2=None, moe_experts_3=None,
-                 moe_experts_4=None, draft_head=None, draft_ids=None, noise_v=None, noise_d1=None):
+                 moe_experts_4=None, draft_head=None, draft_ids=None, noise_v=None, noise_d1=None, control=None,
+                 control_hidden=None, rope_cos=None, rope_sin=None):
     """One speculative round (``plan.mode == "round"``, K = ``plan.drafts``) on one core. Returns (drafts [K, 1]
     int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v). With ``noise_v``
-    and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``)."""
+    and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``).
+    With ``plan.device_commit``: the run-time inputs but ``force`` are None, ``control`` int32 [lnc, 3],
+    ``control_hidden`` [lnc, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given (``plan.control_specs``,
+    ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control, control_hidden)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
+    given = (control != None, control_hidden != None, rope_cos != None, rope_sin != None)
+    kernel_assert(given == (plan.device_commit,) * 4,
+                  f"round_kernel: control, control_hidden, rope_cos, rope_sin go with a device-committed plan "
+                  f"(plan.device_commit = {plan.device_commit}, given {given})")
+    kernel_assert(not plan.device_commit or (pending == None and read_slot == None and pos == None
+                                             and hidden == None and cos_v == None and pos_d1 == None),
+                  "round_kernel: a device-committed round reads pending, read_slot, pos, hidden and the RoPE rows "
+                  "from its control state; pass None for them")
+    kernel_assert(not plan.device_commit or noise_v == None,
+                  "round_kernel: a device-committed round is greedy (the noise rows depend on the device's position)")
     t = LaunchTensors(embed, lm_head, norms, mtp_fc,
                       (gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out),
                       (attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w), moe_router, moe_shared,
@@ -77,6 +102,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                       pos_d1, cos_d1, sin_d1)
     t.draft_head, t.draft_ids = draft_head, draft_ids
     t.noise_v, t.noise_d1 = noise_v, noise_d1
+    t.control, t.control_hidden, t.rope_cos, t.rope_sin = control, control_hidden, rope_cos, rope_sin
     return run_plan(plan, t)
 
 
@@ -112,6 +138,11 @@ def run_plan(plan, t):
     targets_out = nl.ndarray((T, 1), nl.int32, buffer=nl.shared_hbm, name="targets")
     hidden_out = nl.ndarray((T, H), t.embed.dtype, buffer=nl.shared_hbm, name="hidden_out")
     draft_out = nl.ndarray((max(K, 1), 1), nl.int32, buffer=nl.shared_hbm, name="draft")
+    emitted_out = None
+    pos_sb = None
+    if plan.device_commit:
+        emitted_out = nl.ndarray((1, T + 1), nl.int32, buffer=nl.shared_hbm, name="emitted")
+        pos_sb = control_inputs(plan, t, core)
     rg = tp_group(plan.tp)
     regs = _registers()
     pending = load_token_ids(t.pending)
@@ -126,6 +157,7 @@ def run_plan(plan, t):
         nisa.dma_copy(dst=chain_h, src=t.hidden)
     targets = None
     hidden = None
+    emitted = None
     for stage in plan.stages:
         if stage.kind == DRAFT:
             i = stage.draft
@@ -134,6 +166,8 @@ def run_plan(plan, t):
             nisa.dma_copy(dst=ids[i + 1:i + 2, :], src=chain_ids)
         elif stage.kind == VERIFY:
             targets, hidden = verify(plan, stage, t, ids, rg, regs, core)
+            if plan.device_commit:      # right after the verify: it runs beside D2, which reads no control state
+                emitted = commit(plan, t, proposed, targets, hidden, pos_sb, core)
         else:
             kernel_assert(stage.kind == REPLAY, f"megakernel: unknown stage kind {stage.kind}")
             replay(plan, stage, t, proposed, hidden[0:K, :], rg, regs, core)
@@ -141,7 +175,99 @@ def run_plan(plan, t):
         nisa.dma_copy(dst=targets_out, src=targets)
         nisa.dma_copy(dst=hidden_out, src=hidden)
         nisa.dma_copy(dst=draft_out, src=proposed)
+        if plan.device_commit:
+            nisa.dma_copy(dst=emitted_out, src=emitted)
+    if plan.device_commit:
+        return (draft_out, targets_out, hidden_out, t.gdn_window, t.gdn_state, t.attn_k, t.attn_v, emitted_out,
+                t.control, t.control_hidden)
     return draft_out, targets_out, hidden_out, t.gdn_window, t.gdn_state, t.attn_k, t.attn_v
+
+
+# ---- device-side accept and commit (plan.device_commit) -------------------------------------------------------
+def control_inputs(plan, t, core):
+    """A device-committed round's run-time inputs from this core's row of the control state and the RoPE tables:
+    sets ``t.pending``, ``t.read_slot`` (views of the row), ``t.hidden`` (view of ``control_hidden``), ``t.pos`` and
+    ``t.cos_v`` / ``t.sin_v`` (rows pos .. pos + K: private HBM, as the attention body addresses them from their
+    first element) and ``t.d1_rows`` (draft i's position pos - 1 + i and its RoPE row). Returns the position as
+    SBUF [1, 1] int32 (for :func:`commit`). Same instructions on both cores; the offsets are registers."""
+    K, T = plan.drafts, plan.tokens
+    t.pending = t.control[core:core + 1, 0:1]
+    t.read_slot = t.control[core:core + 1, 1:2]
+    t.hidden = t.control_hidden[core:core + 1, :]
+    pos = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="control_pos")
+    nisa.dma_copy(dst=pos, src=t.control[core:core + 1, 2:3])
+    t.pos = nl.ndarray((1, 1), nl.int32, buffer=nl.private_hbm, name="pos_v")
+    nisa.dma_copy(dst=t.pos, src=pos)
+    t.cos_v, t.sin_v = _rope_rows(t, pos, T)
+    rows = []
+    for i in range(K):
+        p = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="draft_pos_sb")
+        nisa.tensor_scalar(dst=p, data=pos, op0=nl.add, operand0=float(i - 1))     # int32, exact
+        ph = nl.ndarray((1, 1), nl.int32, buffer=nl.private_hbm, name="draft_pos")
+        nisa.dma_copy(dst=ph, src=p)
+        cos, sin = _rope_rows(t, p, 1)
+        rows.append((ph, cos, sin))
+    t.d1_rows = tuple(rows)
+    return pos
+
+
+def _rope_rows(t, start, n):
+    """Rows start .. start + n - 1 of the RoPE tables (``start`` SBUF [1, 1] int32, loaded into a register that
+    offsets the DMAs' source rows) -> (cos, sin) private HBM [n, rotary] float32."""
+    R = t.rope_cos.shape[1]
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, start)
+    out = []
+    for table in (t.rope_cos, t.rope_sin):
+        dst = nl.ndarray((n, R), nl.float32, buffer=nl.private_hbm, name="rope_rows")
+        nisa.dma_copy(dst=dst, src=table.ap(pattern=[[R, n], [1, R]], offset=0, scalar_offset=reg, indirect_dim=0))
+        out.append(dst)
+    return out[0], out[1]
+
+
+def commit(plan, t, drafts, targets, hidden, pos, core):
+    """Accept and commit on device: drafts SBUF [K, 1] int32 (d_1 .. d_K, forced ones as forced), targets SBUF [T, 1]
+    int32 (y_0 .. y_K), hidden SBUF [T, H] (the verify's post-norm hiddens), pos SBUF [1, 1] int32 (the pending
+    token's). n = the number of leading drafts equal to their targets (d_j == y_{j-1}); writes this core's row of
+    the control state (pending y_n, read slot n, position pos + n + 1; ``control_hidden`` <- h_{pos+n}) and returns
+    the emitted row SBUF [1, T + 1] int32 (n + 1, y_0 .. y_K). Arithmetic selection in fp32 (ids < 2^24 are exact):
+    run_j = prod_{i <= j} [d_i == y_{i-1}] (run_0 = 1, run_T = 0), one-hot sel_j = run_j - run_{j+1}, count =
+    sum run_j; the hidden row by a register offset (n) into an HBM copy."""
+    K, T = plan.drafts, plan.tokens
+    H = hidden.shape[1]
+    f32, i32 = nl.float32, nl.int32
+    ids = nl.ndarray((1, T + K), i32, buffer=nl.sbuf, name="commit_ids")
+    nisa.dma_copy(dst=ids[:, 0:T], src=targets)       # y_0 .. y_K along the free dim of one partition
+    nisa.dma_copy(dst=ids[:, T:T + K], src=drafts)    # d_1 .. d_K
+    f = nl.ndarray((1, T + K + 1), f32, buffer=nl.sbuf, name="commit_f")
+    nisa.tensor_copy(dst=f[:, 0:T + K], src=ids)
+    nisa.tensor_copy(dst=f[:, T + K:T + K + 1], src=pos)
+    eq = nl.ndarray((1, K), f32, buffer=nl.sbuf, name="commit_eq")
+    nisa.tensor_tensor(dst=eq, data1=f[:, T:T + K], data2=f[:, 0:K], op=nl.equal)
+    run = nl.ndarray((1, T + 1), f32, buffer=nl.sbuf, name="commit_run")
+    nisa.memset(dst=run[:, 0:1], value=1.0)
+    nisa.memset(dst=run[:, T:T + 1], value=0.0)
+    for j in range(1, T):
+        nisa.tensor_tensor(dst=run[:, j:j + 1], data1=run[:, j - 1:j], data2=eq[:, j - 1:j], op=nl.multiply)
+    sel = nl.ndarray((1, T), f32, buffer=nl.sbuf, name="commit_sel")
+    nisa.tensor_tensor(dst=sel, data1=run[:, 0:T], data2=run[:, 1:T + 1], op=nl.subtract)
+    nisa.tensor_tensor(dst=sel, data1=sel, data2=f[:, 0:T], op=nl.multiply)     # y_n at n, zeros elsewhere
+    out = nl.ndarray((1, 3 + T + 1), f32, buffer=nl.sbuf, name="commit_out")    # control row, then emitted
+    nisa.tensor_reduce(dst=out[:, 0:1], op=nl.add, data=sel, axis=1)             # pending y_n
+    nisa.tensor_reduce(dst=out[:, 3:4], op=nl.add, data=run[:, 0:T], axis=1)     # count n + 1
+    nisa.tensor_scalar(dst=out[:, 1:2], data=out[:, 3:4], op0=nl.add, operand0=-1.0)            # read slot n
+    nisa.tensor_tensor(dst=out[:, 2:3], data1=f[:, T + K:T + K + 1], data2=out[:, 3:4], op=nl.add)  # pos + n + 1
+    nisa.tensor_copy(dst=out[:, 4:4 + T], src=f[:, 0:T])
+    row = nl.ndarray((1, 3 + T + 1), i32, buffer=nl.sbuf, name="commit_row")
+    nisa.tensor_copy(dst=row, src=out)
+    nisa.dma_copy(dst=t.control[core:core + 1, :], src=row[:, 0:3])
+    hid = nl.ndarray(hidden.shape, hidden.dtype, buffer=nl.private_hbm, name="commit_hidden")
+    nisa.dma_copy(dst=hid, src=hidden)
+    n = nisa.register_alloc()
+    nisa.register_load(n, row[:, 1:2])
+    nisa.dma_copy(dst=t.control_hidden[core:core + 1, :],
+                  src=hid.ap(pattern=[[H, 1], [1, H]], offset=0, scalar_offset=n, indirect_dim=0))
+    return row[:, 3:3 + T + 1]
 
 
 # ---- stages (one function per stage kind: the cost model tags instructions by them, plan.stage_functions) ----
@@ -260,6 +386,8 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
 
 def _stage_inputs(stage, t):
     """(pos, cos, sin) HBM tensors of a stage's positions (``plan.Stage.inputs``)."""
+    if stage.inputs == "d1" and t.d1_rows != None:     # a device-committed round (control_inputs)
+        return t.d1_rows[stage.rope_row]
     if stage.inputs == "d1":
         if t.pos_d1.shape[0] == 1:
             return t.pos_d1, t.cos_d1, t.sin_d1

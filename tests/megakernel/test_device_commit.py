@@ -1,0 +1,189 @@
+"""Device-side accept and commit (``plan.device_commit``, issue 15): rounds launched back to back, the host reading
+only the emitted tokens, against the host-driven rounds of the same kernel and plain greedy decoding.
+
+* Tokens: chained rounds give plain greedy's tokens, with forced accepts and rejects (the ``force`` input) and
+  with the MTP head's own drafts; EOS and max tokens inside a 2-token round; a prompt of one token.
+* State: after N chained rounds the decode state (GDN state and window at the read slot, trunk KV rows up to the
+  position, MTP KV rows) and the control state (pending, read slot, position, hidden) equal the host-driven
+  path's after the same rounds -- bit for bit: the same kernel instructions compute them, the RoPE rows come from
+  a table of the same values (``nki_kernels.attention.rope_tables`` is elementwise in the position). The control
+  state is int32 and in range on every rank and core; the hidden row is finite and not all zero.
+* Refusals: mixed plans, sampling, other variants, bad control values.
+
+TP=1 x LNC=2 keeps these a few seconds each (nkisim interprets every core); one TP=4 x LNC=2 state check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from decoding import alternating, reference_greedy, right_draft
+from harness.speculative import accepted_count, generate, make_decoder
+from megakernel import plan as rp
+from model.params import random_params
+
+PROMPT = [5, 17, 99, 3, 250, 41]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_cfg):
+    return tiny_cfg, random_params(tiny_cfg, seed=3, dtype=torch.float32)
+
+
+def chained(cfg, params, tp=1, drafts=1):
+    return make_decoder("megakernel", cfg, params, tp=tp, drafts=drafts, device_commit=True)
+
+
+def forced_rounds(decoder, prompt, plain, accepts, vocab_size, chain):
+    """Prefill, then one round per entry of ``accepts`` (as ``decoding.forced_rounds``: that many drafts forced
+    right, the next one forced wrong), host-driven (``chain`` False: the host accepts, commits and builds the next
+    inputs) or device-committed (the host passes ``force`` only). Returns (prompt + committed tokens, position of
+    the pending token, the host's h_{pos-1} (None when chained))."""
+    K = decoder.drafts
+    pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + (K + 1) * len(accepts) + 2 * K + 2)
+    seq, pos = prompt + [pending], len(prompt)
+    if chain:
+        decoder.start_chain(pending, hidden, pos)
+        hidden = None
+    for accept in accepts:
+        right = (K if accept else 0) if isinstance(accept, bool) else int(accept)
+        base = len(seq) - len(prompt)
+        forced = [plain[base + i] for i in range(right)]
+        if right < K:
+            forced.append((plain[base + right] + 1) % vocab_size)
+        if chain:
+            out = decoder.chained_round(forced).emitted
+        else:
+            r = decoder.round(seq[-1], hidden, pos, forced)
+            n = accepted_count(r.drafts, r.targets)
+            decoder.commit(n)
+            out, hidden = r.targets[:n], r.hidden[n - 1]
+        assert len(out) == right + 1, f"forced {right} right drafts, {len(out)} tokens committed"
+        seq += out
+        pos += len(out)
+    return seq, pos, hidden
+
+
+def check_control(engine, pos, slots, vocab_size):
+    """Every rank's and core's control row: int32, equal, in range; the hidden rows finite, not all zero, equal."""
+    rows = torch.stack([c["control"] for c in engine.controls])
+    assert rows.dtype == torch.int32 and rows.shape == (engine.tp, engine.lnc, 3)
+    assert (rows == rows[0, 0]).all()
+    pending, slot, p = (int(v) for v in rows[0, 0])
+    assert 0 <= pending < vocab_size and 0 <= slot < slots and p == pos
+    hid = torch.stack([c["control_hidden"] for c in engine.controls])
+    assert torch.isfinite(hid).all() and hid.abs().max() > 0.1 and (hid == hid[0, 0]).all()
+
+
+@pytest.mark.parametrize("drafts", [1, 2])
+def test_chained_tokens_equal_plain_greedy(tiny, drafts):
+    """Forced drafts cycling through every accept length 0..K (the ``force`` input), the device deciding."""
+    cfg, params = tiny
+    n = 9
+    plain = reference_greedy(cfg, params, PROMPT, n)
+    v = chained(cfg, params, drafts=drafts)
+    res = generate(v, PROMPT, n, draft_source=alternating(PROMPT, plain, cfg.vocab_size, drafts))
+    assert res.tokens == plain
+    assert set(res.accepted_per_round) == set(range(1, drafts + 2))
+    assert v.launches == res.rounds                 # one launch per round, prefill on the host
+
+
+def test_chained_mtp_drafts_equal_host_driven(tiny):
+    """The MTP head's own drafts: the chained rounds commit what the host-driven rounds commit."""
+    cfg, params = tiny
+    n = 8
+    host = generate(make_decoder("megakernel", cfg, params, tp=1), PROMPT, n)
+    dev = generate(chained(cfg, params), PROMPT, n)
+    assert dev.tokens == host.tokens == reference_greedy(cfg, params, PROMPT, n)
+    assert dev.accepted_per_round == host.accepted_per_round
+
+
+@pytest.mark.parametrize("drafts,tp,pattern", [(1, 1, [True, False, False, True]), (2, 1, [2, 0, 1, 2]),
+                                               (1, 4, [True, False, True])])
+def test_state_after_chained_rounds_equals_host_driven(tiny, drafts, tp, pattern):
+    cfg, params = tiny
+    plain = reference_greedy(cfg, params, PROMPT, (drafts + 1) * len(pattern) + 2)
+    host = make_decoder("megakernel", cfg, params, tp=tp, drafts=drafts)
+    seq_h, pos_h, hidden_h = forced_rounds(host, PROMPT, plain, pattern, cfg.vocab_size, chain=False)
+    dev = chained(cfg, params, tp=tp, drafts=drafts)
+    seq_d, pos_d, _ = forced_rounds(dev, PROMPT, plain, pattern, cfg.vocab_size, chain=True)
+    assert seq_d == seq_h and pos_d == pos_h
+    assert seq_d[len(PROMPT):] == plain[:len(seq_d) - len(PROMPT)]
+    ctl = dev.engine.control()
+    assert (ctl["pending"], ctl["read_slot"], ctl["pos"]) == (seq_h[-1], host.slots.read_slot, pos_h)
+    assert torch.equal(ctl["hidden"], hidden_h.to(ctl["hidden"].dtype))
+    check_control(dev.engine, pos_h, drafts + 1, cfg.vocab_size)
+    want, got = host.committed(pos_h), dev.committed(pos_d)
+    assert set(want) == set(got)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    # and the next round (the MTP head's drafts) from either state
+    nxt_h, nxt_d = host.round(seq_h[-1], hidden_h, pos_h), dev.chained_round()
+    assert (nxt_d.drafts, nxt_d.targets) == (nxt_h.drafts, nxt_h.targets)
+    assert torch.equal(nxt_d.hidden, nxt_h.hidden)
+    assert nxt_d.emitted == nxt_h.targets[:accepted_count(nxt_h.drafts, nxt_h.targets)]
+
+
+def test_eos_and_max_tokens_inside_a_two_token_round(tiny):
+    cfg, params = tiny
+    plain = reference_greedy(cfg, params, PROMPT, 6)
+    right = right_draft(PROMPT, plain)
+    # every round commits 2 tokens; max tokens 4 = the first token + one round + half of the next one
+    res = generate(chained(cfg, params), PROMPT, 4, draft_source=right)
+    assert res.tokens == plain[:4] and res.accepted_per_round == [2, 2]
+    # EOS as the first token of the first round's two: the second is dropped
+    res = generate(chained(cfg, params), PROMPT, 6, eos_ids=(plain[1],), draft_source=right)
+    assert res.tokens == plain[:2] and res.accepted_per_round == [2]
+
+
+def test_prompt_of_one_token(tiny):
+    """pos = 1: the first round's draft runs at position 0 (the MTP cache is empty), RoPE rows 0 .. K + 1."""
+    cfg, params = tiny
+    prompt = [7]
+    plain = reference_greedy(cfg, params, prompt, 6)
+    v = chained(cfg, params)
+    res = generate(v, prompt, 6, draft_source=alternating(prompt, plain, cfg.vocab_size))
+    assert res.tokens == plain and 2 in res.accepted_per_round and 1 in res.accepted_per_round
+
+
+def test_refusals(tiny):
+    cfg, params = tiny
+    with pytest.raises(ValueError, match="megakernel variant only"):
+        make_decoder("xla", cfg, params, tp=1, device_commit=True)
+    with pytest.raises(ValueError, match="a round's"):
+        rp.plan_for(cfg, "step", 1, 2, device_commit=True)
+    h = torch.ones(cfg.hidden_size)
+    for kw, msg in ((dict(pos=0), "position must be >= 1"), (dict(read_slot=2), "read_slot must be in 0..1"),
+                    (dict(pending=cfg.vocab_size), "outside the vocabulary")):
+        args = {"pending": 1, "pos": 3, "read_slot": 0, **kw}
+        with pytest.raises(ValueError, match=msg):
+            rp.control_state(cfg, torch.float32, args["pending"], h, args["pos"], args["read_slot"])
+    st = rp.control_state(cfg, torch.bfloat16, 9, h, 3, 1, lnc=2)
+    assert st["control"].dtype == np.int32 and st["control"].tolist() == [[9, 1, 3], [9, 1, 3]]
+    assert st["control_hidden"].dtype == torch.bfloat16 and st["control_hidden"].shape == (2, cfg.hidden_size)
+    v = chained(cfg, params)
+    with pytest.raises(ValueError, match="start_chain first"):
+        v.chained_round()
+    from harness.sampling import Sampling
+    with pytest.raises(ValueError, match="greedy"):
+        generate(v, PROMPT, 4, sampling=Sampling(1.0, 0, 1.0, 0))
+
+
+def test_kernel_refuses_a_mixed_launch(tiny):
+    """A device-committed plan without its control state (or with host inputs) is refused before any
+    instruction."""
+    import nkisim
+    from megakernel.round import KERNELS
+    cfg, params = tiny
+    v = make_decoder("megakernel", cfg, params, tp=1)
+    v.prefill(PROMPT, 16)
+    e = v.engine
+    plan = rp.plan_for(cfg, "round", 1, 2, device_commit=True)
+    host_inputs = rp.round_inputs(cfg, e.dtype, 1, torch.zeros(cfg.hidden_size), len(PROMPT), 0)
+    names = rp.kernel_weights("round") + rp.EXPERTS
+    args = {"plan": plan, **{k: e.weights[0][k] for k in names if k in e.weights[0]}, **e.states[0], **host_inputs}
+    with nkisim.trace.capture() as tr, pytest.raises(Exception, match="device-committed plan"):
+        nkisim.launch(KERNELS["round"], [args], tp=1, lnc=2)
+    assert not tr.instructions
