@@ -867,18 +867,20 @@ def _p1_item(g, c, T, item):
         if gi == len(T["grp"]) - 1:
             T["kt"] = None
     elif kind == "gamma":
-        # exp(G) broadcast over the D partitions, exp(G) Q^T (fp32)
+        # exp(G) broadcast over the D partitions (PSUM), exp(G) Q^T (fp32) straight from it, and the two
+        # blocks' exp(G_C) columns (the chain's state decay)
         gb_ps, pb = _ps(c, D, [n, TILE])
         _broadcast_rows(c, gb_ps, A["gam_rows"][:, 0, c0:c0 + TILE], h0, n, D)
-        gam = nl.ndarray((D, n, TILE), F32, buffer=nl.sbuf, name="gamma_b")
-        nisa.activation(dst=gam, op=nl.copy, data=gb_ps)
-        _ps_free(c, pb)
         gq = nl.ndarray((D, n, TILE), F32, buffer=nl.sbuf, name="gamma_q")
         for run in runs:
             kk, i0, i1 = run[0], run[1], run[2]
             m = i1 - i0
             nisa.tensor_tensor(dst=gq[:, i0:i1, :], data1=_bview(q32, D, [[0, m], [1, TILE]], kk * W + c0),
-                               data2=gam[:, i0:i1, :], op=nl.multiply, engine=DVE_ENG)
+                               data2=gb_ps[:, i0:i1, :], op=nl.multiply, engine=DVE_ENG)
+        gam = nl.ndarray((D, n, 2), F32, buffer=nl.sbuf, name="gamma_c")
+        nisa.tensor_copy(dst=gam, src=c["psum"]["banks"][pb].ap(pattern=[[PSUM_COLS, D], [TILE, n], [BLOCK, 2]],
+                                                                 offset=BLOCK - 1), engine=DVE_ENG)
+        _ps_free(c, pb)
         G["gam"], G["gq"] = gam, gq
     elif kind == "uw":
         # U = X^T (beta V) stays in PSUM (V_new accumulates onto it); -W^T = -(beta gamma K)^T X (fp32)
@@ -923,7 +925,8 @@ def _chain_item(g, c, T, S, item):
                                accumulate=False)
             sd = nl.ndarray((D, n, D), F32, buffer=nl.sbuf, name="state_decayed")
             for h in range(n):
-                nisa.activation(dst=sd[:, h, :], op=nl.copy, data=S[gi][:, h, :], scale=G["gam"][:, h, r1 - 1:r1])
+                nisa.activation(dst=sd[:, h, :], op=nl.copy, data=S[gi][:, h, :],
+                                scale=G["gam"][:, h, r0 // BLOCK:r0 // BLOCK + 1])
             s_new = nl.ndarray((D, n, D), F32, buffer=nl.sbuf, name="state")
             nisa.tensor_tensor(dst=s_new, data1=sd, data2=st_ps, op=nl.add, engine=DVE_ENG)
             _ps_free(c, pb)
