@@ -4,6 +4,7 @@
     python harness/decode.py --prompt "def main(" --max-new-tokens 48 --variant xla
     python harness/decode.py --model-path DIR --prompt-ids 1,2,3 --json
     python harness/decode.py --num-draft-tokens 3 --variant megakernel
+    python harness/decode.py --variant megakernel --device-commit   # rounds back to back, accept on device
 
 Each round drafts K tokens with the MTP head (--num-draft-tokens, chained: each
 draft runs on the previous one and the head's own hidden), verifies [pending,
@@ -12,6 +13,11 @@ d_1 .. d_K] with the trunk and keeps the longest matching prefix plus one token
 
     python harness/decode.py --variant xla --temperature 0.7 --top-k 20 --top-p 0.9 --seed 1 --num-samples 4
     python harness/decode.py --variant megakernel --temperature 0.7 --seed 1 --num-draft-tokens 2
+
+--device-commit (megakernel, greedy): each round accepts on device and writes the
+next round's pending token, read slot, position and hidden into decode state, taking
+its RoPE rows from a table by position; the host launches the rounds back to back and
+only reads the emitted tokens (to stop at EOS / --max-new-tokens). Same tokens.
 
 Sampling is lossless in every variant (harness/sampling.py): the committed tokens are
 distributed exactly as plain sampling from the model; the same --seed gives the same
@@ -83,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-draft-tokens", type=int, default=DEFAULT_DRAFTS, metavar="K",
                     help=f"chained MTP drafts per round, 1..{MAX_DRAFTS} (default {DEFAULT_DRAFTS}); the verify runs "
                          f"K + 1 tokens")
+    ap.add_argument("--device-commit", action="store_true",
+                    help="megakernel: accept and commit on device, so rounds launch back to back and the host only "
+                         "reads the emitted tokens (greedy speculation only; with --variant all it applies to the "
+                         "megakernel variant; default: the host accepts and builds each round's inputs)")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="FR-Spec: the drafts choose among the N most frequent tokens only (draft_vocab.json of the "
                          "checkpoint, python -m model.draft_vocab); the verify keeps the full vocabulary, so the "
@@ -156,8 +166,9 @@ def build_variants(names, cfg, params, args) -> dict:
     out = {}
     for name in names:
         try:
+            commit = {"device_commit": True} if args.device_commit and name == "megakernel" else {}
             out[name] = prefill.make_variant(name, cfg, params, args.tp, args.prefill, args.prefill_chunk,
-                                             drafts=args.num_draft_tokens, **draft_vocab_kw(cfg, args))
+                                             drafts=args.num_draft_tokens, **draft_vocab_kw(cfg, args), **commit)
         except ValueError as e:
             if str(e).startswith(("--prefill", "prefill:")):
                 raise UsageError(str(e)) from None
@@ -208,6 +219,12 @@ def check_args(args) -> Sampling | None:
         raise UsageError(f"--top-p must be in (0, 1], found {args.top_p}")
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, found {args.num_samples}")
+    if args.device_commit:
+        if args.variant not in ("megakernel", "all"):
+            raise UsageError(f"--device-commit runs in the megakernel variant (got --variant {args.variant})")
+        if args.no_spec or args.temperature > 0:
+            raise UsageError("--device-commit accepts speculative rounds on device: it needs greedy speculation "
+                             "(no --no-spec, --temperature 0)")
     sampling_flags = args.top_k is not None or args.top_p != 1 or args.num_samples > 1
     if args.temperature == 0:
         if sampling_flags:
@@ -278,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                                "prefill": prefill.report(variants[n], len(ids), predicted.get(n))}
                            for n, (r, s, k) in results.items()}
         out["identical_tokens"] = identical
+        out["device_commit"] = args.device_commit
         if sampling is not None:
             out["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k or None,
                                "top_p": sampling.top_p, "seed": sampling.seed}
@@ -289,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
 
     K = args.num_draft_tokens
     mode = "plain" if args.no_spec else f"MTP speculation, {K} draft token{'s' if K > 1 else ''} per round"
+    mode += ", megakernel accepts on device" if args.device_commit else ""
     mode += ", greedy" if sampling is None else (f", sampling T={sampling.temperature} top-k={sampling.top_k or '-'} "
                                                  f"top-p={sampling.top_p} seed={sampling.seed}")
     print(f"model: {args.model_path}  dtype: {args.dtype}  prompt: {len(ids)} tokens  ({mode})")

@@ -1,0 +1,47 @@
+"""decode.py --device-commit: the megakernel's device-committed rounds give the host-driven rounds' tokens on the
+embedded checkpoint; bad combinations are one line and exit 2 (checked before any checkpoint is read)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import decode
+
+
+def run(capsys, *argv):
+    code = decode.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_device_commit_gives_the_host_driven_tokens(capsys):
+    argv = ["--variant", "megakernel", "--tp", 1, "--max-new-tokens", 6, "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    host = json.loads(out)
+    code, out, err = run(capsys, *argv, "--device-commit")
+    assert code == 0, err
+    dev = json.loads(out)
+    assert dev["device_commit"] is True and host["device_commit"] is False
+    assert dev["tokens"] == host["tokens"] and len(dev["tokens"]) == 6 and len(set(dev["tokens"])) > 1
+    assert dev["accepted_per_round"] == host["accepted_per_round"]
+    assert dev["variants"]["megakernel"]["launches"] == dev["rounds"]     # one launch per round, host prefill
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--variant", "xla"], "runs in the megakernel variant"),
+    (["--no-spec"], "needs greedy speculation"),
+    (["--variant", "megakernel", "--temperature", "0.7"], "needs greedy speculation"),
+])
+def test_bad_combinations_exit_2_with_one_line(capsys, argv, needle):
+    code, out, err = run(capsys, "--prompt-ids", "1,2", "--device-commit", *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and needle in lines[0]
+
+
+def test_help_explains_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--help"])
+    assert "--device-commit" in capsys.readouterr().out
