@@ -45,8 +45,8 @@ with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y 
    with the **weights stationary** (``stationary = w_in[:, j, head cols] [128, D]``, ``moving = xT[:, j, 512
    tokens]``, 16 accumulating matmuls per head) gives channel-major u, z, b, a ``[D, tokens]`` directly. The
    weights stream per super-tile through a 3-group SBUF ring, each group DMA'd two groups ahead (6.3 MB per
-   core and super-tile; SBUF goes to the tiles in flight). Order: b|a, the q, k, v heads, then the burst of
-   step 2-3, then z (needed last) as PE filler behind the burst.
+   core and super-tile; SBUF goes to the tiles in flight). Order: b|a, the q, k, v heads, z, then the burst
+   of step 2-3 (SiLU of z first, beside the conv's SiLU: one table load).
 2. Causal conv, channel-major with the carried window in the first 3 columns: **4 accumulating matmuls per
    head against diagonal tap matrices** ``diag(w[:, k])`` (built once) over shifted column windows of the
    raw-u tile, one ACT SiLU straight out of PSUM. (Tokens are on the free axis, so the Flywheel 0/1
@@ -111,9 +111,9 @@ operand's bf16 rounding dominates otherwise). Assumption (not documented by AWS)
 products by 1.0 (the one-hot broadcasts of the gate rows and the identity transposes).
 
 ACT tables (measured groups t0 {copy, square, rsqrt}, silu, exp, softplus; 1.28 us per switch): per
-super-tile the stage-A functions run as bursts -- SiLU of the conv, softplus, exp (gates and every decay of
-the super-tile), then t0 (l2norm and all tile work), SiLU of z -- 6 switches per super-tile (49 loads,
-63 us, at 4K tokens). Native SiLU out of PSUM is one ACT instruction per head; x / (1 + exp(-x)) (the decode
+super-tile the stage-A functions run as bursts -- SiLU of z and of the conv, softplus, exp (gates and every
+decay of the super-tile), then t0 (l2norm and all tile work) -- 4 switches per super-tile (33 loads, 42 us,
+at 4K tokens; SiLU of z after the burst, where z was PE filler, made it 6 and 49). Native SiLU out of PSUM is one ACT instruction per head; x / (1 + exp(-x)) (the decode
 kernel's choice) needs a DVE reciprocal (8x the DVE element cost) and 0.5 x (1 + tanh(x / 2)) a table of its
 own plus two DVE passes per head (~11 us per super-tile), so neither pays for the one switch they would save.
 l2norm is one square, one rsqrt (with the eps as bias) and one multiply.
@@ -281,11 +281,9 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     # conv taps as diagonal stationaries: taps[:, h, k, :] = diag(conv_w[core][:, h, k])
     wc = nl.ndarray((D, NH, K), conv_w.dtype, buffer=nl.sbuf, name="conv_w_in")
     nisa.dma_copy(dst=wc, src=conv_w[g["core"]])
-    wc32 = nl.ndarray((D, NH, K), F32, buffer=nl.sbuf, name="conv_w32")
-    nisa.tensor_copy(dst=wc32, src=wc, engine=POOL_ENG)
     taps = nl.ndarray((D, NH, K, D), mdt, buffer=nl.sbuf, name="conv_diag")
-    nisa.tensor_tensor(dst=taps, data1=_bview(c["I_f"], D, [[0, NH * K], [1, D]], 0),
-                       data2=_bview(wc32, D, [[1, NH * K], [0, D]], 0), op=nl.multiply, engine=DVE_ENG)
+    nisa.affine_select(dst=taps, pattern=[[0, NH * K], [-1, D]], channel_multiplier=1,
+                       on_true_tile=_bview(wc, D, [[1, NH * K], [0, D]], 0), on_false_value=0.0, cmp_op=nl.equal)
     c["taps"] = taps
     vh0 = g["vh0"]
     nA = nl.ndarray((hv, 1), F32, buffer=nl.sbuf, name="neg_exp_A")
@@ -327,9 +325,8 @@ def _a_open(g, c, xT, s, prev):
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev, engine=POOL_ENG)
     else:
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev["tail"], engine=POOL_ENG)
-    # order: b|a, the conv heads, then the ACT burst (conv SiLU, gates, decays) and l2norm -- the latency-bound
-    # part, early enough for the tiles of the previous super-tile to hide it -- then z (needed last, by the
-    # gated norm) as PE filler behind it, and its SiLU
+    # order: b|a, the conv heads, z, then the ACT burst (SiLU of z and of the conv: one table; gates, decays)
+    # and l2norm -- the latency-bound part, hidden by the tiles of the previous super-tile
     items = []
     wseq = [NH + hv]
     for j in range(J):
@@ -340,15 +337,15 @@ def _a_open(g, c, xT, s, prev):
         for j in range(J):
             items.append(("proj", h, j))
         items.append(("proj_end", h, 0))
-    items.append(("act_burst", 0, 0))
-    for kh in range(g["hk"]):
-        items.append(("l2norm", kh, 0))
     for h in range(NH, NH + hv):
         wseq.append(h)
         for j in range(J):
             items.append(("proj", h, j))
         items.append(("proj_end", h, 0))
     items.append(("silu_z", 0, 0))
+    items.append(("act_burst", 0, 0))
+    for kh in range(g["hk"]):
+        items.append(("l2norm", kh, 0))
     items.append(("done", 0, 0))
     A = {"s": s, "t0": t0, "vs": vs, "nt": nt, "W": W, "xs": xs, "ucat": ucat,
             "zs": nl.ndarray((D, hv, W), adt, buffer=nl.sbuf, name="z"),
