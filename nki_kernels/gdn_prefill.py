@@ -77,7 +77,9 @@ with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y 
      (ACT scale per head + one DVE add, fp32).
    * output channel-major: ``O^T = S^T (exp(G) Q)^T + V_new^T P^T`` (the state as fp32 stationary), gated
      RMSNorm channel-major (ones-matmul partition sum), out_proj with the gated output as stationary
-     ``[D, 128 tokens]`` against the SBUF-resident w_out (4 PSUM banks of 512 columns) -> y rows -> HBM.
+     ``[D, 128 tokens]`` against the SBUF-resident w_out (4 PSUM banks of 512 columns) -> y rows -> HBM
+     (software-DGE stores: GpSimd writes their descriptors, so they stay out of the SP queue, where the next
+     super-tile's x loads would wait behind them in program order).
 5. Software pipeline (:func:`_run_tiles`): each engine runs its instruction stream in program order, so
    independent work must sit between an instruction and its consumer on another engine. Step t interleaves,
    item by item, the chain of tile t, the second half of the state-independent work (P1: inverse, U, W) of
@@ -994,7 +996,7 @@ def _p3_item(g, c, T, item, wo, y, eps):
         _ps_free(c, pb)
         t0 = A["t0"] + c0
         nv = min(TILE, A["t0"] + A["vs"] - t0)
-        nisa.dma_copy(dst=y[t0:t0 + nv, n0:n1], src=ysb[0:nv, :])
+        nisa.dma_copy(dst=y[t0:t0 + nv, n0:n1], src=ysb[0:nv, :], dge_mode=nisa.dge_mode.swdge)
         if k == nk - 1:
             for G in T["grp"]:
                 G["yg"] = None
