@@ -162,12 +162,13 @@ def core_split(J, lnc, pid):
 
 
 def table_rows(n_tokens, n_experts, top_k, cap):
-    """(S, heavy-window bound, first heavy row, rows) of the assignment tables: S = min(E, N k) regular slots of
-    ``cap`` rows (rounded up to 128), then at most N k // 128 + N k // (cap + 1) heavy windows of 128 rows (none
-    when cap >= N)."""
+    """(S, heavy-window bound, first heavy row, rows) of the index table and the scratch rows: S = min(E, N k)
+    regular slots; the index table holds ``cap`` rows per EXPERT (E cap, rounded up to 128: expert e's at
+    e*cap, placed while routing), the scratch ``cap`` rows per slot; both then at most N k // 128 + N k // (cap
+    + 1) heavy windows of 128 rows (none when cap >= N) from the same first heavy row."""
     A = n_tokens * top_k
     S = min(n_experts, A)
-    hb = -(-S * cap // WIN) * WIN
+    hb = -(-n_experts * cap // WIN) * WIN
     nhw = 0 if cap >= n_tokens else A // WIN + A // (cap + 1)
     return S, nhw, hb, hb + nhw * WIN
 
@@ -264,7 +265,7 @@ def _consts(g):
     ones = nl.ndarray((P, P), dtype=F32, buffer=nl.sbuf, name="moe_pf_ones")
     nisa.memset(dst=ones, value=1.0)
     c["ones"] = ones
-    ones_a = nl.ndarray((P, 1), dtype=adt, buffer=nl.sbuf, name="moe_pf_ones_a")
+    ones_a = nl.ndarray((P, P), dtype=adt, buffer=nl.sbuf, name="moe_pf_ones_a")
     nisa.memset(dst=ones_a, value=1.0)
     c["ones_a"] = ones_a
     rev = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_rev")      # E - e
@@ -438,22 +439,102 @@ def _route_math(g, c, full, n, ti, st):
     nisa.tensor_scalar(dst=e8, data=s8[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(E))
 
     nisa.nc_n_gather(dst=st["W8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=w, indices=e8)
+    _keep(st, w)
     return sel
 
 
-def _tile_ranks(g, c, sel, n, ti, st, pre):
-    """RK8 rows of tile ti: each chosen expert's rank among the tokens choosing it = the tokens of earlier
-    tiles (``pre``: a list of (stationary, moving) matmul terms whose sum is that count broadcast to the n rows)
-    + the earlier rows of this tile (strict-lower-triangular ones matmul)."""
+def _place(g, c, st, ti, sel, prior):
+    """Pass 1 of the index table for tile ti, routed by this core, stage 1 (its stage 2 is :func:`_scatter`):
+    each choice's position among THIS core's tokens of its expert -> RK8 (``prior``: (stationary, moving) matmul
+    terms summing the counts of this core's earlier tiles on the n rows, plus the strict-lower-triangular ones
+    matmul of this tile). Core 0's tokens fill the expert's table rows e*cap.. from the front, core 1's from the
+    back (row e*cap + cap - 1 - position), so the two never meet while the expert is regular (count <= cap) and
+    no core needs the other's counts."""
     T, k, E = g["T"], g["k"], g["E"]
+    n = g["tiles"][ti][1]
     rk_ps = nl.ndarray((n, E), dtype=F32, buffer=nl.psum, name="moe_pf_rank_ps")
     nisa.nc_matmul(dst=rk_ps, stationary=c["tri_a"][0:n, 0:n], moving=sel, accumulate=False)
-    for stat, mov in pre:
+    for stat, mov in prior:
         nisa.nc_matmul(dst=rk_ps, stationary=stat, moving=mov, accumulate=True)
     rk = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank")
     nisa.tensor_copy(dst=rk, src=rk_ps)
+    nisa.nc_n_gather(dst=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=rk,
+                     indices=st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k))
+    _keep(st, rk)
+
+
+def _scatter(g, st, ti, tabs, flip):
+    """Stage 2 of :func:`_place`: each choice j scatters the token's x row index t*J into row e*cap + RK8 of this
+    core's choice table ``tabs[j]`` (``flip``: core 1's orientation, RK8 <- cap - 1 - RK8); a position >= cap
+    (the expert is heavy) targets a row past the table's end (skipped; :func:`_heavy_places` places those)."""
+    T, k, cap, J = g["T"], g["k"], g["cap"], g["J"]
+    t0, n = g["tiles"][ti]
     e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
-    nisa.nc_n_gather(dst=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data=rk, indices=e8)
+    r8 = st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
+    over = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank_over")
+    nisa.tensor_scalar(dst=over, data=r8, op0=nl.greater_equal, operand0=float(cap), op1=nl.multiply,
+                       operand1=float(g["BIG"]))
+    if flip:
+        nisa.tensor_scalar(dst=r8, data=r8, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(cap - 1))
+    d = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_place_f")
+    nisa.scalar_tensor_tensor(dst=d, data=e8, op0=nl.multiply, operand0=float(cap), op1=nl.add, operand1=r8)
+    di = nl.ndarray((n, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_place")
+    nisa.tensor_tensor(dst=di, data1=d, data2=over, op=nl.add)
+    pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_payload")
+    nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
+    for j in range(k):
+        nisa.dma_copy(dst=tabs[j].ap(pattern=[[1, n], [1, 1]], offset=0,
+                                     vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
+                      src=pay, oob_mode=nisa.oob_mode.skip)
+    _keep(st, over)
+    _keep(st, d)
+    _keep(st, di)
+    _keep(st, pay)
+    if len(st["clears"]) > 0:       # one weight-ring clear per placed tile (POOL has room while VectorE routes)
+        nisa.memset(dst=st["clears"].pop(0), value=0.0, engine=POOL_ENG)
+
+
+KEEP = 24           # routing temporaries held alive (their SBUF not reused while POOL / DMA may still read them)
+
+
+def _keep(st, t):
+    """Hold tile t for the next KEEP calls: a freed tile's address would be reused by the next tile of the same
+    shape, whose writer then waits for the old tile's last reader (here POOL gathers and scatters queued behind
+    the index scatters)."""
+    st["keep"].append(t)
+    if len(st["keep"]) > KEEP:
+        st["keep"].pop(0)
+
+
+def _placements(g, c, st, placed, tabs, final):
+    """The placements due after this core routed another tile (appended to ``placed`` [(tile, sel)]): stage 1
+    of the previous tile and stage 2 of the one before it (its RK8 gather was issued a tile earlier, so VectorE
+    does not wait on POOL); ``final``: also the rest (after the last tile)."""
+    q = len(placed) - 1
+    flip = g["pid"] == 1
+    if final:
+        q = q + 1
+        if q >= 1:
+            ti, sel = placed[q - 1]
+            _place(g, c, st, ti, sel, _own_prior(c, placed[0:q - 1], g["tiles"][ti][1]))
+        if q >= 2:
+            _scatter(g, st, placed[q - 2][0], tabs, flip)
+        if q >= 1:
+            _scatter(g, st, placed[q - 1][0], tabs, flip)
+        return
+    if q >= 1:
+        ti, sel = placed[q - 1]
+        _place(g, c, st, ti, sel, _own_prior(c, placed[0:q - 1], g["tiles"][ti][1]))
+    if q >= 2:
+        _scatter(g, st, placed[q - 2][0], tabs, flip)
+
+
+def _own_prior(c, own, n):
+    """Matmul terms of :func:`_place` summing the counts of the tiles in ``own`` [(tile, sel)] on n rows."""
+    terms = []
+    for ti, sl in own:
+        terms.append((c["ones_a"][0:sl.shape[0], 0:n], sl))
+    return terms
 
 
 def _tile_counts(g, c, sel, n):
@@ -463,20 +544,26 @@ def _tile_counts(g, c, sel, n):
     return cs_ps
 
 
-def _route(g, c, xl, rr, st):
-    """Routing of every token tile -> st (E8, RK8, W8, GATE, fin) and the per-expert counts ``run [1, E]``.
+def _route(g, c, xl, rr, st, tabs):
+    """Routing of every token tile -> st (E8, RK8, W8, GATE, fin), pass 1 of the index table (:func:`_place`,
+    into this core's choice tables ``tabs``) and the per-expert counts ``run [1, E]``. Returns (run, sels, cnt0):
+    sels [(tile, sel)] of the tiles this core placed, cnt0 [(stationary, moving)] matmul terms of the counts of
+    core 0's tiles (for the heavy pass; None at LNC=1).
 
-    LNC=1: tile by tile, the ranks continuing the running counts. LNC=2: the tiles are paired (2i, 2i+1) and
-    core c routes tile 2i + c of every pair (the DVE-bound part halves): both cores compute their partial logits
-    of both tiles, and ONE symmetric sendrecv per pair hands each core the other's partial of the tile it routes;
-    the per-pair counts are swapped, their exclusive prefix (a triangular matmul over the pairs) gives each tile
-    its earlier-tile counts, and a second sendrecv per pair swaps the compact results (experts, ranks, weights,
-    gate). An unpaired last tile is routed by both cores (the symmetric partial swap)."""
+    LNC=1: tile by tile. LNC=2: the tiles are paired (2i, 2i+1) and core c routes and places tile 2i + c of every
+    pair (the DVE-bound part halves): both cores compute their partial logits of both tiles, and ONE symmetric
+    sendrecv per pair hands each core the other's partial of the tile it routes. An unpaired last tile is routed
+    by both cores (the symmetric partial swap) and placed by core 0 after the loop. The per-pair counts are
+    swapped at the end (the totals), and a second sendrecv swaps the compact results (experts, positions,
+    weights, gate). A tile's placement is issued after the next tile's routing math (its scatters then queue on
+    POOL while VectorE routes)."""
     L, T, E, k, adt = g["L"], g["T"], g["E"], g["k"], g["adt"]
     tiles = g["tiles"]
     xr = xl["xr"]
     Wc = L * (g["Eh"] + 1)
+    pid = g["pid"]
     run = nl.ndarray((1, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_counts")
+    placed = []                                 # (tile, sel) of the tiles this core placed, in order
     if L == 1:
         nisa.memset(dst=run, value=0.0)
         for ti in range(T):
@@ -486,12 +573,12 @@ def _route(g, c, xl, rr, st):
             full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
             nisa.tensor_copy(dst=full, src=ps)
             sel = _route_math(g, c, full, n, ti, st)
-            _tile_ranks(g, c, sel, n, ti, st, [(c["ones"][0:1, 0:n], run)])
             nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
-        return run
-    pid = g["pid"]
+            placed.append((ti, sel))
+            _placements(g, c, st, placed, tabs, False)
+        _placements(g, c, st, placed, tabs, True)
+        return run, placed, None
     Tp = T // 2
-    own = []                                    # (tile, sel) of the tiles this core routes
     if Tp > 0:
         # pick[t, i, i'] = (i' == i): column i of pick[:, i, :] gathers a tile's counts into row i (PSUM rows)
         pv = nl.ndarray((P, Tp, Tp), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_pick_iota")
@@ -521,7 +608,10 @@ def _route(g, c, xl, rr, st):
         nisa.tensor_tensor(dst=full, data1=mine, data2=recv[0:n, :], op=nl.add)
         sel = _route_math(g, c, full, n, ti, st)
         nisa.nc_matmul(dst=cnt_ps, stationary=pick[0:n, i, :], moving=sel, accumulate=i > 0)
-        own.append((ti, sel))
+        placed.append((ti, sel))
+        _placements(g, c, st, placed, tabs, False)
+    if Tp > 0:
+        _placements(g, c, st, placed, tabs, True)
     last = None
     if T % 2:
         ti = T - 1
@@ -531,7 +621,7 @@ def _route(g, c, xl, rr, st):
         _swap_add(g, c, _partial_logits(g, xr, rr, t0, n), full, "moe_pf_logits")
         last = (ti, _route_math(g, c, full, n, ti, st))
     # counts of every tile: mine (tile 2i + pid) and the other core's (tile 2i + 1 - pid) of every pair
-    pre_terms = []
+    cnt0 = []
     if Tp > 0:
         cnt_own = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_counts")
         nisa.tensor_copy(dst=cnt_own, src=cnt_ps)
@@ -539,36 +629,33 @@ def _route(g, c, xl, rr, st):
         nisa.sendrecv(src=cnt_own, dst=cnt_peer, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
         pair = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_sums")
         nisa.tensor_tensor(dst=pair, data1=cnt_own, data2=cnt_peer, op=nl.add)
-        pp_ps = nl.ndarray((Tp, E), dtype=F32, buffer=nl.psum, name="moe_pf_pair_prefix_ps")
-        nisa.nc_matmul(dst=pp_ps, stationary=c["tri"][0:Tp, 0:Tp], moving=pair, accumulate=False)
-        pp = nl.ndarray((Tp, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_prefix")
-        nisa.tensor_copy(dst=pp, src=pp_ps)
-        # onehot[i', i, t] = (i' == i): broadcasts row i of a [Tp, E] table to the rows of a tile
-        oh = nl.ndarray((Tp, Tp, P), dtype=F32, buffer=nl.sbuf, name="moe_pf_pair_onehot")
-        nisa.tensor_copy(dst=oh, src=c["ident"].ap(pattern=[[P, Tp], [1, Tp], [0, P]], offset=0))
-        for i in range(Tp):
-            ti, sel = own[i]
-            n = tiles[ti][1]
-            terms = [(oh[:, i, 0:n], pp)]
-            if pid == 1:                        # tile 2i + 1 also follows the other core's tile 2i
-                terms.append((oh[:, i, 0:n], cnt_peer))
-            _tile_ranks(g, c, sel, n, ti, st, terms)
         tot_ps = nl.ndarray((1, E), dtype=F32, buffer=nl.psum, name="moe_pf_total_ps")
         nisa.nc_matmul(dst=tot_ps, stationary=c["ones"][0:Tp, 0:1], moving=pair, accumulate=False)
         nisa.tensor_copy(dst=run, src=tot_ps)
-        pre_terms = [(c["ones"][0:Tp, 0:tiles[T - 1][1]], pair)]
+        cnt0.append((c["ones"][0:Tp, :], cnt_own if pid == 0 else cnt_peer))    # core 0's pair tiles
     else:
         nisa.memset(dst=run, value=0.0)
     if last != None:
         ti, sel = last
         n = tiles[ti][1]
-        if len(pre_terms) > 0:
-            _tile_ranks(g, c, sel, n, ti, st, pre_terms)
-        else:
-            _tile_ranks(g, c, sel, n, ti, st, [(c["ones"][0:1, 0:n], run)])
         nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
-    # swap the compact results of the pairs' tiles: experts, ranks, weights (exact in fp32), gate -- ONE packed
-    # sendrecv for the leading pairs of full tiles, then one per remaining pair (a partial last tile)
+        prior = []
+        for stat, mov in cnt0:
+            prior.append((stat[:, 0:n], mov))
+        _place(g, c, st, ti, sel, prior)   # both cores: the compact swap does not carry it
+        if pid == 0:                        # core 0 scatters it
+            _scatter(g, st, ti, tabs, False)
+            placed.append(last)
+        cnt0.append((c["ones_a"][0:n, :], sel))
+    _swap_compact(g, st, Tp)
+    return run, placed, cnt0
+
+
+def _swap_compact(g, st, Tp):
+    """Swap the compact results of the pairs' tiles between the cores: experts, positions, weights (exact in
+    fp32), gate -- ONE packed sendrecv for the leading pairs of full tiles, then one per remaining pair (a
+    partial last tile)."""
+    T, k, pid, tiles = g["T"], g["k"], g["pid"], g["tiles"]
     F = 0
     while F < Tp and tiles[2 * F][1] == P and tiles[2 * F + 1][1] == P:
         F = F + 1
@@ -611,7 +698,6 @@ def _route(g, c, xl, rr, st):
             nisa.tensor_copy(dst=st[key].ap(pattern=[[T * k, n], [1, k]], offset=tp * k),
                              src=got[0:n, q * k:(q + 1) * k])
         nisa.tensor_copy(dst=st["GATE"][0:n, tp:tp + 1], src=got[0:n, 3 * k:3 * k + 1])
-    return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,26 +705,34 @@ def _route(g, c, xl, rr, st):
 # ---------------------------------------------------------------------------------------------
 
 def _id_tables(g):
-    """(ids_h HBM [S, 1], hid HBM [NHW, 1] or None) int32, every row out of bounds (unused slot / continuation
-    window): made before the routing (they do not depend on it), filled in by :func:`_group`."""
+    """(ids_h HBM [S, 1] int32, every row out of bounds (unused slot); rows_h HBM [S, 1] int32, every row 0 (an
+    unused slot gathers the valid rows of expert 0, its outputs are never read); hid HBM [NHW, 1] or None int32,
+    every row out of bounds (continuation window)): made before the routing (they do not depend on it), filled in
+    by :func:`_group`."""
     S, NHW, oob = g["S"], g["NHW"], g["oob"]
-    fill = nl.ndarray((P, max(1, -(-max(S, NHW) // P))), dtype=I32, buffer=nl.sbuf, name="moe_pf_oob_fill")
+    m = max(1, -(-max(S, NHW) // P))
+    fill = nl.ndarray((P, m), dtype=I32, buffer=nl.sbuf, name="moe_pf_oob_fill")
     nisa.memset(dst=fill, value=oob)
     ids_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_ids_hbm")
     _fill_rows(ids_h, fill, S)
+    zero = nl.ndarray((P, m), dtype=I32, buffer=nl.sbuf, name="moe_pf_zero_fill")
+    nisa.memset(dst=zero, value=0)
+    rows_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_rows_hbm")
+    _fill_rows(rows_h, zero, S)
     hid = None
     if NHW > 0:
         hid = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_ids_hbm")
         _fill_rows(hid, fill, NHW)
-    return ids_h, hid
+    return ids_h, rows_h, hid
 
 
-def _group(g, c, run, ids_h, hid):
-    """Per-expert counts -> regular slots, heavy windows and every expert's base row, scattered into the id
-    tables of :func:`_id_tables`. Returns (BB [128, E] fp32: base row of expert e on every partition, ids [1, S]
-    int32: slot expert ids (out of bounds = unused), nhw [1, 1] int32: heavy windows used, hid HBM [NHW, 1]
-    int32: expert id of a heavy expert's first window, out of bounds for the others; None without heavy
-    windows)."""
+def _group(g, c, run, ids_h, rows_h, hid):
+    """Per-expert counts -> regular slots, heavy windows and every expert's base row in the scratch, scattered
+    into the id tables of :func:`_id_tables`. Returns (BB [128, E] fp32: scratch base row of expert e on every
+    partition, ids [1, S] int32: slot expert ids (out of bounds = unused), rows [1, S] int32: the slot's first
+    index-table row e*cap (0 = unused), nhw [1, 1] int32: heavy windows used, hid HBM [NHW, 1] int32: expert id
+    of a heavy expert's first window, out of bounds for the others (None without heavy windows), V: per chunk of
+    128 experts [ec, 3] fp32 flags (regular | windows | heavy))."""
     E, cap, S, NHW, HB, N = g["E"], g["cap"], g["S"], g["NHW"], g["HB"], g["N"]
     echunks = chunks(E, P)
     nth = -(-N // WIN)
@@ -690,13 +784,18 @@ def _group(g, c, run, ids_h, hid):
         eid = nl.ndarray((ec, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_eid")
         nisa.iota(dst=eid, pattern=[[0, 1]], offset=e0, channel_multiplier=1)
         _scatter_index(ids_h, pre[:, 0:1], v[:, 0:1], S, eid, "moe_pf_slot_row")
+        erow = nl.ndarray((ec, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_erow")
+        nisa.iota(dst=erow, pattern=[[0, 1]], offset=e0 * cap, channel_multiplier=cap)
+        _scatter_index(rows_h, pre[:, 0:1], v[:, 0:1], S, erow, "moe_pf_slot_rows_row")
         if NHW > 0:
             _scatter_index(hid, pre[:, 1:2], v[:, 2:3], NHW, eid, "moe_pf_heavy_row")
     BB = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_bases")
     nisa.tensor_copy(dst=BB, src=bb_ps)
     ids = nl.ndarray((1, S), dtype=I32, buffer=nl.sbuf, name="moe_pf_slot_ids")
     nisa.dma_copy(dst=ids, src=ids_h.ap(pattern=[[S, 1], [1, S]], offset=0))
-    return BB, ids, nhw, hid
+    rows = nl.ndarray((1, S), dtype=I32, buffer=nl.sbuf, name="moe_pf_slot_rows")
+    nisa.dma_copy(dst=rows, src=rows_h.ap(pattern=[[S, 1], [1, S]], offset=0))
+    return BB, ids, rows, nhw, hid, V
 
 
 def _fill_rows(t, fill, rows):
@@ -727,58 +826,127 @@ def _scatter_index(table, row_f, flag, rows, payload, name):
 
 
 def _choice_tables(g):
-    """The k choice tables [TR, 1] int32 HBM of :func:`_scatter_entries`, this core's choices zeroed (unwritten
-    rows read as token 0): made before the routing (they do not depend on it)."""
-    TR = g["ROWS"] + WIN
+    """The L*k choice tables [TR, 1] int32 HBM of :func:`_place` (table c*k + j: core c's choice j), this core's
+    zeroed (unwritten rows read as token 0): made before the routing, whose placements scatter into them. One table
+    per core and choice keeps the scatters independent (a scatter's written region is its whole table, so
+    scatters into one table are ordered) and the cores' writes disjoint. Returns (all tables, this core's k)."""
+    TR, k, pid = g["TR"], g["k"], g["pid"]
     tabs = []
-    for j in range(g["k"]):
+    for j in range(g["L"] * k):
         tabs.append(nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_choice_table" + str(j)))
     z = nl.ndarray((P, 256), dtype=I32, buffer=nl.sbuf, name="moe_pf_zero_rows")    # one source: the DMAs overlap
     nisa.memset(dst=z, value=0)
-    for j in range(g["jlo"], g["jhi"]):
-        _fill_rows(tabs[j], z, TR)
-    return tabs
+    mine = tabs[pid * k:(pid + 1) * k]
+    for t in mine:
+        _fill_rows(t, z, TR)
+    return tabs, mine
 
 
-def _scatter_entries(g, BB, st, tabs):
-    """dest[t, j] = base(e_tj) + rank_tj for every (token, choice) (kept in st["DEST"] for the combine); this
-    core's choices j write t*J (the index of the token's first 128-feature row of x) to row dest of the choice's
-    own zeroed table ``tabs[j]`` [TR, 1] (:func:`_choice_tables`). One table per choice keeps the scatters of
-    different choices independent (a scatter's written region is the whole table, so scatters into one table are
-    ordered)."""
-    T, k, J = g["T"], g["k"], g["J"]
-    pays = []
-    for ti in range(T):         # every row first: the scatters below then queue on POOL behind nothing else
-        t0, n = g["tiles"][ti]
+def _dest_rows(g, BB, st, DH):
+    """st["DEST"] [P, T, k] int32: every (token, choice)'s scratch row base(e) + RK8 (+ DH, the heavy pass's
+    correction; 0 for a regular expert), what the combine gathers."""
+    T, k = g["T"], g["k"]
+    for ti in range(T):
+        n = g["tiles"][ti][1]
         e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
         d8 = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_dest_base")
         nisa.nc_n_gather(dst=d8, data=BB[0:n, :], indices=e8)
+        nisa.tensor_tensor(dst=d8, data1=d8, data2=DH.ap(pattern=[[T * k, n], [1, k]], offset=ti * k), op=nl.add)
         nisa.tensor_tensor(dst=st["DEST"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), data1=d8,
                            data2=st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k), op=nl.add)
-        pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_payload")
-        nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
-        pays.append(pay)
-    for ti in range(T):
-        n = g["tiles"][ti][1]
-        pay = pays[ti]
-        for j in range(g["jlo"], g["jhi"]):
-            nisa.dma_copy(dst=tabs[j].ap(pattern=[[1, n], [1, 1]], offset=0,
-                                         vector_offset=st["DEST"].ap(pattern=[[T * k, n], [1, 1]], offset=ti * k + j),
-                                         indirect_dim=0), src=pay)
-    return tabs
+
+
+def _owner(g, ti):
+    """The core that placed tile ti (:func:`_route`): 2i + c is core c's, an unpaired last tile core 0's."""
+    if g["L"] == 1 or ti == g["T"] - 1 and g["T"] % 2:
+        return 0
+    return ti % 2
+
+
+def _heavy_places(g, c, st, BB, V, nhw, mine, cnt0):
+    """The heavy experts' index-table rows, in a runtime loop of min(nhw, 1) trips (0 for realistic routing; the
+    same on both cores): a heavy expert's choices get the rows base(e) + rank of its heavy windows, rank = the
+    position among core 0's tokens, or core 0's count + the position among core 1's (RK8 holds cap - 1 - it),
+    scattered into this core's tables ``mine`` for the tiles it placed. Returns DH [P, T, k] fp32: the heavy rank -
+    RK8 on a heavy expert's choices, 0 elsewhere (DEST = base + RK8 + DH, :func:`_dest_rows`)."""
+    T, k, E, cap, J, L, pid = g["T"], g["k"], g["E"], g["cap"], g["J"], g["L"], g["pid"]
+    DH = nl.ndarray((P, T, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_dest")
+    nisa.memset(dst=DH, value=0.0)
+    one = nl.ndarray((1, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_any_heavy")
+    nisa.tensor_scalar(dst=one, data=nhw, op0=nl.minimum, operand0=1)
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, one)
+    echunks = chunks(E, P)
+
+    def body(it):
+        hf_ps = nl.ndarray((P, E), dtype=F32, buffer=nl.psum, name="moe_pf_heavy_flags_ps")
+        for i in range(len(echunks)):
+            e0, ec = echunks[i]
+            nisa.nc_matmul(dst=hf_ps[:, e0:e0 + ec], stationary=V[i].ap(pattern=[[3, ec], [0, P]], offset=2),
+                           moving=c["ident"][0:ec, 0:ec], accumulate=False)
+        HF = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_flags")
+        nisa.tensor_copy(dst=HF, src=hf_ps)
+        C0 = None
+        if L == 2:
+            c0_ps = nl.ndarray((P, E), dtype=F32, buffer=nl.psum, name="moe_pf_core0_counts_ps")
+            for q in range(len(cnt0)):
+                nisa.nc_matmul(dst=c0_ps, stationary=cnt0[q][0], moving=cnt0[q][1], accumulate=q > 0)
+            C0 = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_core0_counts")
+            if len(cnt0) > 0:
+                nisa.tensor_copy(dst=C0, src=c0_ps)
+            else:
+                nisa.memset(dst=C0, value=0.0)
+        for ti in range(T):
+            t0, n = g["tiles"][ti]
+            own = _owner(g, ti)
+            if own != pid and own == 0:
+                continue            # nothing to do: core 0's tiles keep DH = 0 and are scattered by core 0
+            e8 = st["E8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
+            r8 = st["RK8"].ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
+            hf8 = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_hf8")
+            nisa.nc_n_gather(dst=hf8, data=HF[0:n, :], indices=e8)
+            hr = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_rank")
+            if own == 1:        # core 0's count + (cap - 1 - RK8)
+                nisa.nc_n_gather(dst=hr, data=C0[0:n, :], indices=e8)
+                nisa.scalar_tensor_tensor(dst=hr, data=r8, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=hr)
+                nisa.tensor_scalar(dst=hr, data=hr, op0=nl.add, operand0=float(cap - 1))
+                dh = DH.ap(pattern=[[T * k, n], [1, k]], offset=ti * k)
+                nisa.scalar_tensor_tensor(dst=dh, data=r8, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=hr)
+                nisa.tensor_tensor(dst=dh, data1=dh, data2=hf8, op=nl.multiply)
+            else:
+                nisa.tensor_copy(dst=hr, src=r8)
+            if own != pid:
+                continue
+            b8 = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_base8")
+            nisa.nc_n_gather(dst=b8, data=BB[0:n, :], indices=e8)
+            nisa.tensor_tensor(dst=b8, data1=b8, data2=hr, op=nl.add)
+            skip = nl.ndarray((n, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_skip")   # regular: past the end
+            nisa.tensor_scalar(dst=skip, data=hf8, op0=nl.multiply, operand0=-float(g["BIG"]), op1=nl.add,
+                               operand1=float(g["BIG"]))
+            di = nl.ndarray((n, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_place")
+            nisa.tensor_tensor(dst=di, data1=b8, data2=skip, op=nl.add)
+            pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_payload")
+            nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
+            for j in range(k):
+                nisa.dma_copy(dst=mine[j].ap(pattern=[[1, n], [1, 1]], offset=0,
+                                             vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
+                              src=pay, oob_mode=nisa.oob_mode.skip)
+
+    nl.fori_loop(0, reg, body)
+    return DH
 
 
 def _merge_tables(g, tabs, tab):
     """tab [TR, 1] (this core's half of the rows) = sum of the choice tables (each row is written in at most one
     of them): contiguous runs in and out (the gather index tiles repeat each word in their own access pattern)."""
-    TR, L, pid, k = g["ROWS"] + WIN, g["L"], g["pid"], g["k"]
+    TR, L, pid = g["TR"], g["L"], g["pid"]
     half = -(-TR // L)
     r_lo = pid * half
     r_hi = min(TR, r_lo + half)
     for r0, nr in chunks(r_hi - r_lo, 8192):
         srcs = []
-        for j in range(k):
-            srcs.append(tabs[j].ap(pattern=[[1, nr]], offset=r_lo + r0))
+        for t in tabs:
+            srcs.append(t.ap(pattern=[[1, nr]], offset=r_lo + r0))
         nisa.dma_compute(dst=tab.ap(pattern=[[1, nr]], offset=r_lo + r0), srcs=srcs, reduce_op=nl.add)
 
 
@@ -974,7 +1142,7 @@ def _slot_writes(g, scratch, row0, rows):
         nisa.dma_copy(dst=scratch[row0 + w0:row0 + w0 + wr, col0:col0 + HL], src=ya)
 
 
-def _run_jobs(g, c, geo, jobs, scratch, weights):
+def _run_jobs(g, c, jobs, scratch, weights):
     """Software-pipelined expert MLPs in program order (every engine and every DMA trigger queue runs in program
     order): iteration i issues the gate|up matmuls and partial swap of job i + 2, the down projection of job i,
     the swap-add and silu of job i + 2, the silu * up of job i + 1, the x gather of job i + GATHER_AHEAD, the
@@ -991,7 +1159,7 @@ def _run_jobs(g, c, geo, jobs, scratch, weights):
     for i in range(min(GATHER_AHEAD, n)):
         _job_gather(g, c, jobs[i], tag)
     for i in range(min(UP_AHEAD, n)):
-        ups[i] = _up_issue(g, c, geo, jobs[i]["buf"][0], jobs[i]["xs"], jobs[i]["rows"], tag)
+        ups[i] = _up_issue(g, c, jobs[i]["geo"], jobs[i]["buf"][0], jobs[i]["xs"], jobs[i]["rows"], tag)
         _up_act(g, c, ups[i], tag)
     if n > 0:
         _up_mul(ups[0])
@@ -999,8 +1167,8 @@ def _run_jobs(g, c, geo, jobs, scratch, weights):
     for i in range(n):
         a = i + UP_AHEAD
         if a < n:
-            ups[a] = _up_issue(g, c, geo, jobs[a]["buf"][0], jobs[a]["xs"], jobs[a]["rows"], tag)
-        rows = _slot_down(g, c, geo, jobs[i]["buf"], ups[i]["h"], tag)
+            ups[a] = _up_issue(g, c, jobs[a]["geo"], jobs[a]["buf"][0], jobs[a]["xs"], jobs[a]["rows"], tag)
+        rows = _slot_down(g, c, jobs[i]["geo"], jobs[i]["buf"], ups[i]["h"], tag)
         if a < n:
             _up_act(g, c, ups[a], tag)
         if i + 1 < n:
@@ -1009,8 +1177,8 @@ def _run_jobs(g, c, geo, jobs, scratch, weights):
             _job_gather(g, c, jobs[i + GATHER_AHEAD], tag)
         if prev != None:
             _slot_writes(g, scratch, jobs[i - 1]["row0"], prev)
-        if weights != None and i >= 1:
-            _refill(g, geo, weights, i - 1)
+        if weights != None and i >= 1 and jobs[i - 1]["slot"] != None:
+            _refill(g, jobs[i - 1]["geo"], weights, jobs[i - 1]["slot"])
         ups[i] = None
         jobs[i]["xs"] = None
         prev = rows
@@ -1019,53 +1187,82 @@ def _run_jobs(g, c, geo, jobs, scratch, weights):
 
 
 def _job_gather(g, c, job, tag):
-    """Issue the x^T gather of a routed job (a shared-expert job reads the resident x^T: nothing to do)."""
+    """Issue the x^T gather of a routed job (a shared-expert job reads the resident x^T: nothing to do): slot s
+    reads the index-table rows from rows[s] (a register of the ring ``regs``)."""
     if job["gather"] != None:
-        tab, row0 = job["gather"]
-        xg = _gather_x(g, c, g["x"], tab, row0, job["rows"], None, tag)
+        tab, rows, regs, s = job["gather"]
+        reg = regs[s % len(regs)]
+        nisa.register_load(reg, rows[0:1, s:s + 1])
+        xg = _gather_x(g, c, g["x"], tab, 0, job["rows"], reg, tag)
         job["xs"] = _xsrc(g, xg, job["rows"], 0)
 
 
 def _refill(g, geo, w, i):
-    """After routed job i: DMA the weights of slot i + D into the buffer slot i used."""
+    """After slot i: DMA the weights of slot i + D into the buffer slot i used."""
     D, S = w["D"], g["S"]
     if i + D < S:
         _slot_weights(g, geo, w["experts"], w["ids"], i + D, w["regs"][i % D], w["bufs"][i % D])
 
 
 def _weight_ring(g, geo, experts_w):
-    """The regular slots' weight ring: D cleared buffers (within RING_BUDGET beside the resident x^T) and their
-    id registers, made before the routing (they do not depend on it)."""
+    """The regular slots' weight ring: D buffers (within RING_BUDGET beside the resident x^T) and their id
+    registers, made before the routing (they do not depend on it). A buffer whose DMA may be skipped (unused slot)
+    is still computed on: w["clears"] lists the tiles to zero (the routing's placements clear them on POOL, the
+    rest :func:`moe_prefill_body` before the first weight DMA)."""
     S, isz = g["S"], (2 if g["adt"] == nl.bfloat16 else 4)
     per = (g["L"] * g["jc"] * 2 * geo["ic"] + g["HL"]) * isz           # bytes per partition of one buffer
     room = RING_BUDGET - g["N"] * g["jc"] * isz                          # beside the resident x^T
     D = max(2, min(RING, S, room // per))
-    w = {"D": D, "experts": experts_w, "ids": None, "bufs": [], "regs": []}
+    w = {"D": D, "experts": experts_w, "ids": None, "bufs": [], "regs": [], "clears": []}
     for i in range(D):
-        w["bufs"].append(_weight_buffers(g, geo, "moe_pf_w" + str(i), True))
+        buf = _weight_buffers(g, geo, "moe_pf_w" + str(i), False)
+        w["bufs"].append(buf)
+        w["clears"].append(buf[0])
+        w["clears"].append(buf[1])
         w["regs"].append(nisa.register_alloc())
     return w
 
 
-def _regular_slots(g, geo, tab, ids, w):
-    """Static slots 0..S-1: expert ids[s] (out of bounds: unused slot, no weight bytes) on tab rows s*cap..;
-    weights in the ring ``w`` of :func:`_weight_ring` (D buffers), slot s + D refilled once slot s is done."""
+def _regular_slots(g, geo, ids, w):
+    """Static slots 0..S-1: expert ids[s] (out of bounds: unused slot, no weight bytes), scratch rows s*cap..;
+    weights in the ring ``w`` of :func:`_weight_ring` (D buffers), slot s + D refilled once slot s is done. The
+    jobs' gathers are set once the index table is merged (:func:`moe_prefill_body`)."""
     S, cap, D, experts_w = g["S"], g["cap"], w["D"], w["experts"]
     w["ids"] = ids
     for s in range(D):
         _slot_weights(g, geo, experts_w, ids, s, w["regs"][s], w["bufs"][s])
     jobs = []
     for s in range(S):
-        jobs.append({"buf": w["bufs"][s % D], "rows": cap, "row0": s * cap, "xs": None, "gather": (tab, s * cap)})
+        jobs.append({"buf": w["bufs"][s % D], "rows": cap, "row0": s * cap, "xs": None, "gather": None,
+                     "geo": geo, "slot": s})
     return jobs, w
 
 
-def _shared_jobs(g, shw, xr):
+def _shared_jobs(g, geo, shw, xr):
     """The shared expert as one job per 128-token tile, on the resident x^T, output rows SHB + t."""
     jobs = []
     for t0, n in g["tiles"]:
-        jobs.append({"buf": shw, "rows": n, "row0": g["SHB"] + t0, "xs": _xsrc(g, xr, g["N"], t0), "gather": None})
+        jobs.append({"buf": shw, "rows": n, "row0": g["SHB"] + t0, "xs": _xsrc(g, xr, g["N"], t0), "gather": None,
+                     "geo": geo, "slot": None})
     return jobs
+
+
+def _interleave(slots, shared):
+    """The slot jobs with the shared-expert jobs spread evenly among them (one after every len(slots) /
+    len(shared) slots): the shared expert's compute fills the slot phase's engine gaps instead of running alone
+    before it."""
+    out = []
+    n, m = len(slots), len(shared)
+    q = 0
+    for i in range(n):
+        out.append(slots[i])
+        while q < m and (q + 1) * n <= (i + 1) * m:
+            out.append(shared[q])
+            q = q + 1
+    while q < m:
+        out.append(shared[q])
+        q = q + 1
+    return out
 
 
 def _heavy_rows(g):
@@ -1303,14 +1500,14 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
                          f"partition) exceeds {XR_BUDGET // 1024} KB of SBUF: use LNC=2, bfloat16 or chunks of at most "
                          f"{XR_BUDGET // (jc * isz)} tokens")
     S, NHW, HB, ROWS = table_rows(N, E, top_k, cap)
-    if ROWS * H > INT32_MAX or ROWS >= 2 ** 24 or N * J >= 2 ** 24:
+    TR = ROWS + -(-(cap + P) // WIN) * WIN       # index-table rows: + zeroed spare rows (unused slots read them)
+    if ROWS * H > INT32_MAX or 2 * TR + N >= 2 ** 24 or N * J >= 2 ** 24:
         raise ValueError(f"moe_prefill: {ROWS} assignment rows x H={H} exceed the int32 / exact-fp32 index range")
     tiles = chunks(N, P)
     g = {"x": x, "SHB": ROWS, "N": N, "H": H, "J": J, "E": E, "Eh": E // L, "k": top_k, "L": L, "pid": pid, "adt": adt, "jb0": jb0,
          "jc": jc, "p0": p0, "np": npart, "HL": H // L, "col0": pid * (H // L), "cap": cap, "S": S, "NHW": NHW,
          "HB": HB, "ROWS": ROWS, "tiles": tiles, "T": len(tiles),
-         "oob": E * (Ltab - (0 if layer == None else layer)),
-         "jlo": pid * top_k // L, "jhi": (pid + 1) * top_k // L}
+         "oob": E * (Ltab - (0 if layer == None else layer)), "TR": TR, "BIG": TR + N}
     experts_w = (stacked, base, 0 if layer == None else 1)
 
     c = _consts(g)
@@ -1322,11 +1519,13 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)
     _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
 
-    # routing-independent setup, off the grouping's critical path: id tables, choice tables, weight ring
-    ids_h, hid = _id_tables(g)
+    # routing-independent setup, off the grouping's critical path: id tables, weight ring; the choice tables
+    # (the routing's placements scatter into them)
+    ids_h, rows_h, hid = _id_tables(g)
     ring = _weight_ring(g, geo, experts_w)
+    tabs, mine = _choice_tables(g)
 
-    # 1. routing
+    # 1. routing and the placements (pass 1 of the index table)
     T, k = g["T"], top_k
     st = {"E8": nl.ndarray((P, T, k), dtype=U32, buffer=nl.sbuf, name="moe_pf_e8"),
           "RK8": nl.ndarray((P, T, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank8"),
@@ -1335,27 +1534,28 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
           "DEST": nl.ndarray((P, T, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_dest"),
           "fin": nl.ndarray((1, 1), dtype=F32, buffer=nl.psum, name="moe_pf_finite_ps")}
     st["nfin"] = 0
-    run = _route(g, c, xl, rr, st)
+    st["keep"] = []
+    st["clears"] = ring["clears"]
+    run, placed, cnt0 = _route(g, c, xl, rr, st, mine)
+    for t in st["clears"]:
+        nisa.memset(dst=t, value=0.0, engine=POOL_ENG)
+    st["clears"], st["keep"] = [], []
     rr = None           # the router rows are dead
     xr = xl["xr"]
-    tabs = _choice_tables(g)
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
     nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
     st["fin"] = None
 
-    # 2. grouping: slots, heavy windows, every assignment's row; the shared expert meanwhile
-    TR = ROWS + WIN
+    # 2. grouping: slots, heavy windows, every expert's scratch base; the heavy experts' rows (a runtime loop
+    # that runs only when one is heavy); the shared expert meanwhile
     scratch = nl.ndarray((g["SHB"] + N, H), dtype=adt, buffer=nl.shared_hbm, name="moe_pf_expert_rows")
-    BB, ids, nhw, hid = _group(g, c, run, ids_h, hid)
+    BB, ids, rows, nhw, hid, V = _group(g, c, run, ids_h, rows_h, hid)
+    jobs, w = _regular_slots(g, geo, ids, ring)      # weight prefetch of slots 0..D-1
+    ring = None
+    DH = _heavy_places(g, c, st, BB, V, nhw, mine, cnt0)
+    placed, cnt0, V = None, None, None
     c["psum"] = _psum_pool()
     c["rings"] = {}
-    jobs, w = _regular_slots(g, geo, None, ids, ring)      # weight prefetch of slots 0..D-1
-    ring = None
-    _scatter_entries(g, BB, st, tabs)
-    _run_jobs(g, c, geo_s, _shared_jobs(g, shw, xr), scratch, None)
-    shw = None          # the shared expert's weights are dead
-    xr = None
-    xl = None           # (it holds x^T too: released with it)
     tab = nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
     if L == 2:
         nisa.core_barrier(data=tabs[0], cores=(0, 1))
@@ -1364,18 +1564,25 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
         nisa.core_barrier(data=tab, cores=(0, 1))
 
     # 3. regular slots, 4. heavy windows
+    rregs = []
+    for i in range(GATHER_AHEAD + 1):
+        rregs.append(nisa.register_alloc())
     for s in range(len(jobs)):
-        jobs[s]["gather"] = (tab, jobs[s]["row0"])
-    _run_jobs(g, c, geo, jobs, scratch, w)
+        jobs[s]["gather"] = (tab, rows, rregs, s)
+    _run_jobs(g, c, _interleave(jobs, _shared_jobs(g, geo_s, shw, xr)), scratch, w)
     jobs, w = None, None            # the weight ring's SBUF is released
+    shw = None          # the shared expert's weights are dead
+    xr = None
+    xl = None           # (it holds x^T too: released with it)
     if NHW > 0:
         c["psum"] = None            # no PSUM tensor lives across the runtime loop
         _heavy_windows(g, geo, tab, scratch, nhw, hid, experts_w)
         c["psum"] = _psum_pool()
+    _dest_rows(g, BB, st, DH)
 
     # 5. combine (full rows; the other core wrote the other half of the columns); the routing and grouping
     # tables it does not read are released (SBUF for the fused epilogue's tiles)
-    run, BB, ids, nhw, hid = None, None, None, None, None
+    run, BB, ids, rows, nhw, hid, DH = None, None, None, None, None, None, None
     st["E8"], st["RK8"] = None, None
     c["rev"] = None
     c["rings"] = {}
