@@ -129,6 +129,11 @@ def cmd_predict(a):
             draft_vocab_per_core(cfg, a.draft_vocab, a.tp * 2)
         except ValueError as e:
             raise BadInput(f"predict: --draft-vocab: {e}") from None
+    if a.device_commit:
+        mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress,
+                                      draft_vocab=a.draft_vocab, device_commit=True)
+        bar.close()
+        return _predict_device_commit(a, mk, routing, t0)
     mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab)
     t_mk = time.time() - t0
     lw = compose.layerwise_round(cfg, a.context, routing, a.tp, 2, progress=progress)
@@ -188,6 +193,44 @@ def cmd_predict(a):
     print(f"\nwrote {BENCH / 'costmodel_predict.json'}, costmodel_stages.png, costmodel_timeline.png, "
           f"costmodel_layers.png/.md ({out['elapsed_s']['total_wall']:.0f} s wall, "
           f"{out['elapsed_s']['total_cpu']:.0f} s CPU)")
+    return 0
+
+
+def _predict_device_commit(a, mk, routing, t0):
+    """``predict --device-commit``: the device-committed round (``megakernel.plan`` device_commit) and its chained
+    end-to-end band -> bench/costmodel_predict_device_commit.json (the headline JSON and plots stay the
+    host-driven round's)."""
+    from harness.costmodel import constants as C
+    s = mk.summary(a.acceptance)
+    out = {
+        "command": "python -m harness.bench predict " + " ".join(a.argv),
+        "model": a.model, "tp": a.tp, "lnc": 2, "dtype": "bfloat16", "context": a.context,
+        "routing": routing.describe(), "measured_commit": _git_head(), "draft_vocab": a.draft_vocab or None,
+        "device_commit": True, "label": mk.label, "acceptance": a.acceptance,
+        "round_us": s["round_us"], "stages_us": s["stages_us"], "tokens_per_s": s["tokens_per_s"],
+        "chained_end_to_end_round_us": s["chained_end_to_end_round_us"],
+        "chained_end_to_end_tokens_per_s": s["chained_end_to_end_tokens_per_s"],
+        "chained_host_us_per_round": s["chained_host_us_per_round"],
+        "host_driven_gap_us": C.HOST_ROUND_NS / 1e3,
+        "critical_by_category_us": s["critical_by_category_us"], "band_anomalies_us": s["band_anomalies_us"],
+        "instructions": s["instructions"], "kernel_parameters": s["kernel_parameters"],
+        "bottlenecks": s["bottlenecks"], "assumptions": C.assumptions(),
+        "elapsed_s": {"total_wall": round(time.time() - t0, 1)},
+    }
+    path = BENCH / "costmodel_predict_device_commit.json"
+    path.write_text(json.dumps(out, indent=1))
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    ch = out["chained_end_to_end_round_us"]
+    print(f"megakernel round, accept and commit on device ({a.model}, TP={a.tp} x LNC=2, context {a.context}, "
+          f"routing {a.routing}, commit {out['measured_commit']})")
+    print(f"  device           {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+          f"acceptance {a.acceptance}")
+    print(f"  back to back     {_band(ch['host_hidden'])} (host enqueue hidden) .. {_band(ch['host_exposed'])} "
+          f"(the whole {out['host_driven_gap_us']:,.0f} us host-driven gap exposed)")
+    print("  stages           " + "   ".join(f"{k} {_band(v)}" for k, v in out["stages_us"].items()))
+    print(f"\nwrote {path} ({out['elapsed_s']['total_wall']:.0f} s wall)")
     return 0
 
 
@@ -361,6 +404,10 @@ def main(argv=None):
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="the megakernel's MTP draft argmaxes over an FR-Spec draft head of N ids (model.draft_vocab; "
                         "the verify keeps the full vocabulary); the layerwise figure keeps the full head. Default off")
+    p.add_argument("--device-commit", action="store_true",
+                   help="predict the opt-in device-committed round (accept and commit on device, rounds launched back "
+                        "to back) and its end-to-end band (host enqueue hidden .. the measured host-driven gap); "
+                        "writes bench/costmodel_predict_device_commit.json only (no layerwise, no plots)")
     p.add_argument("--corrections", action="store_true",
                    help="also measure what each correction of issue 13 does to the central megakernel round (re-traces "
                         "the round three times: several minutes); adds 'corrections' to the JSON")

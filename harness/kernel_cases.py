@@ -97,25 +97,36 @@ def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str
                  for r in range(tp))
 
 
-def _runtime(cfg, context: int, dtype: str, mode: str = "round") -> dict:
+def _runtime(cfg, context: int, dtype: str, mode: str = "round", device_commit: bool = False) -> dict:
     """The run-time inputs as a real launch passes them (``megakernel.plan.round_inputs`` / ``step_inputs``): the
-    int32 arrays keep their values in a shape-only launch; cos/sin and the hidden row are float, so shape-only."""
+    int32 arrays keep their values in a shape-only launch; cos/sin and the hidden row are float, so shape-only. A
+    device-committed round: ``force``, the control state (int32, real: the position reaches the register loads)
+    and the RoPE tables of the sequence (``megakernel.plan.control_state``, ``rope_table``); the host inputs None."""
     import torch
 
-    from megakernel.plan import round_inputs, step_inputs
+    from megakernel import plan as rp
     if mode == "step":
-        return step_inputs(cfg, _token(cfg), context, 0)
-    return round_inputs(cfg, _dtype(dtype), _token(cfg), torch.zeros(1, cfg.hidden_size), context, 0)
+        return rp.step_inputs(cfg, _token(cfg), context, 0)
+    if device_commit:
+        import nkisim
+        st = rp.control_state(cfg, _dtype(dtype), _token(cfg), torch.zeros(1, cfg.hidden_size), context, 0)
+        rows = (rp.cache_length(context + 2), cfg.rotary_dim)
+        return {**{n: None for n in rp.input_names("round")}, "force": rp.force_input(cfg),
+                "control": st["control"], "control_hidden": _shape_dtype(st["control_hidden"]),
+                "rope_cos": nkisim.ShapeDtype(rows, "float32"), "rope_sin": nkisim.ShapeDtype(rows, "float32")}
+    return rp.round_inputs(cfg, _dtype(dtype), _token(cfg), torch.zeros(1, cfg.hidden_size), context, 0)
 
 
 # ---- the round megakernel -------------------------------------------------------------------------
 def round_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
-               dtype: str = "bfloat16", max_context: int | None = None, draft_vocab: int = 0) -> KernelCase:
+               dtype: str = "bfloat16", max_context: int | None = None, draft_vocab: int = 0,
+               device_commit: bool = False) -> KernelCase:
     """The round megakernel as shipped (``megakernel.round.round_kernel``, runtime loops) at position p =
     ``context``. ``max_context`` plans the attention's unrolled shape-only specialisation instead (the pre-issue-13
     costing, kept for comparison: ``harness.costmodel.compose.corrections``). ``draft_vocab``: ids of an FR-Spec
-    draft vocabulary (0: the drafts use the full LM head)."""
-    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context, draft_vocab)
+    draft vocabulary (0: the drafts use the full LM head). ``device_commit``: the opt-in device-committed round
+    (``megakernel.plan`` ``device_commit``; its inputs from the control state)."""
+    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context, draft_vocab, device_commit)
 
 
 def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
@@ -125,13 +136,13 @@ def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int 
 
 
 def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, lnc: int, dtype: str,
-                max_context, draft_vocab: int = 0) -> KernelCase:
+                max_context, draft_vocab: int = 0, device_commit: bool = False) -> KernelCase:
     from harness.costmodel.layers import stage_tagger
     from megakernel import plan as rp
     from megakernel.round import KERNELS
     routing = routing or Routing("expected", 2 if mode == "round" else 1, cfg.num_experts_per_tok, cfg.num_experts)
-    plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab)
-    run = _runtime(cfg, context, dtype, mode)
+    plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab, device_commit=device_commit)
+    run = _runtime(cfg, context, dtype, mode, device_commit)
     nd = draft_vocab if plan.draft_vocab_per_core else 0
     per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype, nd)]
     case = KernelCase(f"{mode} megakernel", KERNELS[mode], per_rank, tp, lnc,

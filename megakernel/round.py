@@ -66,7 +66,7 @@ class LaunchTensors(nl.NKIObject):
         self.noise_v = self.noise_d1 = None         # a sampled launch's Gumbel noise (plan.noise_specs, optional)
         self.control = self.control_hidden = None   # a device-committed round's control state (plan.control_specs)
         self.rope_cos = self.rope_sin = None        # ... and its RoPE tables (plan.rope_table)
-        self.d1_rows = None                         # ... and its drafts' (pos, cos, sin), built by control_inputs
+        self.pos_sb = None                          # ... and its position in SBUF (control_inputs)
 
 
 @nki.jit
@@ -185,30 +185,32 @@ def run_plan(plan, t):
 
 # ---- device-side accept and commit (plan.device_commit) -------------------------------------------------------
 def control_inputs(plan, t, core):
-    """A device-committed round's run-time inputs from this core's row of the control state and the RoPE tables:
-    sets ``t.pending``, ``t.read_slot`` (views of the row), ``t.hidden`` (view of ``control_hidden``), ``t.pos`` and
-    ``t.cos_v`` / ``t.sin_v`` (rows pos .. pos + K: private HBM, as the attention body addresses them from their
-    first element) and ``t.d1_rows`` (draft i's position pos - 1 + i and its RoPE row). Returns the position as
-    SBUF [1, 1] int32 (for :func:`commit`). Same instructions on both cores; the offsets are registers."""
-    K, T = plan.drafts, plan.tokens
+    """A device-committed round's run-time inputs from this core's row of the control state: sets ``t.pending``,
+    ``t.read_slot`` (views of the row) and ``t.hidden`` (view of ``control_hidden``) and returns the position as
+    SBUF [1, 1] int32 (``t.pos_sb``; :func:`_control_rows` builds the stages' positions and RoPE rows from it when a
+    stage first needs them, so their DMAs queue behind the stage's first weights). Same instructions on both
+    cores."""
     t.pending = t.control[core:core + 1, 0:1]
     t.read_slot = t.control[core:core + 1, 1:2]
     t.hidden = t.control_hidden[core:core + 1, :]
-    pos = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="control_pos")
-    nisa.dma_copy(dst=pos, src=t.control[core:core + 1, 2:3])
-    t.pos = nl.ndarray((1, 1), nl.int32, buffer=nl.private_hbm, name="pos_v")
-    nisa.dma_copy(dst=t.pos, src=pos)
-    t.cos_v, t.sin_v = _rope_rows(t, pos, T)
-    rows = []
-    for i in range(K):
+    t.pos_sb = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="control_pos")
+    nisa.dma_copy(dst=t.pos_sb, src=t.control[core:core + 1, 2:3])
+    return t.pos_sb
+
+
+def _control_rows(stage, t):
+    """(pos, cos, sin) private HBM tensors of a device-committed round's stage (the attention body addresses them
+    from their first element): draft i at pos - 1 + i with its RoPE row; the verify at pos with rows pos .. pos + K
+    (:func:`_stage_inputs` keeps them for D2). The RoPE rows come from the tables by a register offset."""
+    p = t.pos_sb
+    n = stage.tokens
+    if stage.inputs == "d1":
         p = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="draft_pos_sb")
-        nisa.tensor_scalar(dst=p, data=pos, op0=nl.add, operand0=float(i - 1))     # int32, exact
-        ph = nl.ndarray((1, 1), nl.int32, buffer=nl.private_hbm, name="draft_pos")
-        nisa.dma_copy(dst=ph, src=p)
-        cos, sin = _rope_rows(t, p, 1)
-        rows.append((ph, cos, sin))
-    t.d1_rows = tuple(rows)
-    return pos
+        nisa.tensor_scalar(dst=p, data=t.pos_sb, op0=nl.add, operand0=float(stage.rope_row - 1))     # int32, exact
+    pos = nl.ndarray((1, 1), nl.int32, buffer=nl.private_hbm, name="stage_pos")
+    nisa.dma_copy(dst=pos, src=p)
+    cos, sin = _rope_rows(t, p, n)
+    return pos, cos, sin
 
 
 def _rope_rows(t, start, n):
@@ -386,8 +388,10 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
 
 def _stage_inputs(stage, t):
     """(pos, cos, sin) HBM tensors of a stage's positions (``plan.Stage.inputs``)."""
-    if stage.inputs == "d1" and t.d1_rows != None:     # a device-committed round (control_inputs)
-        return t.d1_rows[stage.rope_row]
+    if t.control != None and stage.inputs == "d1":      # a device-committed round: built when first needed
+        return _control_rows(stage, t)
+    if t.control != None and t.pos == None:
+        t.pos, t.cos_v, t.sin_v = _control_rows(stage, t)
     if stage.inputs == "d1":
         if t.pos_d1.shape[0] == 1:
             return t.pos_d1, t.cos_d1, t.sin_d1

@@ -59,6 +59,7 @@ class RoundEstimate:
             "end_to_end_round_us": {e: (self.round_ns[e] + C.HOST_ROUND_NS) / 1e3 for e in C.ENDS},
             "end_to_end_tokens_per_s": {e: (1.0 + acceptance) / ((self.round_ns[e] + C.HOST_ROUND_NS) * 1e-9)
                                         for e in C.ENDS},
+            **(self.chained(acceptance) if self.notes.get("device_commit") else {}),
             "stages_us": {s: us(v) for s, v in self.stage_ns.items()},
             "parts_us": {f"{s}/{p}": us(v) for (s, p), v in self.part_ns.items()},
             "hbm_MB_per_rank": self.hbm_bytes_per_rank / 1e6,
@@ -66,6 +67,20 @@ class RoundEstimate:
             "bottlenecks": [{"us": ns / 1e3, "what": w} for ns, w in self.bottlenecks[:12]],
             **self.notes,
         }
+
+
+    def chained(self, acceptance):
+        """A device-committed round launched back to back: per device end, the end-to-end round with the host's
+        per-launch cost hidden (``host_hidden``: the device round, its NEFF start included) and exposed
+        (``host_exposed``: + the measured host-driven gap), ``C.CHAINED_HOST_NS`` with its sources."""
+        ends = {k: {e: (self.round_ns[e] + C.CHAINED_HOST_NS[k]) / 1e3 for e in C.ENDS} for k in ("low", "high")}
+        return {"chained_end_to_end_round_us": {"host_hidden": ends["low"], "host_exposed": ends["high"]},
+                "chained_end_to_end_tokens_per_s": {
+                    k2: {e: (1.0 + acceptance) / (v[e] * 1e-6) for e in C.ENDS}
+                    for k2, v in (("host_hidden", ends["low"]), ("host_exposed", ends["high"]))},
+                "chained_host_us_per_round": {"low": C.CHAINED_HOST_NS["low"] / 1e3,
+                                              "high": C.CHAINED_HOST_NS["high"] / 1e3,
+                                              "sources": C.CHAINED_HOST_SOURCES}}
 
 
 def _us(d):
@@ -81,11 +96,13 @@ V_STAGES = ("V", "V norms", "V GDN", "V all-reduce", "V MoE", "V attention", "V 
 
 # ---- the megakernel ------------------------------------------------------------------------------
 def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None,
-                     draft_vocab=0):
+                     draft_vocab=0, device_commit=False):
     """Trace the shipped round megakernel (``harness.kernel_cases.round_case``; ``draft_vocab``: an FR-Spec draft head
-    of that many ids, 0: off) and predict its band."""
+    of that many ids, 0: off; ``device_commit``: the opt-in device-committed round, whose summary adds the chained
+    end-to-end band, :meth:`RoundEstimate.chained`) and predict its band."""
     from harness import kernel_cases
-    case = kernel_cases.round_case(cfg, context, routing, tp, lnc, dtype, draft_vocab=draft_vocab)
+    case = kernel_cases.round_case(cfg, context, routing, tp, lnc, dtype, draft_vocab=draft_vocab,
+                                   device_commit=device_commit)
     if progress:
         progress("tracing the round megakernel")
     tr = case.trace()
@@ -114,8 +131,9 @@ def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, 
              "kernel_parameters": kernel_parameters(case),
              "distinct_experts": list(case.provider.moe.log), "routing": case.routing.describe(),
              "critical_by_category_us": {e: _us(band.at(e).critical_by_category) for e in C.ENDS},
-             "runtime_loops": len(tr.loops)}
-    return RoundEstimate("megakernel", "one launch per round (full-round trace, shipped kernel: runtime loops)",
+             "runtime_loops": len(tr.loops), "device_commit": bool(device_commit)}
+    return RoundEstimate("megakernel", "one launch per round (full-round trace, shipped kernel: runtime loops"
+                         + (", accept and commit on device)" if device_commit else ")"),
                          _ends(lambda e: band.time_us()[e] * 1e3 + C.LAUNCH_OVERHEAD_NS), stage_ns, part_ns,
                          p.hbm_bytes / p.n_ranks, bott, rows["central"], kinds, prediction=band, notes=notes)
 
