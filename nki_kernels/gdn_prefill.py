@@ -45,8 +45,8 @@ with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y 
    with the **weights stationary** (``stationary = w_in[:, j, head cols] [128, D]``, ``moving = xT[:, j, 512
    tokens]``, 16 accumulating matmuls per head) gives channel-major u, z, b, a ``[D, tokens]`` directly. The
    weights stream per super-tile through a 3-group SBUF ring, each group DMA'd two groups ahead (6.3 MB per
-   core and super-tile; SBUF goes to the tiles in flight). Order: b|a, the q, k, v heads, z, then the burst
-   of step 2-3 (SiLU of z first, beside the conv's SiLU: one table load).
+   core and super-tile; SBUF goes to the tiles in flight). Order: b|a, the gates and decays of step 3 (they
+   need only b|a), the q, k, v heads, z, then the SiLU of z and of the conv (one table load) and l2norm.
 2. Causal conv, channel-major with the carried window in the first 3 columns: **4 accumulating matmuls per
    head against diagonal tap matrices** ``diag(w[:, k])`` (built once) over shifted column windows of the
    raw-u tile, one ACT SiLU straight out of PSUM. (Tokens are on the free axis, so the Flywheel 0/1
@@ -113,9 +113,10 @@ operand's bf16 rounding dominates otherwise). Assumption (not documented by AWS)
 products by 1.0 (the one-hot broadcasts of the gate rows and the identity transposes).
 
 ACT tables (measured groups t0 {copy, square, rsqrt}, silu, exp, softplus; 1.28 us per switch): per
-super-tile the stage-A functions run as bursts -- SiLU of z and of the conv, softplus, exp (gates and every
-decay of the super-tile), then t0 (l2norm and all tile work) -- 4 switches per super-tile (33 loads, 42 us,
-at 4K tokens; SiLU of z after the burst, where z was PE filler, made it 6 and 49). Native SiLU out of PSUM is one ACT instruction per head; x / (1 + exp(-x)) (the decode
+super-tile the stage-A functions run as bursts -- softplus, exp (gates and every decay of the super-tile),
+t0 (tile work), SiLU of z and of the conv, then t0 (l2norm and all tile work) -- 5 switches per super-tile
+(40 loads, 51 us, at 4K tokens; gates and decays right before the conv's SiLU would save one switch, but their
+latency chain then stalls the PE, 1,332 vs 1,326 us). Native SiLU out of PSUM is one ACT instruction per head; x / (1 + exp(-x)) (the decode
 kernel's choice) needs a DVE reciprocal (8x the DVE element cost) and 0.5 x (1 + tanh(x / 2)) a table of its
 own plus two DVE passes per head (~11 us per super-tile), so neither pays for the one switch they would save.
 l2norm is one square, one rsqrt (with the eps as bias) and one multiply.
@@ -327,13 +328,15 @@ def _a_open(g, c, xT, s, prev):
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev, engine=POOL_ENG)
     else:
         nisa.tensor_copy(dst=ucat[:, :, 0:Km1], src=prev["tail"], engine=POOL_ENG)
-    # order: b|a, the conv heads, z, then the ACT burst (SiLU of z and of the conv: one table; gates, decays)
-    # and l2norm -- the latency-bound part, hidden by the tiles of the previous super-tile
+    # order: b|a and the gates and decays (their ACT / DVE chain runs behind the next projections), the conv
+    # heads, z, then the SiLU burst (z and the conv: one table) and l2norm -- the latency-bound part, hidden by
+    # the tiles of the previous super-tile
     items = []
     wseq = [NH + hv]
     for j in range(J):
         items.append(("ba", 0, j))
     items.append(("ba_end", 0, 0))
+    items.append(("gates", 0, 0))
     for h in range(NH):
         wseq.append(h)
         for j in range(J):
@@ -420,8 +423,7 @@ def _a_item(g, c, A, item, neg):
         _ps_free(c, A["psb"])
         A["ba"], A["ps"] = ba, None
     elif kind == "act_burst":
-        # every ACT function of stage A that is not in the copy/square/rsqrt table, back to back (one table
-        # load each): SiLU of the conv (all heads) and of z, softplus and exp of the gates, the decays
+        # the conv and its SiLU (all heads; right after the SiLU of z: one table load)
         for hh in range(NH):
             ps, pb = _ps(c, D, [W])
             for k in range(g["K"]):
@@ -430,6 +432,9 @@ def _a_item(g, c, A, item, neg):
             dst = A["cqk"][:, hh, :] if hh < 2 * hk else A["cv"][:, hh - 2 * hk, :]
             nisa.activation(dst=dst, op=nl.silu, data=ps)
             _ps_free(c, pb)
+    elif kind == "gates":
+        # softplus and exp of the gates, then every decay of the super-tile (exp): needs only b|a, so its
+        # latency chain hides behind the q/k/v/z projections
         _gates(g, c, A, neg)
         decays = []
         for tl in range(A["nt"]):
