@@ -203,7 +203,7 @@ class MegakernelEngine(HostEngine):
         cos, sin = rp.rope_table(self.cfg, rp.cache_length(self.max_len))
         self.rope = {"rope_cos": torch.from_numpy(cos), "rope_sin": torch.from_numpy(sin)}
         self.controls = [{s.name: torch.zeros(s.shape, dtype=self.dtype if s.dtype == "activation" else torch.int32)
-                          for s in rp.control_specs(self.cfg, self.lnc)} for _ in range(self.tp)]
+                          for s in rp.control_specs(self.cfg, self.lnc, self.drafts)} for _ in range(self.tp)]
 
     def seed_control(self, pending: int, hidden, pos: int, read_slot: int) -> None:
         """Write the control state once (after the prefill): pending token at ``pos``, h_{pos-1}, ``read_slot``."""
@@ -216,9 +216,10 @@ class MegakernelEngine(HostEngine):
 
     def control(self) -> dict:
         """The control state the last round wrote, read back (tests, ``Decoder.committed``): {pending, read_slot,
-        pos: int, hidden: [H]} of rank 0, core 0 (every rank and core holds the same values)."""
-        row = self.controls[0]["control"][0]
-        return {**{k: int(v) for k, v in zip(rp.CONTROL_COLUMNS, row)}, "hidden": self.controls[0]["control_hidden"][0]}
+        pos: int, hidden: h_{pos-1} [H], the control_hidden row read_slot} of rank 0, core 0 (every rank and core
+        holds the same values)."""
+        ctl = {k: int(v) for k, v in zip(rp.CONTROL_COLUMNS, self.controls[0]["control"][0])}
+        return {**ctl, "hidden": self.controls[0]["control_hidden"][0, ctl["read_slot"]]}
 
     def _run(self, plan, inputs):
         import nkisim

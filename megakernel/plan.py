@@ -463,13 +463,15 @@ def force_input(cfg: ModelConfig, forced_draft=None, drafts: int = DEFAULT_DRAFT
     return force
 
 
-def control_specs(cfg: ModelConfig, lnc: int = 2) -> tuple:
-    """A device-committed round's decode-control state, per rank, one row per core (each core reads and writes its
-    own row: no cross-core hazard; the cores hold the same values): ``control`` int32 [lnc, 3] (columns
+def control_specs(cfg: ModelConfig, lnc: int = 2, drafts: int = DEFAULT_DRAFTS) -> tuple:
+    """A device-committed round's decode-control state, per rank, one entry per core (each core reads and writes its
+    own: no cross-core hazard; the cores hold the same values): ``control`` int32 [lnc, 3] (columns
     :data:`CONTROL_COLUMNS`: the pending token id, the GDN checkpoint slot to read, the pending token's position)
-    and ``control_hidden`` [lnc, H] (activation dtype: h_{pos-1}, the trunk's post-norm hidden before it)."""
+    and ``control_hidden`` [lnc, K + 1, H] (activation dtype: the previous verify's post-norm hiddens; row
+    ``read_slot`` is h_{pos-1}, the trunk's hidden before the pending token -- the round writes all K + 1 rows
+    right after its verify and the next one picks its row by the read slot, as the GDN state)."""
     return (TensorSpec("control", (lnc, len(CONTROL_COLUMNS)), "int32"),
-            TensorSpec("control_hidden", (lnc, cfg.hidden_size), "activation"))
+            TensorSpec("control_hidden", (lnc, check_drafts(drafts) + 1, cfg.hidden_size), "activation"))
 
 
 def control_state(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_slot: int, lnc: int = 2,
@@ -490,7 +492,7 @@ def control_state(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_
     if h.shape[1] != cfg.hidden_size:
         raise ValueError(f"control: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
     return {"control": np.tile(_i32(pending, read_slot, pos), (lnc, 1)),
-            "control_hidden": h.expand(lnc, -1).contiguous()}
+            "control_hidden": h.expand(lnc, K + 1, -1).contiguous()}
 
 
 def rope_table(cfg: ModelConfig, rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -80,7 +80,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
     int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v). With ``noise_v``
     and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``).
     With ``plan.device_commit``: the run-time inputs but ``force`` are None, ``control`` int32 [lnc, 3],
-    ``control_hidden`` [lnc, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given (``plan.control_specs``,
+    ``control_hidden`` [lnc, K + 1, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given (``plan.control_specs``,
     ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control, control_hidden)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
@@ -186,13 +186,17 @@ def run_plan(plan, t):
 # ---- device-side accept and commit (plan.device_commit) -------------------------------------------------------
 def control_inputs(plan, t, core):
     """A device-committed round's run-time inputs from this core's row of the control state: sets ``t.pending``,
-    ``t.read_slot`` (views of the row) and ``t.hidden`` (view of ``control_hidden``) and returns the position as
+    ``t.read_slot`` (views of the row) and ``t.hidden`` (row read_slot of ``control_hidden``, by a register
+    offset) and returns the position as
     SBUF [1, 1] int32 (``t.pos_sb``; :func:`_control_rows` builds the stages' positions and RoPE rows from it when a
     stage first needs them, so their DMAs queue behind the stage's first weights). Same instructions on both
     cores."""
     t.pending = t.control[core:core + 1, 0:1]
     t.read_slot = t.control[core:core + 1, 1:2]
-    t.hidden = t.control_hidden[core:core + 1, :]
+    slot = nisa.register_alloc()
+    nisa.register_load(slot, t.read_slot)
+    T, H = t.control_hidden.shape[1], t.control_hidden.shape[2]
+    t.hidden = t.control_hidden.ap(pattern=[[H, 1], [1, H]], offset=core * T * H, scalar_offset=slot, indirect_dim=1)
     t.pos_sb = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="control_pos")
     nisa.dma_copy(dst=t.pos_sb, src=t.control[core:core + 1, 2:3])
     return t.pos_sb
@@ -230,25 +234,25 @@ def _rope_rows(t, start, n):
 def commit(plan, t, drafts, targets, hidden, pos, core):
     """Accept and commit on device: drafts SBUF [K, 1] int32 (d_1 .. d_K, forced ones as forced), targets SBUF [T, 1]
     int32 (y_0 .. y_K), hidden SBUF [T, H] (the verify's post-norm hiddens), pos SBUF [1, 1] int32 (the pending
-    token's). n = the number of leading drafts equal to their targets (d_j == y_{j-1}); writes this core's row of
-    the control state (pending y_n, read slot n, position pos + n + 1; ``control_hidden`` <- h_{pos+n}) and returns
-    the emitted row SBUF [1, T + 1] int32 (n + 1, y_0 .. y_K). Arithmetic selection in fp32 (ids < 2^24 are exact):
-    run_j = prod_{i <= j} [d_i == y_{i-1}] (run_0 = 1, run_T = 0), one-hot sel_j = run_j - run_{j+1}, count =
-    sum run_j; the hidden row by a register offset (n) into an HBM copy."""
+    token's). n = the number of leading drafts equal to their targets (d_j == y_{j-1}); writes this core's entry of
+    the control state (pending y_n, read slot n, position pos + n + 1; ``control_hidden`` <- all T hiddens, row n
+    is h_{pos+n}) and returns the emitted row SBUF [1, T + 1] int32 (n + 1, y_0 .. y_K). Arithmetic selection in
+    fp32 (ids < 2^24 are exact): run_j = prod_{i <= j} [d_i == y_{i-1}] (run_0 = 1, run_T = 0), one-hot sel_j =
+    run_j - run_{j+1}, count = sum run_j."""
     K, T = plan.drafts, plan.tokens
-    H = hidden.shape[1]
     f32, i32 = nl.float32, nl.int32
+    nisa.dma_copy(dst=t.control_hidden[core], src=hidden)   # needs no n: the next round reads row n
     ids = nl.ndarray((1, T + K), i32, buffer=nl.sbuf, name="commit_ids")
     nisa.dma_copy(dst=ids[:, 0:T], src=targets)       # y_0 .. y_K along the free dim of one partition
     nisa.dma_copy(dst=ids[:, T:T + K], src=drafts)    # d_1 .. d_K
     f = nl.ndarray((1, T + K + 1), f32, buffer=nl.sbuf, name="commit_f")
-    nisa.tensor_copy(dst=f[:, 0:T + K], src=ids)
-    nisa.tensor_copy(dst=f[:, T + K:T + K + 1], src=pos)
-    eq = nl.ndarray((1, K), f32, buffer=nl.sbuf, name="commit_eq")
-    nisa.tensor_tensor(dst=eq, data1=f[:, T:T + K], data2=f[:, 0:K], op=nl.equal)
     run = nl.ndarray((1, T + 1), f32, buffer=nl.sbuf, name="commit_run")
+    nisa.tensor_copy(dst=f[:, T + K:T + K + 1], src=pos)     # (these three wait for no DMA above)
     nisa.memset(dst=run[:, 0:1], value=1.0)
     nisa.memset(dst=run[:, T:T + 1], value=0.0)
+    nisa.tensor_copy(dst=f[:, 0:T + K], src=ids)
+    eq = nl.ndarray((1, K), f32, buffer=nl.sbuf, name="commit_eq")
+    nisa.tensor_tensor(dst=eq, data1=f[:, T:T + K], data2=f[:, 0:K], op=nl.equal)
     for j in range(1, T):
         nisa.tensor_tensor(dst=run[:, j:j + 1], data1=run[:, j - 1:j], data2=eq[:, j - 1:j], op=nl.multiply)
     sel = nl.ndarray((1, T), f32, buffer=nl.sbuf, name="commit_sel")
@@ -263,12 +267,6 @@ def commit(plan, t, drafts, targets, hidden, pos, core):
     row = nl.ndarray((1, 3 + T + 1), i32, buffer=nl.sbuf, name="commit_row")
     nisa.tensor_copy(dst=row, src=out)
     nisa.dma_copy(dst=t.control[core:core + 1, :], src=row[:, 0:3])
-    hid = nl.ndarray(hidden.shape, hidden.dtype, buffer=nl.private_hbm, name="commit_hidden")
-    nisa.dma_copy(dst=hid, src=hidden)
-    n = nisa.register_alloc()
-    nisa.register_load(n, row[:, 1:2])
-    nisa.dma_copy(dst=t.control_hidden[core:core + 1, :],
-                  src=hid.ap(pattern=[[H, 1], [1, H]], offset=0, scalar_offset=n, indirect_dim=0))
     return row[:, 3:3 + T + 1]
 
 

@@ -19,6 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
 from decoding import alternating, reference_greedy, right_draft
 from harness.speculative import accepted_count, generate, make_decoder
 from megakernel import plan as rp
@@ -67,7 +71,7 @@ def forced_rounds(decoder, prompt, plain, accepts, vocab_size, chain):
 
 
 def check_control(engine, pos, slots, vocab_size):
-    """Every rank's and core's control row: int32, equal, in range; the hidden rows finite, not all zero, equal."""
+    """Every rank's and core's control entry: int32, equal, in range; the hiddens finite, not all zero, equal."""
     rows = torch.stack([c["control"] for c in engine.controls])
     assert rows.dtype == torch.int32 and rows.shape == (engine.tp, engine.lnc, 3)
     assert (rows == rows[0, 0]).all()
@@ -162,7 +166,8 @@ def test_refusals(tiny):
             rp.control_state(cfg, torch.float32, args["pending"], h, args["pos"], args["read_slot"])
     st = rp.control_state(cfg, torch.bfloat16, 9, h, 3, 1, lnc=2)
     assert st["control"].dtype == np.int32 and st["control"].tolist() == [[9, 1, 3], [9, 1, 3]]
-    assert st["control_hidden"].dtype == torch.bfloat16 and st["control_hidden"].shape == (2, cfg.hidden_size)
+    assert st["control_hidden"].dtype == torch.bfloat16 and st["control_hidden"].shape == (2, 2, cfg.hidden_size)
+    assert (st["control_hidden"] == 1).all()
     v = chained(cfg, params)
     with pytest.raises(ValueError, match="start_chain first"):
         v.chained_round()
@@ -187,3 +192,75 @@ def test_kernel_refuses_a_mixed_launch(tiny):
     with nkisim.trace.capture() as tr, pytest.raises(Exception, match="device-committed plan"):
         nkisim.launch(KERNELS["round"], [args], tp=1, lnc=2)
     assert not tr.instructions
+
+
+class _Control(nl.NKIObject):
+    """The two control tensors ``round.commit`` writes (the fields of ``round.LaunchTensors`` it reads)."""
+
+    def __init__(self, control, control_hidden):
+        self.control, self.control_hidden = control, control_hidden
+
+
+@nki.jit
+def _commit_kernel(plan, drafts, targets, hidden, pos, control, control_hidden):
+    """``round.commit`` alone on one core: HBM drafts [K, 1], targets [T, 1] int32, hidden [T, H], pos [1, 1] ->
+    (emitted [1, T + 1] int32, control, control_hidden)."""
+    from megakernel.round import commit
+    K, T = drafts.shape[0], targets.shape[0]
+    d = nl.ndarray((K, 1), nl.int32, buffer=nl.sbuf, name="d")
+    y = nl.ndarray((T, 1), nl.int32, buffer=nl.sbuf, name="y")
+    h = nl.ndarray(hidden.shape, hidden.dtype, buffer=nl.sbuf, name="h")
+    p = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="p")
+    nisa.dma_copy(dst=d, src=drafts)
+    nisa.dma_copy(dst=y, src=targets)
+    nisa.dma_copy(dst=h, src=hidden)
+    nisa.dma_copy(dst=p, src=pos)
+    out = nl.ndarray((1, T + 1), nl.int32, buffer=nl.shared_hbm, name="emitted")
+    nisa.dma_copy(dst=out, src=commit(plan, _Control(control, control_hidden), d, y, h, p, 0))
+    return out, control, control_hidden
+
+
+@pytest.mark.parametrize("drafts", [1, 2, 3])
+def test_commit_is_the_accept_rule_for_every_match_pattern(tiny_cfg, drafts):
+    """Every pattern of draft == target matches (also a later match after a mismatch, which must not count), ids
+    near the top of Qwen3.6's vocabulary (fp32 selection exact below 2^24): the control row is (y_n, n, pos + n + 1)
+    with n = ``accepted_count`` - 1 -- the host's rule, which is also the accept of the shared-Gumbel sampled
+    rounds (harness.sampling: drafts and targets are Gumbel-max tokens, accept stays this equality test) -- the
+    hiddens (the next round reads row n), the emitted row (n + 1, y_0 .. y_K)."""
+    K, T, H = drafts, drafts + 1, 256
+    plan = rp.round_plan(tiny_cfg, tp=1, lnc=1, drafts=K, device_commit=True)
+    rng = np.random.default_rng(K)
+    for pattern in range(2 ** K):
+        y = rng.integers(248_000, 248_320, size=T).astype(np.int32)
+        d = np.array([y[j] if pattern >> j & 1 else y[j] + 1 for j in range(K)], np.int32)
+        hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(pattern))
+        pos = 1000 + pattern
+        control = np.full((1, 3), -7, np.int32)
+        control_hidden = torch.zeros(1, T, H)
+        emitted, _, _ = _commit_kernel(plan, d.reshape(K, 1), y.reshape(T, 1), hidden,
+                                       np.array([[pos]], np.int32), control, control_hidden)
+        n = accepted_count(d.tolist(), y.tolist()) - 1
+        assert control.tolist() == [[int(y[n]), n, pos + n + 1]], pattern
+        assert torch.equal(control_hidden[0], hidden)       # the next round reads row n (the read slot)
+        assert np.asarray(emitted).tolist() == [[n + 1] + y.tolist()]
+
+
+@pytest.mark.slow
+def test_full_size_device_committed_round_traces_with_real_trip_counts():
+    """The device-committed round at full size (TP=4 x LNC=2, ctx 2048, shape-only) under the strict rules, as
+    tests/megakernel/test_round_full_size.py checks the host-driven one: the position reaches the stages from the
+    control state (a real int32 input), so the attention loops run the same trip counts."""
+    from harness.kernel_cases import round_case
+    from model.config import preset
+    from nki_kernels.attention import tile_loop_trips
+    context = 2048
+    case = round_case(preset("qwen3.6-35b-a3b"), context=context, device_commit=True)
+    assert case.plan.device_commit and case.per_rank[0]["pos"] is None
+    tr = case.trace()
+    assert len(tr.instructions) > 200_000
+    want = [tile_loop_trips(context - 1)] + [tile_loop_trips(context)] * 11
+    for rank in range(4):
+        for core in range(2):
+            att = [lp["trips"] for lp in tr.loops
+                   if lp["rank"] == rank and lp["inst"] == core and lp["loc"].startswith("attention.py")]
+            assert [tuple(att[i:i + 5]) for i in range(0, len(att), 5)] == want, (rank, core)
