@@ -24,11 +24,12 @@ after ``draft``, ``targets``, ``hidden``, so the compiler keeps the writes.
 
 Device-side accept and commit (``plan.device_commit``, opt-in; ``megakernel.plan`` module docstring): the round
 takes ``force``, the decode-control state ``control`` / ``control_hidden`` and the RoPE tables ``rope_cos`` /
-``rope_sin`` instead of the other run-time inputs (those parameters are None). :func:`control_inputs` builds the
-stages' inputs from them at the launch top (register offsets into the tables, no branch), :func:`commit` accepts
-right after the verify (arithmetic selection: a prefix product of draft == target, a one-hot of the last committed
-token) and writes the next round's control state, so it runs beside D2; the launch also returns ``emitted``, then
-the control state.
+``rope_sin`` instead of the other run-time inputs (those parameters are None). :func:`control_inputs` reads the
+pending token, read slot, position and h_{p-1} (row read_slot of ``control_hidden``) at the launch top;
+:func:`_control_rows` builds each stage's positions and RoPE rows when the stage first needs them (register offsets
+into the tables, no branch); :func:`commit` accepts right after the verify (arithmetic selection: a prefix product
+of draft == target, a one-hot of the last committed token) and writes the next round's control state, so it runs
+beside D2; the launch also returns ``emitted``, then the control state.
 """
 
 from __future__ import annotations
