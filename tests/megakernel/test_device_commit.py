@@ -142,12 +142,16 @@ def test_eos_and_max_tokens_inside_a_two_token_round(tiny):
     assert res.tokens == plain[:2] and res.accepted_per_round == [2]
 
 
-def test_prompt_of_one_token(tiny):
-    """pos = 1: the first round's draft runs at position 0 (the MTP cache is empty), RoPE rows 0 .. K + 1."""
+@pytest.mark.parametrize("prefill", ["host", "teacher-forced"])
+def test_prompt_of_one_token(tiny, prefill):
+    """pos = 1: the first round's draft runs at position 0 (the MTP cache is empty), RoPE rows 0 .. K + 1; the
+    prefill on the host (state handed over) or through the decode launches (one step launch)."""
     cfg, params = tiny
     prompt = [7]
     plain = reference_greedy(cfg, params, prompt, 6)
     v = chained(cfg, params)
+    if prefill == "teacher-forced":
+        v.reference = None
     res = generate(v, prompt, 6, draft_source=alternating(prompt, plain, cfg.vocab_size))
     assert res.tokens == plain and 2 in res.accepted_per_round and 1 in res.accepted_per_round
 
@@ -264,3 +268,16 @@ def test_full_size_device_committed_round_traces_with_real_trip_counts():
             att = [lp["trips"] for lp in tr.loops
                    if lp["rank"] == rank and lp["inst"] == core and lp["loc"].startswith("attention.py")]
             assert [tuple(att[i:i + 5]) for i in range(0, len(att), 5)] == want, (rank, core)
+
+
+def test_teacher_forced_prefill_hands_over_read_slot_1(tiny):
+    """A 5-token prompt through the decode launches ends on a round committing 2 tokens: the chain starts from
+    checkpoint slot 1 (seeded once by the host), and the tokens stay plain greedy's."""
+    cfg, params = tiny
+    prompt = [7, 8, 9, 10, 11]
+    assert rp.teacher_forced_launches(len(prompt))[-1].accepted == 2
+    plain = reference_greedy(cfg, params, prompt, 5)
+    v = chained(cfg, params)
+    v.reference = None
+    res = generate(v, prompt, 5, draft_source=alternating(prompt, plain, cfg.vocab_size))
+    assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
