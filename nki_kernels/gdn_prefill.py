@@ -72,7 +72,7 @@ with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y 
    * ``X = (I + A)^-T``: the **Flywheel blocked inverse** (below), batched over the value heads.
    * ``U = X^T (beta V)`` (left in PSUM) and ``W^T = (beta exp(G) K)^T X`` (X is the stationary of one and the
      moving operand of the other), evicted as ``-W^T`` in fp32.
-   * the chain, per block: ``V_new = U - W S`` (fp32 matmul accumulated onto U), one ACT eviction, the
+   * the chain, per block: ``V_new = U - W S`` (fp32 matmul accumulated onto U), one DVE eviction, the
      state update ``(exp(G_C - G) K)^T V_new`` (V_new is shared with the output), ``S <- exp(G_C) S + update``
      (ACT scale per head + one DVE add, fp32).
    * output channel-major: ``O^T = S^T (exp(G) Q)^T + V_new^T P^T`` (the state as fp32 stationary), gated
@@ -923,7 +923,7 @@ def _chain_item(g, c, T, S, item):
             for h in range(n):
                 nisa.nc_matmul(dst=G["vn_ps"][r0:r1, h, :], stationary=G["nmw"][:, h, r0:r1], moving=S[gi][:, h, :],
                                accumulate=True)
-            nisa.activation(dst=G["vnew"][r0:r1, :, :], op=nl.copy, data=G["vn_ps"][r0:r1, :, :])
+            nisa.tensor_copy(dst=G["vnew"][r0:r1, :, :], src=G["vn_ps"][r0:r1, :, :], engine=DVE_ENG)
             if r0 == BLOCK:
                 _ps_free(c, G["vnb"])
         else:
