@@ -490,8 +490,9 @@ def _scatter(g, st, ti, tabs, flip):
     _keep(st, d)
     _keep(st, di)
     _keep(st, pay)
-    if len(st["clears"]) > 0:       # one weight-ring clear per placed tile (POOL has room while VectorE routes)
-        nisa.memset(dst=st["clears"].pop(0), value=0.0, engine=POOL_ENG)
+    for i in range(2):              # weight-ring clears, two per placed tile (POOL has room while VectorE routes)
+        if len(st["clears"]) > 0:
+            nisa.memset(dst=st["clears"].pop(0), value=0.0, engine=POOL_ENG)
 
 
 KEEP = 24           # routing temporaries held alive (their SBUF not reused while POOL / DMA may still read them)
@@ -573,6 +574,8 @@ def _route(g, c, xl, rr, st, tabs):
             full = nl.ndarray((n, Wc), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits_all")
             nisa.tensor_copy(dst=full, src=ps)
             sel = _route_math(g, c, full, n, ti, st)
+            if ti == min(1, T - 1):
+                _zero_tables(g, tabs)
             nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
             placed.append((ti, sel))
             _placements(g, c, st, placed, tabs, False)
@@ -608,11 +611,15 @@ def _route(g, c, xl, rr, st, tabs):
         nisa.tensor_tensor(dst=full, data1=mine, data2=recv[0:n, :], op=nl.add)
         sel = _route_math(g, c, full, n, ti, st)
         nisa.nc_matmul(dst=cnt_ps, stationary=pick[0:n, i, :], moving=sel, accumulate=i > 0)
+        if i == min(1, Tp - 1):
+            _zero_tables(g, tabs)
         placed.append((ti, sel))
         _placements(g, c, st, placed, tabs, False)
     if Tp > 0:
         _placements(g, c, st, placed, tabs, True)
     last = None
+    if Tp == 0:
+        _zero_tables(g, tabs)
     if T % 2:
         ti = T - 1
         t0, n = tiles[ti]
@@ -761,6 +768,7 @@ def _group(g, c, run, ids_h, rows_h, hid):
     nisa.tensor_copy(dst=nhw, src=tot_ps[:, 1:2])
 
     bb_ps = nl.ndarray((P, E), dtype=F32, buffer=nl.psum, name="moe_pf_base_ps")
+    held = []
     for i in range(len(echunks)):
         e0, ec = echunks[i]
         v = V[i]
@@ -783,12 +791,13 @@ def _group(g, c, run, ids_h, rows_h, hid):
                        moving=c["ident"][0:ec, 0:ec], accumulate=False)
         eid = nl.ndarray((ec, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_eid")
         nisa.iota(dst=eid, pattern=[[0, 1]], offset=e0, channel_multiplier=1)
-        _scatter_index(ids_h, pre[:, 0:1], v[:, 0:1], S, eid, "moe_pf_slot_row")
+        ri = _scatter_index(ids_h, pre[:, 0:1], v[:, 0:1], S, eid, "moe_pf_slot_row")
         erow = nl.ndarray((ec, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_erow")
         nisa.iota(dst=erow, pattern=[[0, 1]], offset=e0 * cap, channel_multiplier=cap)
-        _scatter_index(rows_h, pre[:, 0:1], v[:, 0:1], S, erow, "moe_pf_slot_rows_row")
+        _scatter_rows(rows_h, ri, erow)
+        held.append((pre, eid, erow, ri))           # not reused while their scatters may still read them
         if NHW > 0:
-            _scatter_index(hid, pre[:, 1:2], v[:, 2:3], NHW, eid, "moe_pf_heavy_row")
+            held.append(_scatter_index(hid, pre[:, 1:2], v[:, 2:3], NHW, eid, "moe_pf_heavy_row"))
     BB = nl.ndarray((P, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_bases")
     nisa.tensor_copy(dst=BB, src=bb_ps)
     ids = nl.ndarray((1, S), dtype=I32, buffer=nl.sbuf, name="moe_pf_slot_ids")
@@ -813,7 +822,7 @@ def _fill_rows(t, fill, rows):
 
 def _scatter_index(table, row_f, flag, rows, payload, name):
     """table[row] = payload on the partitions whose flag is 1; the others target row ``rows`` (out of bounds,
-    skipped)."""
+    skipped). Returns the row-index tile (:func:`_scatter_rows` reuses it for another table of ``rows`` rows)."""
     n = row_f.shape[0]
     r = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name=name + "_f")
     nisa.tensor_scalar(dst=r, data=row_f, op0=nl.subtract, operand0=float(rows))
@@ -821,25 +830,36 @@ def _scatter_index(table, row_f, flag, rows, payload, name):
     nisa.tensor_scalar(dst=r, data=r, op0=nl.add, operand0=float(rows))      # flag ? row : rows
     ri = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name=name)
     nisa.tensor_copy(dst=ri, src=r)
-    nisa.dma_copy(dst=table.ap(pattern=[[1, n], [1, 1]], offset=0, vector_offset=ri, indirect_dim=0), src=payload,
-                  oob_mode=nisa.oob_mode.skip)
+    _scatter_rows(table, ri, payload)
+    return ri
+
+
+def _scatter_rows(table, ri, payload):
+    """table[ri[p]] = payload[p] (an out-of-bounds row is skipped)."""
+    nisa.dma_copy(dst=table.ap(pattern=[[1, ri.shape[0]], [1, 1]], offset=0, vector_offset=ri, indirect_dim=0),
+                  src=payload, oob_mode=nisa.oob_mode.skip)
 
 
 def _choice_tables(g):
     """The L*k choice tables [TR, 1] int32 HBM of :func:`_place` (table c*k + j: core c's choice j), this core's
-    zeroed (unwritten rows read as token 0): made before the routing, whose placements scatter into them. One table
+    zeroed (unwritten rows read as token 0) by :func:`_zero_tables`: made before the routing, whose placements
+    scatter into them. One table
     per core and choice keeps the scatters independent (a scatter's written region is its whole table, so
     scatters into one table are ordered) and the cores' writes disjoint. Returns (all tables, this core's k)."""
     TR, k, pid = g["TR"], g["k"], g["pid"]
     tabs = []
     for j in range(g["L"] * k):
         tabs.append(nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_choice_table" + str(j)))
+    return tabs, tabs[pid * k:(pid + 1) * k]
+
+
+def _zero_tables(g, mine):
+    """Zero this core's choice tables (issued by :func:`_route` after its first tile: the first x^T chunks do not
+    share the DMA engines with them)."""
     z = nl.ndarray((P, 256), dtype=I32, buffer=nl.sbuf, name="moe_pf_zero_rows")    # one source: the DMAs overlap
     nisa.memset(dst=z, value=0)
-    mine = tabs[pid * k:(pid + 1) * k]
     for t in mine:
-        _fill_rows(t, z, TR)
-    return tabs, mine
+        _fill_rows(t, z, g["TR"])
 
 
 def _dest_rows(g, BB, st, DH):
@@ -863,11 +883,12 @@ def _owner(g, ti):
     return ti % 2
 
 
-def _heavy_places(g, c, st, BB, V, nhw, mine, cnt0):
+def _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0):
     """The heavy experts' index-table rows, in a runtime loop of min(nhw, 1) trips (0 for realistic routing; the
     same on both cores): a heavy expert's choices get the rows base(e) + rank of its heavy windows, rank = the
     position among core 0's tokens, or core 0's count + the position among core 1's (RK8 holds cap - 1 - it),
-    scattered into this core's tables ``mine`` for the tiles it placed. Returns DH [P, T, k] fp32: the heavy rank -
+    scattered into this core's tables ``mine`` for the tiles it placed, then those rows of ``tab`` merged again
+    from ``tabs``. Returns DH [P, T, k] fp32: the heavy rank -
     RK8 on a heavy expert's choices, 0 elsewhere (DEST = base + RK8 + DH, :func:`_dest_rows`)."""
     T, k, E, cap, J, L, pid = g["T"], g["k"], g["E"], g["cap"], g["J"], g["L"], g["pid"]
     DH = nl.ndarray((P, T, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_dest")
@@ -931,18 +952,23 @@ def _heavy_places(g, c, st, BB, V, nhw, mine, cnt0):
                 nisa.dma_copy(dst=mine[j].ap(pattern=[[1, n], [1, 1]], offset=0,
                                              vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
                               src=pay, oob_mode=nisa.oob_mode.skip)
+        if L == 2:
+            nisa.core_barrier(data=mine[k - 1], cores=(0, 1))
+        _merge_tables(g, tabs, tab, g["HB"], g["ROWS"])
 
     nl.fori_loop(0, reg, body)
     return DH
 
 
-def _merge_tables(g, tabs, tab):
-    """tab [TR, 1] (this core's half of the rows) = sum of the choice tables (each row is written in at most one
-    of them): contiguous runs in and out (the gather index tiles repeat each word in their own access pattern)."""
-    TR, L, pid = g["TR"], g["L"], g["pid"]
-    half = -(-TR // L)
-    r_lo = pid * half
-    r_hi = min(TR, r_lo + half)
+def _merge_tables(g, tabs, tab, lo, hi):
+    """Rows lo..hi-1 of tab [TR, 1] (this core's half of them) = sum of the choice tables (each row of a regular
+    expert or a heavy window is written in at most one of them; a heavy expert's rows e*cap.., never read, may sum
+    two tokens): contiguous runs in and out (the gather index tiles repeat each word in their own access
+    pattern)."""
+    L, pid = g["L"], g["pid"]
+    half = -(-(hi - lo) // L)
+    r_lo = lo + pid * half
+    r_hi = min(hi, r_lo + half)
     for r0, nr in chunks(r_hi - r_lo, 8192):
         srcs = []
         for t in tabs:
@@ -1159,6 +1185,8 @@ def _run_jobs(g, c, jobs, scratch, weights):
     for i in range(min(GATHER_AHEAD, n)):
         _job_gather(g, c, jobs[i], tag)
     for i in range(min(UP_AHEAD, n)):
+        if weights != None and jobs[i]["slot"] != None:
+            _issue_upto(g, jobs[i]["geo"], weights, jobs[i]["slot"])
         ups[i] = _up_issue(g, c, jobs[i]["geo"], jobs[i]["buf"][0], jobs[i]["xs"], jobs[i]["rows"], tag)
         _up_act(g, c, ups[i], tag)
     if n > 0:
@@ -1167,6 +1195,8 @@ def _run_jobs(g, c, jobs, scratch, weights):
     for i in range(n):
         a = i + UP_AHEAD
         if a < n:
+            if weights != None and jobs[a]["slot"] != None:
+                _issue_upto(g, jobs[a]["geo"], weights, jobs[a]["slot"])
             ups[a] = _up_issue(g, c, jobs[a]["geo"], jobs[a]["buf"][0], jobs[a]["xs"], jobs[a]["rows"], tag)
         rows = _slot_down(g, c, jobs[i]["geo"], jobs[i]["buf"], ups[i]["h"], tag)
         if a < n:
@@ -1198,10 +1228,22 @@ def _job_gather(g, c, job, tag):
 
 
 def _refill(g, geo, w, i):
-    """After slot i: DMA the weights of slot i + D into the buffer slot i used."""
-    D, S = w["D"], g["S"]
-    if i + D < S:
-        _slot_weights(g, geo, w["experts"], w["ids"], i + D, w["regs"][i % D], w["bufs"][i % D])
+    """After slot i: DMA the weights of the next slots not yet issued, at most two and up to slot i + D (whose
+    buffer slot i freed): the ring fills two slots per slot at the start, so the first slots' weights do not
+    share the DMA bandwidth with all D prefetches."""
+    for q in range(2):
+        if w["next"] <= i + w["D"]:
+            _issue_upto(g, geo, w, w["next"])
+
+
+def _issue_upto(g, geo, w, s):
+    """Issue the weight DMAs of every slot up to s not yet issued (called before a slot's gate|up, which reads its
+    buffer: with D >= UP_AHEAD + 2 the buffer's previous slot is done by then)."""
+    D = w["D"]
+    while w["next"] <= s and w["next"] < g["S"]:
+        q = w["next"]
+        _slot_weights(g, geo, w["experts"], w["ids"], q, w["regs"][q % D], w["bufs"][q % D])
+        w["next"] = q + 1
 
 
 def _weight_ring(g, geo, experts_w):
@@ -1229,7 +1271,8 @@ def _regular_slots(g, geo, ids, w):
     jobs' gathers are set once the index table is merged (:func:`moe_prefill_body`)."""
     S, cap, D, experts_w = g["S"], g["cap"], w["D"], w["experts"]
     w["ids"] = ids
-    for s in range(D):
+    w["next"] = min(D, S, UP_AHEAD)          # the first gate|up jobs' weights first; the rest by _refill
+    for s in range(w["next"]):
         _slot_weights(g, geo, experts_w, ids, s, w["regs"][s], w["bufs"][s])
     jobs = []
     for s in range(S):
@@ -1516,8 +1559,6 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     rr = _load_router(g, router)
     xl = _load_x(g, x)
     _x_upto(g, xl, 1)
-    shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)
-    _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
 
     # routing-independent setup, off the grouping's critical path: id tables, weight ring; the choice tables
     # (the routing's placements scatter into them)
@@ -1545,6 +1586,12 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
     nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
     st["fin"] = None
+    tab = nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
+    if L == 2:
+        nisa.core_barrier(data=mine[k - 1], cores=(0, 1))
+    _merge_tables(g, tabs, tab, 0, TR)
+    shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)      # the shared expert runs among the slots
+    _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
 
     # 2. grouping: slots, heavy windows, every expert's scratch base; the heavy experts' rows (a runtime loop
     # that runs only when one is heavy); the shared expert meanwhile
@@ -1552,14 +1599,10 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     BB, ids, rows, nhw, hid, V = _group(g, c, run, ids_h, rows_h, hid)
     jobs, w = _regular_slots(g, geo, ids, ring)      # weight prefetch of slots 0..D-1
     ring = None
-    DH = _heavy_places(g, c, st, BB, V, nhw, mine, cnt0)
+    DH = _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0)
     placed, cnt0, V = None, None, None
     c["psum"] = _psum_pool()
     c["rings"] = {}
-    tab = nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
-    if L == 2:
-        nisa.core_barrier(data=tabs[0], cores=(0, 1))
-    _merge_tables(g, tabs, tab)
     if L == 2:
         nisa.core_barrier(data=tab, cores=(0, 1))
 
