@@ -92,8 +92,8 @@ with beta = 0 and g = 0, which leaves the state untouched; only valid rows of y 
 Flywheel inverse (upper-triangular orientation; nc_matmul(a, b) = a^T b)
 -----------------------------------------------------------------------
 With Z = A^T strictly upper (key index on partitions) and level masks m_s (same s-block, different
-s/4-block; applied as GpSimd int32 bitwise ANDs on the operand's words, :func:`inverse_constants`): level 1
-(4x4 blocks) N1^T = Z m_4, I - N1 = (I - N1^T)^T (a PE transpose), I - N1^2 =
+s/4-block; applied by GpSimd affine_selects, :func:`_level_conditions`): level 1 (4x4 blocks) N1^T = Z m_4,
+I - N1 = (I - N1^T)^T (a PE transpose), I - N1^2 =
 nc(I - N1^T, I + N1), T_4^-1 = nc(I - N1^T, I + N1^2), T_4^-T = nc(I + N1^2, I - N1^T). Levels 16 and 64:
 N = nc(Z_s, T^-1) = A_s T_prev^-1 (exactly the off-block part, the previous inverse being block-diagonal),
 N^T = nc(T^-1, Z_s), I - N^2 = nc(I - N^T, I + N), F = (I - N)(I + N^2) = nc(I - N^T, I + N^2),
@@ -250,7 +250,7 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     c["I_f"] = nl.shared_identity_matrix(n=P, dtype=F32)
     c["I_m"] = c["I_f"] if mdt == F32 else nl.shared_identity_matrix(n=P, dtype=mdt)
     c["I_i"] = c["I_f"] if idt == F32 else c["I_m"]
-    inverse_constants(c, idt)
+    inverse_constants(c)
     u64 = _upper_block(BLOCK, True, "ub64")
     i64 = _upper_block(BLOCK, False, "ib64")
     # additive masks 0 (kept) / NEG (masked): (mask - 1) * (-NEG)
@@ -586,50 +586,33 @@ def _evict(c, st, key, psb, const, sign, engine=ACT_ENG):
     st[key] = dst
 
 
-def _word_mask(value, words, name, selects):
-    """[128, words] int32 tile: ``value`` where every [pattern, channel_multiplier, cmp] of ``selects`` holds
-    (one GpSimd affine_select each, over the word index), else 0."""
-    t = nl.ndarray((P, words), nl.int32, buffer=nl.sbuf, name=name)
-    nisa.memset(dst=t, value=value, engine=POOL_ENG)
-    for sel in selects:
-        nisa.affine_select(dst=t, pattern=sel[0], channel_multiplier=sel[1], on_true_tile=t, on_false_value=0.0,
-                           cmp_op=sel[2])
-    return t
+def _level_conditions(lev):
+    """The two affine conditions of the inverse's level mask ``lev`` (1: m4, 2: m16 - m4, 3: m64 - m16) on (row
+    p = key index, column c = s b + r), as [s, step, channel_multiplier, cmp] over the columns split into
+    128 // s blocks of s: "c > p" is c - p > 0 (s = 1); "c's s-block above p's" (so c > p over the block) is
+    s b - p > 0; "c in p's s-block or an earlier one" is p - s b >= 0."""
+    if lev == 1:
+        return [[1, 1, -1, nl.greater], [4, -4, 1, nl.greater_equal]]
+    if lev == 2:
+        return [[4, 4, -1, nl.greater], [16, -16, 1, nl.greater_equal]]
+    return [[16, 16, -1, nl.greater], [BLOCK, -BLOCK, 1, nl.greater_equal]]
 
 
-def inverse_constants(c, idt):
-    """Constants of :func:`inverse_stage` in ``c``: ``two_I`` (2I, fp32) and the level masks as int32 words of
-    the inverse's dtype ``idt`` (``e`` elements per word: 2 for bf16, 1 for fp32; every 4-, 16- and 64-column
-    block is whole words). Over (row p = key index on partitions, column c), with Z strictly upper:
-    ``m1`` all-ones where c > p in p's 4-block (N1^T), ``m2`` where c > p in p's 16-block outside its 4-block,
-    ``m3`` where c > p in p's 64-block outside its 16-block -- so ``Z & m`` is ``Z * (0/1 mask)`` as a GpSimd
-    int32 bitwise AND (a float multiply cannot run there) -- and ``flip1`` = (sign bits under m1) | bits of I,
-    so ``(Z & m1) ^ flip1 = I - N1^T``. Each condition is one affine_select on the word index w (column e w):
-    "c > p, 4-block of c above p's" is 4 blk4(w) - p > 0 (so c > p holds for the whole word); "in p's s-block"
-    given c > p is p - s blk_s(w) >= 0; m1's words wholly after the diagonal are e w - p > 0, and for bf16 the
-    word holding the diagonal at an even p (e w = p) contributes its upper half, column p + 1."""
-    e = 2 if idt == nl.bfloat16 else 1
-    wp = P // e
+def _masked(dst, src, n, lev):
+    """dst = src * m_lev (the 0/1 level mask broadcast over the n heads of [128, n, 128]) as two GpSimd
+    affine_selects (a copy where both conditions hold, 0.0 elsewhere; a float multiply cannot run on GpSimd)."""
+    conds = _level_conditions(lev)
+    for i in range(2):
+        s, step, cm, cmp = conds[i][0], conds[i][1], conds[i][2], conds[i][3]
+        nisa.affine_select(dst=dst, pattern=[[0, n], [step, P // s], [0, s]], channel_multiplier=cm,
+                           on_true_tile=src if i == 0 else dst, on_false_value=0.0, cmp_op=cmp)
+
+
+def inverse_constants(c):
+    """Constants of :func:`inverse_stage` beside the identities: ``two_I`` (2I, fp32)."""
     two = nl.ndarray((P, P), F32, buffer=nl.sbuf, name="two_I")
     nisa.tensor_scalar(dst=two, data=c["I_f"], op0=nl.multiply, operand0=2.0)
     c["two_I"] = two
-
-    after = [[e, wp]]                                 # e w - p: the word's first column relative to the diagonal
-    m1 = _word_mask(-1, wp, "inv_m1", [[after, -1, nl.greater], [[[-4, P // 4], [0, 4 // e]], 1, nl.greater_equal]])
-    if e == 2:
-        diag = _word_mask(-65536, wp, "inv_m1_diag", [[after, -1, nl.equal]])       # 0xFFFF0000: column 2w + 1
-        nisa.tensor_tensor(dst=m1, data1=m1, data2=diag, op=nl.bitwise_or, engine=POOL_ENG)
-    c["m1"] = m1
-    c["m2"] = _word_mask(-1, wp, "inv_m2", [[[[4, P // 4], [0, 4 // e]], -1, nl.greater],
-                                            [[[-16, P // 16], [0, 16 // e]], 1, nl.greater_equal]])
-    c["m3"] = _word_mask(-1, wp, "inv_m3", [[[[16, P // 16], [0, 16 // e]], -1, nl.greater],
-                                            [[[-BLOCK, P // BLOCK], [0, BLOCK // e]], 1, nl.greater_equal]])
-    sign = nl.ndarray((P, wp), nl.int32, buffer=nl.sbuf, name="inv_sign")
-    nisa.memset(dst=sign, value=-2147450880 if e == 2 else -2147483648, engine=POOL_ENG)   # 0x80008000 / 0x80000000
-    flip = nl.ndarray((P, wp), nl.int32, buffer=nl.sbuf, name="inv_flip1")
-    nisa.tensor_tensor(dst=flip, data1=m1, data2=sign, op=nl.bitwise_and, engine=POOL_ENG)
-    nisa.tensor_tensor(dst=flip, data1=flip, data2=c["I_i"].view(nl.int32), op=nl.bitwise_or, engine=POOL_ENG)
-    c["flip1"] = flip
 
 
 def inverse_open(zT, n, idt, out_dtype):
@@ -643,21 +626,16 @@ def inverse_stage(c, st, k):
     :func:`inverse_constants`."""
     n, idt = st["n"], st["idt"]
     I_f, two = c["I_f"], c["two_I"]
-    if k == 0:                        # level-1 operands and the level-2/3 parts of A^T: int32 bit ops (POOL)
-        wp = c["m1"].shape[1]
-        zw = st["z"].view(nl.int32)
+    if k == 0:                        # level-1 operands and the level-2/3 parts of A^T (masks on POOL)
         n1t = nl.ndarray((P, n, P), idt, buffer=nl.sbuf, name="inv_n1t")
-        nisa.tensor_tensor(dst=n1t.view(nl.int32), data1=zw, data2=_bview(c["m1"], P, [[0, n], [1, wp]], 0),
-                           op=nl.bitwise_and, engine=POOL_ENG)
+        _masked(n1t, st["z"], n, 1)
         imnt = nl.ndarray((P, n, P), idt, buffer=nl.sbuf, name="inv_imnt")
-        nisa.tensor_tensor(dst=imnt.view(nl.int32), data1=n1t.view(nl.int32),
-                           data2=_bview(c["flip1"], P, [[0, n], [1, wp]], 0), op=nl.bitwise_xor, engine=POOL_ENG)
+        nisa.tensor_tensor(dst=imnt, data1=_bview(I_f, P, [[0, n], [1, P]], 0), data2=n1t, op=nl.subtract,
+                           engine=DVE_ENG)
         st["imnt"] = imnt
         for lev in (2, 3):
             t = nl.ndarray((P, n, P), idt, buffer=nl.sbuf, name="inv_z" + str(lev))
-            nisa.tensor_tensor(dst=t.view(nl.int32), data1=zw,
-                               data2=_bview(c["m" + str(lev)], P, [[0, n], [1, wp]], 0), op=nl.bitwise_and,
-                               engine=POOL_ENG)
+            _masked(t, st["z"], n, lev)
             st["z" + str(lev)] = t
         st["z"] = None
     elif k == 1:                      # I + N1 = 2I - (I - N1^T)^T (a PE transpose)

@@ -251,7 +251,7 @@ def inverse_kernel(zT, idt_name):
     g = {"hv": n, "D": 32, "NH": 1, "K": 4, "mdt": idt, "idt": idt, "core": 0, "super": 1, "vh0": 0}
     c = {"I_f": nl.shared_identity_matrix(n=kp.P, dtype=nl.float32)}
     c["I_i"] = c["I_f"] if idt == nl.float32 else nl.shared_identity_matrix(n=kp.P, dtype=idt)
-    kp.inverse_constants(c, idt)
+    kp.inverse_constants(c)
     c["psum"] = kp.psum_pool()
     z = nl.ndarray((kp.P, n, kp.P), idt, buffer=nl.sbuf, name="zT")
     nisa.dma_copy(dst=z, src=zT)
@@ -262,14 +262,14 @@ def inverse_kernel(zT, idt_name):
 
 @nki.jit
 def inverse_step0_kernel(zT, idt_name):
-    """The operands step 0 of the Flywheel inverse builds from zT [128, n, 128] (GpSimd int32 bit ops on the
-    inverse's dtype): I - N1^T and the level-2/3 parts of A^T, stacked [3, 128, n, 128] in fp32."""
+    """The operands step 0 of the Flywheel inverse builds from zT [128, n, 128] (level masks by GpSimd
+    affine_selects): I - N1^T and the level-2/3 parts of A^T, stacked [3, 128, n, 128] in fp32."""
     n = zT.shape[1]
     idt = nl.float32 if idt_name == "float32" else nl.bfloat16
     out = nl.ndarray((3, kp.P, n, kp.P), nl.float32, buffer=nl.shared_hbm, name="step0_out")
     c = {"I_f": nl.shared_identity_matrix(n=kp.P, dtype=nl.float32)}
     c["I_i"] = c["I_f"] if idt == nl.float32 else nl.shared_identity_matrix(n=kp.P, dtype=idt)
-    kp.inverse_constants(c, idt)
+    kp.inverse_constants(c)
     z = nl.ndarray((kp.P, n, kp.P), idt, buffer=nl.sbuf, name="zT")
     nisa.dma_copy(dst=z, src=zT)
     st = kp.inverse_open(z, n, idt, idt)
@@ -282,7 +282,7 @@ def inverse_step0_kernel(zT, idt_name):
 
 @pytest.mark.parametrize("idt", ["bfloat16", "float32"])
 def test_inverse_level_masks(idt):
-    """Step 0's GpSimd bit masks equal the 0/1 float masks exactly, on a dense random zT (not only the strictly
+    """Step 0's GpSimd affine_select masks equal the 0/1 float masks exactly, on a dense random zT (not only the strictly
     upper block-diagonal one the kernel builds): I - Z m4, Z (m16 - m4), Z (m64 - m16), with m_s[p, c] = 1
     where c > p in the same s-block (values compared: a masked-out zero may differ in sign)."""
     import ml_dtypes
