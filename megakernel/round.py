@@ -243,9 +243,13 @@ def commit(plan, t, drafts, targets, hidden, pos, core):
     K, T = plan.drafts, plan.tokens
     f32, i32 = nl.float32, nl.int32
     nisa.dma_copy(dst=t.control_hidden[core], src=hidden)   # needs no n: the next round reads row n
+    # y_0 .. y_K, d_1 .. d_K along the free dim of one partition, through HBM (an SBUF -> SBUF DMA cannot fold
+    # partitions into a row: trn2-costs pitfalls)
+    row_hbm = nl.ndarray((1, T + K), i32, buffer=nl.private_hbm, name="commit_ids_hbm")
+    nisa.dma_copy(dst=row_hbm[:, 0:T], src=targets)
+    nisa.dma_copy(dst=row_hbm[:, T:T + K], src=drafts)
     ids = nl.ndarray((1, T + K), i32, buffer=nl.sbuf, name="commit_ids")
-    nisa.dma_copy(dst=ids[:, 0:T], src=targets)       # y_0 .. y_K along the free dim of one partition
-    nisa.dma_copy(dst=ids[:, T:T + K], src=drafts)    # d_1 .. d_K
+    nisa.dma_copy(dst=ids, src=row_hbm)
     f = nl.ndarray((1, T + K + 1), f32, buffer=nl.sbuf, name="commit_f")
     run = nl.ndarray((1, T + 1), f32, buffer=nl.sbuf, name="commit_run")
     nisa.tensor_copy(dst=f[:, T + K:T + K + 1], src=pos)     # (these three wait for no DMA above)

@@ -10,7 +10,8 @@ only the emitted tokens, against the host-driven rounds of the same kernel and p
   state is int32 and in range on every rank and core; the hidden row is finite and not all zero.
 * Refusals: mixed plans, sampling, other variants, bad control values.
 
-TP=1 x LNC=2 keeps these a few seconds each (nkisim interprets every core); one TP=4 x LNC=2 state check.
+TP=1 x LNC=2 keeps these a few seconds each (nkisim interprets every core); the slow tier adds K = 2, the MTP
+head's own drafts, a TP=4 x LNC=2 state check and the full-size trace.
 """
 
 from __future__ import annotations
@@ -81,11 +82,11 @@ def check_control(engine, pos, slots, vocab_size):
     assert torch.isfinite(hid).all() and hid.abs().max() > 0.1 and (hid == hid[0, 0]).all()
 
 
-@pytest.mark.parametrize("drafts", [1, 2])
+@pytest.mark.parametrize("drafts", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_chained_tokens_equal_plain_greedy(tiny, drafts):
     """Forced drafts cycling through every accept length 0..K (the ``force`` input), the device deciding."""
     cfg, params = tiny
-    n = 9
+    n = 7
     plain = reference_greedy(cfg, params, PROMPT, n)
     v = chained(cfg, params, drafts=drafts)
     res = generate(v, PROMPT, n, draft_source=alternating(PROMPT, plain, cfg.vocab_size, drafts))
@@ -94,6 +95,7 @@ def test_chained_tokens_equal_plain_greedy(tiny, drafts):
     assert v.launches == res.rounds                 # one launch per round, prefill on the host
 
 
+@pytest.mark.slow
 def test_chained_mtp_drafts_equal_host_driven(tiny):
     """The MTP head's own drafts: the chained rounds commit what the host-driven rounds commit."""
     cfg, params = tiny
@@ -104,8 +106,9 @@ def test_chained_mtp_drafts_equal_host_driven(tiny):
     assert dev.accepted_per_round == host.accepted_per_round
 
 
-@pytest.mark.parametrize("drafts,tp,pattern", [(1, 1, [True, False, False, True]), (2, 1, [2, 0, 1, 2]),
-                                               (1, 4, [True, False, True])])
+@pytest.mark.parametrize("drafts,tp,pattern", [(1, 1, [True, False, True]),
+                                               pytest.param(2, 1, [2, 0, 1, 2], marks=pytest.mark.slow),
+                                               pytest.param(1, 4, [True, False, True], marks=pytest.mark.slow)])
 def test_state_after_chained_rounds_equals_host_driven(tiny, drafts, tp, pattern):
     cfg, params = tiny
     plain = reference_greedy(cfg, params, PROMPT, (drafts + 1) * len(pattern) + 2)
@@ -142,7 +145,7 @@ def test_eos_and_max_tokens_inside_a_two_token_round(tiny):
     assert res.tokens == plain[:2] and res.accepted_per_round == [2]
 
 
-@pytest.mark.parametrize("prefill", ["host", "teacher-forced"])
+@pytest.mark.parametrize("prefill", ["host", pytest.param("teacher-forced", marks=pytest.mark.slow)])
 def test_prompt_of_one_token(tiny, prefill):
     """pos = 1: the first round's draft runs at position 0 (the MTP cache is empty), RoPE rows 0 .. K + 1; the
     prefill on the host (state handed over) or through the decode launches (one step launch)."""
