@@ -284,3 +284,17 @@ def test_teacher_forced_prefill_hands_over_read_slot_1(tiny):
     v.reference = None
     res = generate(v, prompt, 5, draft_source=alternating(prompt, plain, cfg.vocab_size))
     assert res.tokens == plain and 1 in res.accepted_per_round and 2 in res.accepted_per_round
+
+
+@pytest.mark.slow
+def test_chained_rounds_with_an_fr_spec_draft_vocabulary(tiny):
+    """FR-Spec draft head (``draft_ids``) in device-committed rounds: the drafts come from the subset, the verify
+    and the device's accept from the full head, so the tokens stay plain greedy's."""
+    cfg, params = tiny
+    n = 8
+    plain = reference_greedy(cfg, params, PROMPT, n)
+    subset = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, 64, replace=False)).astype(np.int32)
+    v = make_decoder("megakernel", cfg, params, tp=1, draft_ids=subset, device_commit=True)
+    assert v.engine.plans["chain"].draft_vocab_per_core > 0
+    res = generate(v, PROMPT, n)
+    assert res.tokens == plain and v.launches == res.rounds
