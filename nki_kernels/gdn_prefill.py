@@ -123,10 +123,11 @@ l2norm is one square, one rsqrt (with the eps as bias) and one multiply.
 
 Predicted (``python -m harness.bench kernel nki_kernels/gdn_prefill.py::gdn_prefill_kernel --lnc 2 --arg
 xT=128,16,L:bfloat16 ...`` at the real per-rank shapes of Qwen3.6 at TP=4 (4 key / 8 value heads, H=2048),
-bf16, LNC=2; central (low - high)): L = 1,024 tokens: 402 us (354 - 625); L = 4,096: 1,431 us (1,291 - 2,347).
-At 4K per core: PE busy 1,052 us (projections 423, the inverse 180, out_proj 130, conv 65), ACT 616, DVE 542,
-POOL 204; HBM 207 MB per rank (w_in streamed 8 times: 101 MB; y 64 MB; xT 32 MB), roofline 326 us. The
-high end is the PE throttle band (x1.69 on every matmul) on a PE-bound kernel.
+bf16, LNC=2; central (low - high)): L = 1,024 tokens: 381 us (346 - 598); L = 4,096: 1,317 us (1,208 - 2,218).
+At 4K per core: PE busy 1,052 us (projections 423, the inverse 180, out_proj 130, conv 65), ACT 513 (51 of
+them table loads), DVE 710, POOL 136; HBM 207 MB per rank (w_in streamed 8 times: 101 MB; y 64 MB; xT 32 MB),
+roofline 326 us. The PE idles ~255 us, mostly waiting for ScalarE bursts (gates, l2norm, the gated norm).
+The high end is the PE throttle band (x1.69 on every matmul) on a PE-bound kernel.
 """
 
 from __future__ import annotations
