@@ -116,9 +116,10 @@ ACT tables (measured groups t0 {copy, square, rsqrt}, silu, exp, softplus; 1.28 
 super-tile the stage-A functions run as bursts -- softplus, exp (gates and every decay of the super-tile),
 t0 (tile work), SiLU of z and of the conv, then t0 (l2norm and all tile work) -- 5 switches per super-tile
 (40 loads, 51 us, at 4K tokens; gates and decays right before the conv's SiLU would save one switch, but their
-latency chain then stalls the PE, 1,332 vs 1,326 us). Native SiLU out of PSUM is one ACT instruction per head; x / (1 + exp(-x)) (the decode
-kernel's choice) needs a DVE reciprocal (8x the DVE element cost) and 0.5 x (1 + tanh(x / 2)) a table of its
-own plus two DVE passes per head (~11 us per super-tile), so neither pays for the one switch they would save.
+latency chain then stalls the PE: 1,332 vs 1,326 us when chosen). Native SiLU out of PSUM is one ACT
+instruction per head; x / (1 + exp(-x)) (the decode kernel's choice) needs a DVE reciprocal (8x the DVE element
+cost) and 0.5 x (1 + tanh(x / 2)) a table of its own plus two DVE passes per head (~11 us per super-tile), so
+neither pays for the one switch they would save.
 l2norm is one square, one rsqrt (with the eps as bias) and one multiply.
 
 Predicted (``python -m harness.bench kernel nki_kernels/gdn_prefill.py::gdn_prefill_kernel --lnc 2 --arg
@@ -695,8 +696,8 @@ def flywheel_inverse(c, zT, n, idt, out_dtype):
 def _broadcast_rows(c, ps, rows, h0, n, parts):
     """ps[:, h, :] = rows[h0 + h, :] on each of ``parts`` partitions, for the group's n heads: one fp32 matmul
     per head with the one-hot stationary ``onehot[:, h0 + h, 0:parts]`` (column j of it is e_{h0+h}) against
-    the rows ``[hv, 128]`` (every product is by 1.0 or 0.0: exact). No VectorE work, and the PE time of one
-    fp32 matmul of n x 128 columns against a block-expanded moving operand."""
+    the rows ``[hv, 128]`` (every product is by 1.0 or 0.0: exact). No VectorE work; the PE streams what one
+    n x 128-column matmul would."""
     for h in range(n):
         nisa.nc_matmul(dst=ps[:, h, :], stationary=c["onehot"][:, h0 + h, 0:parts], moving=rows, accumulate=False)
 
@@ -712,7 +713,8 @@ def _decay(g, c, A, q, madd, c0, grp, dtype, name):
     nisa.nc_matmul(dst=ps, stationary=c["I_m"], moving=_bview(madd, P, [[0, n], [1, TILE]], 0), accumulate=True)
     out = nl.ndarray((P, n, TILE), dtype, buffer=nl.sbuf, name=name)
     for h in range(n):
-        nisa.activation(dst=out[:, h, :], op=nl.exp, data=ps[:, h, :], bias=A["gt"][:, c0 // TILE, C_NG, h0 + h:h0 + h + 1])
+        nisa.activation(dst=out[:, h, :], op=nl.exp, data=ps[:, h, :],
+                        bias=A["gt"][:, c0 // TILE, C_NG, h0 + h:h0 + h + 1])
     _ps_free(c, pb)
     return out
 

@@ -282,9 +282,9 @@ def inverse_step0_kernel(zT, idt_name):
 
 @pytest.mark.parametrize("idt", ["bfloat16", "float32"])
 def test_inverse_level_masks(idt):
-    """Step 0's GpSimd affine_select masks equal the 0/1 float masks exactly, on a dense random zT (not only the strictly
-    upper block-diagonal one the kernel builds): I - Z m4, Z (m16 - m4), Z (m64 - m16), with m_s[p, c] = 1
-    where c > p in the same s-block (values compared: a masked-out zero may differ in sign)."""
+    """Step 0's GpSimd affine_select masks equal the 0/1 float masks exactly, on a dense random zT (not only
+    the strictly upper block-diagonal one the kernel builds): I - Z m4, Z (m16 - m4), Z (m64 - m16), with
+    m_s[p, c] = 1 where c > p in the same s-block (values compared: a masked-out zero may differ in sign)."""
     import ml_dtypes
     rng = np.random.default_rng(4)
     n = 3
