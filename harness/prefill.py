@@ -9,9 +9,11 @@ sum, per chunk, of
 
 * the embedding (``embedding_prefill``: one launch, a gather per 128 tokens) and the first layer's input
   RMSNorm (``rmsnorm_prefill``),
-* per layer the mixer kernel (``gdn_prefill`` / ``attention_prefill`` at the chunk's start), then the residual
-  all-reduce fused with the post-attention RMSNorm's rows (``megakernel.prefill.residual_allreduce_stage``,
-  traced on 4 ranks with its collectives),
+* per layer the mixer kernel: ``gdn_prefill``, then the residual all-reduce fused with the post-attention
+  RMSNorm's rows (``megakernel.prefill.residual_allreduce_stage``, traced on 4 ranks with its collectives); or
+  ``attention_prefill`` at the chunk's start with that all-reduce, the residual add and the norm's rows fused
+  into its o_proj (``attention_prefill_kernel(residual=...)``, traced on 4 ranks: the ``attention_prefill`` part
+  includes that all-reduce),
 * per layer ``moe_prefill`` with the residual all-reduce and the next RMSNorm fused into its combine (the next
   layer's input norm's xT, after the last layer the final norm's rows; ``moe_prefill(residual=...)``, traced on
   4 ranks: the ``moe_prefill`` part includes that all-reduce),
@@ -91,13 +93,21 @@ class Costs:
             return _case(kern, [args], lnc=1)
         return _traced(("gdn", self.key, N), build)
 
-    def attention(self, N, start):
+    def attention_fused(self, N, start, norm):
+        """``attention_prefill`` at ``start`` with the next step fused (residual + all-reduce over the cores and TP
+        ranks + the next RMSNorm's ``norm`` output: rows | xT | none; ``attention_prefill_kernel(residual=...)``),
+        traced on every rank (its collectives)."""
         from harness.kernel_cases import attention_prefill_launch
+        from nki_kernels import attention_prefill as ap
+        from nki_kernels.common import P
+        H = self.cfg.hidden_size
 
         def build():
-            kern, args = attention_prefill_launch(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype)
-            return _case(kern, [args], lnc=1)
-        return _traced(("attention", self.key, N, start), build)
+            _, args = attention_prefill_launch(self.cfg, tp=self.tp, N=N, start=start, dtype=self.dtype)
+            w = self._sd((P, H // P), "float32") if norm != "none" else None
+            full = tuple(args) + (self._sd((N, H)), self.tp, w, norm)
+            return _case(ap.attention_prefill_kernel, [full] * self.tp, tp=self.tp, lnc=self.lnc)
+        return _traced(("attention_fused", self.key, N, start, norm), build)
 
     def mtp_kv(self, N):
         """The MTP layer's K/V rows of N prompt rows (``attention_prefill_kv_kernel``; no start dependence: the
@@ -185,16 +195,17 @@ class Costs:
 
 
 def _attention_chunk(costs, N, start, measured):
-    """Attention at ``start``: traced up to MAX_TRACED_START, else a straight line through the two traced
+    """Attention at ``start`` with its all-reduce and the post-attention norm's rows fused
+    (:meth:`Costs.attention_fused`): traced up to MAX_TRACED_START, else a straight line through the two traced
     chunks of length N with the largest starts (``measured``: start -> band); returns (band, extrapolated)."""
     if start <= MAX_TRACED_START:
-        b = costs.attention(N, start)
+        b = costs.attention_fused(N, start, "rows")
         measured[start] = b
         return b, False
     pts = sorted(measured)[-2:]
     if len(pts) < 2:
         for s in (MAX_TRACED_START - N, MAX_TRACED_START):
-            measured[s] = costs.attention(N, s)
+            measured[s] = costs.attention_fused(N, s, "rows")
         pts = sorted(measured)[-2:]
     s0, s1 = pts
     return {e: measured[s0][e] + (measured[s1][e] - measured[s0][e]) * (start - s0) / (s1 - s0) for e in ENDS}, True
@@ -264,13 +275,13 @@ def predict(cfg, n, chunk=None, tp=4, lnc=2, dtype="bfloat16", progress=None, mo
         if ext:
             extrapolated.append(ch.start)
         add("attention_prefill", att, n_attn)
-        # after each mixer: all-reduce + the post-attention norm's rows (a launch of its own); each MoE with its
-        # all-reduce fused, + the next layer's input norm (xT), after the last one the final norm's rows (the MTP
-        # head's hidden) or nothing
-        add("all_reduce", costs.allreduce(N, True, "rows"), L)
+        # after each GDN mixer: all-reduce + the post-attention norm's rows (a launch of its own; the attention
+        # kernel has them fused); each MoE with its all-reduce fused, + the next layer's input norm (xT), after the
+        # last one the final norm's rows (the MTP head's hidden) or nothing
+        add("all_reduce", costs.allreduce(N, True, "rows"), n_gdn)
         add("moe_prefill", costs.moe_fused(N, "xT"), L - 1)
         add("moe_prefill", costs.moe_fused(N, "rows" if ch.mtp_rows else "none"))
-        k = 2 + 3 * L
+        k = 2 + 2 * L + n_gdn
         if ch.mtp_rows:
             m = ch.mtp_rows
             add("embedding", costs.embed(m))

@@ -29,11 +29,15 @@ ranks ascending, then lane 0 + lane 1). The replicated work -- the RMSNorms and 
 every rank -- is launched once (one rank, its LNC cores) and its output handed to every rank. The layerwise and
 the megakernel variants both prefill through it: the issue allows one launch per layer per chunk, and the
 megakernel variant's decode launch is a round, not a chunk. ``harness.prefill`` predicts the same plan's time
-on trn2 from shape-only traces of the same kernels, with the cross-core step on chip: the mixers' all-reduce is
-:func:`residual_allreduce_stage`, which also emits the RMSNorm that follows it (the same math as the separate
-norm launch the nkisim executor makes after its host-side sum; both are tested against the reference norm), and
-the MoE's all-reduce and the norm after it run inside ``moe_prefill`` (``residual=``; bit-identical to
-``moe_prefill`` followed by :func:`residual_allreduce_stage`, tested).
+on trn2 from shape-only traces of the same kernels, with the cross-core step on chip: the GDN mixer's all-reduce
+is :func:`residual_allreduce_stage`, which also emits the RMSNorm that follows it (the same math as the separate
+norm launch the nkisim executor makes after its host-side sum; both are tested against the reference norm); the
+attention mixer's all-reduce, the residual add and that norm run inside ``attention_prefill_kernel``
+(``residual=``), and the MoE's all-reduce and the norm after it inside ``moe_prefill`` (``residual=``); both fused
+forms are bit-identical to the kernel followed by :func:`residual_allreduce_stage` (tested). What the executor does
+differently: it sums the partials on the host (a different fp32 order than the on-chip collectives: within 1e-6
+relative, tested) and launches every norm separately; the NxDI context graph (``harness.nxdi.context``) runs the
+on-chip composition the prediction costs.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import nki.language as nl
 from megakernel import plan as rp
 from model.tp.embed_head import combine_argmax
 from nki_kernels.common import P, kernel_assert, program_sharding
-from nki_kernels.rmsnorm_prefill import (broadcast_weight, feature_major_tile, residual_norm_tile,
+from nki_kernels.rmsnorm_prefill import (allreduce_groups, broadcast_weight, feature_major_tile, residual_norm_tile,
                                          rmsnorm_rows_tile, token_group_ap)
 
 CHUNK = 4096            # default prompt tokens per chunk (the prefill kernels' measured sizes: 1K .. 4K)
@@ -324,9 +328,6 @@ class LayerwisePrefill:
 
 
 # ---- the all-reduce of a chunk's partials (the on-chip composition; costed by harness.prefill) -------------------
-AR_TILE_BYTES = 16 * 1024   # bytes per partition of one collective's fp32 operand (2 tokens x H 2048)
-
-
 def _allreduce_loads(x, partial, group, c, per_core, mine, peer, xs):
     """The loads of one group ``(t0, rows, kk)`` of :func:`residual_allreduce_stage` on core c into its ring tiles
     ``[P, >= kk H]``: ``mine`` this core's partial (float32; the rows' partial with disjoint rows), ``peer`` the
@@ -380,9 +381,9 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
     (a ``[P, H/P]`` row of ``norms``) and ``norm_out`` "rows" / "xT" also its RMSNorm (``rmsnorm_prefill``'s
     rows ``[N, H]`` or xT ``[P, H/P, N]``), computed from the residual tile still in SBUF.
 
-    The rows are split over the cores in groups of k 128-token sub-tiles (core c: groups c, c + n, ...; k x H x 4
-    bytes per partition <= :data:`AR_TILE_BYTES`; partition p of sub-tile i = token t0 + 128 i + p, so a sub-tile
-    is an ordinary token tile for the norm): with ``per_core`` a core loads both cores' partials of its group (the
+    The rows are split over the cores in groups of k 128-token sub-tiles (``rmsnorm_prefill.allreduce_groups``;
+    core c: groups c, c + n, ...; k x H x 4 bytes per partition <= ``AR_TILE_BYTES``; partition p of sub-tile i =
+    token t0 + 128 i + p, so a sub-tile is an ordinary token tile for the norm): with ``per_core`` a core loads both cores' partials of its group (the
     partial is one HBM tensor) and adds them, then each core all-reduces its group over the TP ranks (one
     collective per group and lane), adds the residual, writes its rows (and normalises them). The groups are
     software-pipelined (loads two groups ahead, the collective one ahead of the residual add, stores and norm):
@@ -392,7 +393,6 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
     J = H // P
     n, c = program_sharding()
     rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
-    k = max(1, min(AR_TILE_BYTES // (4 * H), N // P))
     out = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_out")
     norm_t = None
     if norm_out == "rows":
@@ -405,14 +405,8 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
     if norm_t != None:
         wb = broadcast_weight(norm_w, H)
         ident = nl.shared_identity_matrix(n=P, dtype=x.dtype)
-    groups = []          # (first token, partitions used, sub-tiles)
-    t0 = 0
-    while t0 < N:
-        kk = k if N - t0 >= P * k else 1
-        rows = min(P, N - t0)
-        groups.append((t0, rows, kk))
-        t0 = t0 + rows * kk
-    Fmax = k * H
+    groups = allreduce_groups(N, H)          # (first token, partitions used, sub-tiles)
+    Fmax = groups[0][2] * H
     mine_groups = []      # this core's groups: c, c + n, ...
     for g in range(c, len(groups), n):
         mine_groups.append(groups[g])

@@ -114,7 +114,11 @@ import numpy as np
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import nki.collectives as ncc
 from nki_kernels.common import INT32_MAX, MOVING_MAX, P, PSUM_BANK, program_sharding
+from nki_kernels.rmsnorm_prefill import (allreduce_groups, broadcast_weight, residual_add_rows, residual_norm_emit,
+                                         residual_norm_store, residual_norm_xT, rmsnorm_scale_tile,
+                                         rmsnorm_weight_tile, token_group_ap)
 from nki_kernels.attention import attention_layout, rope_tables, xT_layout  # noqa: F401  (the shared layout)
 
 SEG = MOVING_MAX        # keys per score segment: one PSUM bank of fp32 scores (gemm_moving_fmax)
@@ -145,12 +149,13 @@ def static_tau(cache_len: int) -> float:
 
 
 def sbuf_bytes(N: int, D: int, H: int, heads: int, act_bytes: int, key_block: int = KEY_BLOCK,
-               k_and_v: bool = False) -> int:
+               k_and_v: bool = False, fused: str | None = None) -> int:
     """Planned SBUF bytes per partition of one core: the chunk-resident q^T, K^T, V (and, after the
     projections, the softmax state) grow with N; on top of them the larger of the projection phase (weights,
     xT ring, norm temporaries) and the attention + o_proj phase (work ring, context block, o_proj weight and
-    buffers). ``k_and_v``: this core projects both k and v (LNC=1). Checked against nkisim's allocator peaks
-    (tests/nki_kernels/test_attention_prefill.py): an upper bound within ~10%."""
+    buffers). ``k_and_v``: this core projects both k and v (LNC=1). ``fused``: None, or the ``norm_out`` of the
+    epilogue fused with the all-reduce (:func:`_finish_fused`; q^T / K^T / V are released before it). Checked
+    against nkisim's allocator peaks (tests/nki_kernels/test_attention_prefill.py): an upper bound within ~10%."""
     NT = -(-N // P)
     KT = H // P
     dp = min(D, P)
@@ -166,11 +171,19 @@ def sbuf_bytes(N: int, D: int, H: int, heads: int, act_bytes: int, key_block: in
     context = nb * (2 * D + 1) * ab + DT * key_block * ab + key_block * 4 + nb * 5
     wo = heads * DT * H * ab
     final = 2 * H * 4 + 2 * heads * D * (2 * ab + 4) + 3 * heads * D * ab + 2 * heads * DT * P * ab
-    return (resident + max(proj, state + ring + context + wo, state + wo + final) + 2 * P * 4 + 5 * 1024
-            + (2048 if k_and_v else 0))
+    extra = 2 * P * 4 + 5 * 1024 + (2048 if k_and_v else 0)
+    if fused == None:
+        return resident + max(proj, state + ring + context + wo, state + wo + final) + extra
+    cores = 1 if k_and_v else 2
+    F = allreduce_groups(N, H)[0][2] * H                 # one group's columns
+    fin = (cores * wo + 3 * F * 4 + 2 * F * ab + H * 4                     # o_proj weights, 2 y + total, 2 residual,
+           + (F * ab if fused == "xT" else 0)                              # norm weight; the group's xT
+           + (cores * F // H + 2) * heads * D * ab + 2 * heads * D * (ab + 4)  # og, o, sg
+           + (3 * F // H + 1) * heads * DT * P * ab + 3 * heads * D * ab)     # og^T, received og^T; gate ring
+    return max(resident + max(proj, state + ring + context + wo), state + fin) + extra
 
 
-def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_cores, key_block):
+def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_cores, key_block, fused=None):
     """Validate the arguments; return the dimensions (plain ints / floats) as a dict."""
     nm = "attention_prefill"
     if len(xT.shape) != 3 or xT.shape[0] != P:
@@ -234,14 +247,14 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_
     Hc = Hq // n_cores
     abytes = 2 if act == nl.bfloat16 else 4
     kv2 = n_cores == 1
-    need = sbuf_bytes(N, D, H, Hc, abytes, KB, kv2)
+    need = sbuf_bytes(N, D, H, Hc, abytes, KB, kv2, fused)
     if need > SBUF_BUDGET:
-        if sbuf_bytes(P, D, H, Hc, abytes, KB, kv2) > SBUF_BUDGET:
+        if sbuf_bytes(P, D, H, Hc, abytes, KB, kv2, fused) > SBUF_BUDGET:
             raise ValueError(f"{nm}: {Hc} query heads of dim {D} in {act} do not fit SBUF on one core even for a "
-                             f"128-token chunk (~{sbuf_bytes(P, D, H, Hc, abytes, KB, kv2) // 1024} KiB per "
+                             f"128-token chunk (~{sbuf_bytes(P, D, H, Hc, abytes, KB, kv2, fused) // 1024} KiB per "
                              f"partition, budget {SBUF_BUDGET // 1024} KiB): launch with LNC=2 or in bfloat16")
         n_max = P
-        while sbuf_bytes(n_max + P, D, H, Hc, abytes, KB, kv2) <= SBUF_BUDGET:
+        while sbuf_bytes(n_max + P, D, H, Hc, abytes, KB, kv2, fused) <= SBUF_BUDGET:
             n_max += P
         raise ValueError(f"{nm}: a chunk of {N} tokens needs ~{need // 1024} KiB of SBUF per partition on each of "
                          f"{n_cores} core(s) (budget {SBUF_BUDGET // 1024} KiB); prefill in chunks of at most "
@@ -267,7 +280,7 @@ def _segments(width, mask=None, mask0=0):
 
 # ---- body ----------------------------------------------------------------------------------------
 def attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, out, eps=1e-6,
-                           core=0, n_cores=1, key_block=KEY_BLOCK, static_start=None, regs=None):
+                           core=0, n_cores=1, key_block=KEY_BLOCK, static_start=None, regs=None, fuse=None):
     """Body: this core's gated-attention partial for an N-token chunk (module docstring for every layout).
 
     xT: HBM ``[P, H/P, N]`` act (normed hidden, feature-major). wqg, wk, wv, wo, norm_w: HBM, the rank's weights
@@ -277,12 +290,16 @@ def attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cac
     core / n_cores: this core and the LNC degree (compile time). key_block: keys per softmax-state update.
     static_start: compile-time specialisation of the context loop for shape-only traces (None = general).
     regs: optional tuple of ``PREFILL_REGISTERS`` VirtualRegisters to reuse (each call reloads them).
+    fuse: None, or the fused next step (:func:`attention_prefill_kernel` builds it; ``out`` is then None): dict
+    with the residual ``x [N, H]`` HBM, ``rg`` (the TP ReplicaGroup or None), ``out`` (new residual, HBM) /
+    ``norm_t`` / ``norm_out`` / ``w`` (next norm's weight row or None) / ``eps`` (:func:`_finish_fused`).
     Returns ``stats`` SBUF ``[1, 3]`` float32: (rows frozen in the static pass, replay ran, non-finite rows).
     """
-    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_cores, key_block)
+    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_cores, key_block,
+                  None if fuse == None else fuse["norm_out"])
     if not 0 <= core < n_cores:
         raise ValueError(f"attention_prefill: core {core} outside 0..{n_cores - 1}")
-    if tuple(out.shape) != (g["N"], g["H"]) or out.dtype != F32:
+    if fuse == None and (tuple(out.shape) != (g["N"], g["H"]) or out.dtype != F32):
         raise ValueError(f"attention_prefill: out must be float32 [N={g['N']}, H={g['H']}], got "
                          f"{out.dtype}{list(out.shape)}")
     g["core"], g["n_cores"] = core, n_cores
@@ -299,12 +316,16 @@ def attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cac
     st["ident"] = g["ident"] = ident
     _project_tiles(g, st, xT, wqg, wk, wv, norm_w, cos, sin, k_cache, v_cache, rt, eps)
     _softmax_state(g, st)
-    wo_sb = _load_wo(g, wo)
+    wo_sb = _load_wo(g, wo, "own")
     _attend(g, st, k_cache, v_cache, rt, "static", static_start)
     stats = nl.ndarray((1, 3), F32, buffer=nl.sbuf, name="pf_stats")
     _replay_if_needed(g, st, k_cache, v_cache, rt, stats, static_start)
-    st["ring"] = None            # the attention work tiles are dead: their SBUF goes to the o_proj phase
-    _finish(g, st, wo_sb, out, stats)
+    # the attention work tiles and the chunk's q^T / K^T / V are dead: their SBUF goes to the o_proj phase
+    st["ring"], st["qT"], st["kT"], st["v"] = None, None, None, None
+    if fuse == None:
+        _finish(g, st, wo_sb, out, stats)
+    else:
+        _finish_fused(g, st, wo_sb, wo, fuse, stats)
     return stats
 
 
@@ -879,41 +900,54 @@ def _replay_if_needed(g, st, k_cache, v_cache, rt, stats, static_start):
 
 
 # ---- phase 3: normalise, gate, o_proj ------------------------------------------------------------------
-def _load_wo(g, wo):
-    """o_proj rows of this core's heads -> SBUF [dp, Hc*DT, H] (one DMA per (head, d-tile) block); issued
-    before the attention so the weight is resident when the first tile finishes."""
+def _load_wo(g, wo, heads):
+    """o_proj rows of this core's heads (``heads`` "own") or of the other core's ("peer", the fused epilogue) ->
+    SBUF [dp, Hc*DT, H] (one DMA per (head, d-tile) block); this core's are issued before the attention so the
+    weight is resident when the first tile finishes."""
     act, D, dp, DT, Hc, H = g["act"], g["D"], g["dp"], g["DT"], g["Hc"], g["H"]
-    wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="pf_wo")
-    r0 = g["core"] * Hc * D
+    wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name=f"pf_wo_{heads}")
+    c = g["core"] if heads == "own" else 1 - g["core"]
+    r0 = c * Hc * D
     for bk in range(Hc * DT):
         nisa.dma_copy(dst=wo_sb[:, bk, :], src=wo[r0 + bk * dp:r0 + (bk + 1) * dp, :])
     return wo_sb
 
 
-def _finish(g, st, wo_sb, out, stats):
-    """Per tile: o = O / l (rounded), og = o * sigmoid(gate) (rounded), og^T, y = og Wo (fp32) -> out rows,
-    software-pipelined (tile t+1's o / gate / og^T are issued before tile t's o_proj); then stats[2] = this
-    core's valid rows whose [O | l] is not finite."""
-    act, D, dp, DT, Hc, H, NT = g["act"], g["D"], g["dp"], g["DT"], g["Hc"], g["H"], g["NT"]
-    fr = {"y_ps": [], "y": [], "n": 0}
+def _finish_tiles(g, st, og_depth):
+    """The work tiles of phase 3 shared by both epilogues: two PSUM banks for the own heads' o_proj, the
+    transposes' PSUM, o / sigmoid(gate) (2 each), ``og_depth`` og tiles, 1 / l, and the raw gate's 3-deep ring
+    (its first loads issued here)."""
+    act, D, Hc, NT = g["act"], g["D"], g["Hc"], g["NT"]
+    fr = {"y_ps": [], "n": 0}
     _transpose_psum(g, fr)
     for k in range(2):
         fr["y_ps"].append(nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"pf_y_psum{k}"))
-        fr["y"].append(nl.ndarray((P, H), F32, buffer=nl.sbuf, name=f"pf_y{k}"))
-    for nmr, dt in (("o", act), ("sg", F32), ("og", act)):
+    for nmr, dt, depth in (("o", act, 2), ("sg", F32, 2), ("og", act, og_depth)):
         fr[nmr] = []
-        for k in range(2):
+        for k in range(depth):
             fr[nmr].append(nl.ndarray((P, Hc, D), dt, buffer=nl.sbuf, name=f"pf_{nmr}{k}"))
-    fr["ogT"] = []
     fr["rl"] = []
     for k in range(2):
-        fr["ogT"].append(nl.ndarray((dp, Hc * DT, P), act, buffer=nl.sbuf, name=f"pf_ogT{k}"))
         fr["rl"].append(nl.ndarray((P, Hc), F32, buffer=nl.sbuf, name=f"pf_inv_rowsum{k}"))
     fr["gate"] = []
     for k in range(3):           # the raw gate comes back from HBM 3 tiles ahead of its use
         fr["gate"].append(nl.ndarray((P, Hc, D), act, buffer=nl.sbuf, name=f"pf_gate{k}"))
         if k < NT:
             nisa.dma_copy(dst=fr["gate"][k], src=st["gate"][k])
+    return fr
+
+
+def _finish(g, st, wo_sb, out, stats):
+    """Per tile: o = O / l (rounded), og = o * sigmoid(gate) (rounded), og^T, y = og Wo (fp32) -> out rows,
+    software-pipelined (tile t+1's o / gate / og^T are issued before tile t's o_proj); then stats[2] = this
+    core's valid rows whose [O | l] is not finite."""
+    act, dp, DT, Hc, H, NT = g["act"], g["dp"], g["DT"], g["Hc"], g["H"], g["NT"]
+    fr = _finish_tiles(g, st, 2)
+    fr["y"] = []
+    fr["ogT"] = []
+    for k in range(2):
+        fr["y"].append(nl.ndarray((P, H), F32, buffer=nl.sbuf, name=f"pf_y{k}"))
+        fr["ogT"].append(nl.ndarray((dp, Hc * DT, P), act, buffer=nl.sbuf, name=f"pf_ogT{k}"))
     _gate_tile(g, st, fr, 0)
     _gated_T(g, fr, 0)
     for t in range(NT):          # VectorE / ScalarE prepare tile t+1 while the PE runs tile t's o_proj
@@ -925,12 +959,14 @@ def _finish(g, st, wo_sb, out, stats):
     _count_nonfinite(g, st, stats)
 
 
-def _gate_tile(g, st, fr, t):
-    """Tile t: o = O / l (rounded to act), og = o * sigmoid(gate) (rounded) into slot t % 2."""
+def _gate_tile(g, st, fr, t, og=None):
+    """Tile t: o = O / l (rounded to act), og = o * sigmoid(gate) (rounded) into ``og`` (default slot t % 2)."""
     D, Hc = g["D"], g["Hc"]
     i0 = t * Hc
     k = t % 2
-    rl, o, sg, og = fr["rl"][k], fr["o"][k], fr["sg"][k], fr["og"][k]
+    rl, o, sg = fr["rl"][k], fr["o"][k], fr["sg"][k]
+    if og == None:
+        og = fr["og"][k]
     nisa.reciprocal(dst=rl, data=st["ol"][:, i0:i0 + Hc, D])
     nisa.tensor_tensor(dst=o, data1=st["ol"][:, i0:i0 + Hc, 0:D],
                        data2=rl.ap(pattern=[[Hc, P], [1, Hc], [0, D]], offset=0), op=nl.multiply)
@@ -942,10 +978,12 @@ def _gate_tile(g, st, fr, t):
     nisa.tensor_tensor(dst=og, data1=o, data2=sg, op=nl.multiply)
 
 
-def _gated_T(g, fr, t):
-    """og^T of tile t (d on partitions, per head and d-tile): the stationary operand of its o_proj."""
+def _gated_T(g, fr, t, og=None, ogT=None):
+    """og^T of tile t (d on partitions, per head and d-tile): the stationary operand of its o_proj (``og`` /
+    ``ogT`` default: slot t % 2)."""
     DT = g["DT"]
-    og, ogT = fr["og"][t % 2], fr["ogT"][t % 2]
+    if og == None:
+        og, ogT = fr["og"][t % 2], fr["ogT"][t % 2]
     for h in range(g["Hc"]):
         _transpose_rows(g, og[:, h, :], ogT[:, h * DT:(h + 1) * DT, :], _next_tp(fr),
                         ACT_ENG if h % 2 == 0 else DVE_ENG)
@@ -969,12 +1007,227 @@ def _o_proj_tile(g, wo_sb, fr, out, t):
     nisa.dma_copy(dst=out[t * P:t * P + nt, :], src=y[0:nt, :])      # one DMA of whole rows per tile
 
 
-def _count_nonfinite(g, st, stats):
+# ---- phase 3, fused with the residual all-reduce and the next RMSNorm ---------------------------------------------
+def _fused_steps(g):
+    """The all-reduce groups (``rmsnorm_prefill.allreduce_groups``: group q belongs to core q % n_cores) taken
+    n_cores at a time: step i = groups n i .. n i + n - 1 (the last step may lack the last cores' groups). Every
+    core gates every tile of a step (its heads), keeps its own group's og^T and sends the other's."""
+    groups = allreduce_groups(g["N"], g["H"])
+    n = g["n_cores"]
+    steps = []
+    for i in range(0, len(groups), n):
+        steps.append(groups[i:i + n])
+    return steps
+
+
+def _step_tiles(step):
+    """The 128-token tiles of a step's groups, in order, as (group index in the step, sub-tile, tile)."""
+    out = []
+    for q in range(len(step)):
+        t0, _, kk = step[q]
+        for s in range(kk):
+            out.append((q, s, t0 // P + s))
+    return out
+
+
+def _fused_prepare(g, st, fr, tiles, rs, a, b):
+    """VectorE / ScalarE part of a step's tiles a..b-1: og (this core's heads) into the og ring, and the row sums
+    of their [O | l] into ``rs`` (:func:`_count_nonfinite`'s, taken here off the kernel's tail)."""
+    for k in range(a, b):
+        _gate_tile(g, st, fr, tiles[k][2], fr["og"][k])
+    i0, i1 = tiles[a][2] * g["Hc"], (tiles[b - 1][2] + 1) * g["Hc"]
+    nisa.tensor_reduce(dst=rs[:, i0:i1], op=nl.add, data=st["ol"][:, i0:i1, :], axis=2)
+
+
+def _fused_exchange(g, fr, step, tiles, ogT, recv):
+    """PE transposes of the step's og into ``ogT`` (one tile each), then the og^T swap: per sub-tile j one
+    ``sendrecv`` (same shape on both cores) hands each core the other core's og^T of its own group's sub-tile j
+    (into ``recv[j]``); a core whose group is shorter than the other's receives into ``recv[-1]`` (scratch) and
+    sends its own tile j (a dummy the other core discards)."""
+    for k in range(len(tiles)):
+        _gated_T(g, fr, tiles[k][2], fr["og"][k], ogT[k])
+    c, n = g["core"], g["n_cores"]
+    if n == 1:
+        return
+    first = [0, 0]                  # per core: the step-tile index of its group's first sub-tile
+    kk = [0, 0]                     # per core: its group's sub-tiles (0: no group in this step)
+    for k in range(len(tiles)):
+        if tiles[k][1] == 0:
+            first[tiles[k][0]] = k
+    for q in range(len(step)):
+        kk[q] = step[q][2]
+    for j in range(max(kk[0], kk[1])):
+        peer, mine = 1 - c, c
+        src = ogT[first[peer] + j] if j < kk[peer] else ogT[first[mine] + j]
+        dst = recv[j] if j < kk[mine] else recv[-1]
+        nisa.sendrecv(src=src, dst=dst, send_to_rank=peer, recv_from_rank=peer, pipe_id=0)
+
+
+def _fused_o_proj(g, wo_own, wo_peer, fr, own, recv, s, yg):
+    """The o_proj of sub-tile s of this core's group, all of the rank's heads: per 512 columns, the own heads'
+    blocks accumulated in one PSUM bank (og^T ``own``) and evicted to ``yg`` (float32), then the other core's
+    heads' blocks (its og^T ``recv``) in a second bank, added on VectorE (``yg = yg + bank``: this core's partial +
+    the other's, the operand order of ``residual_allreduce_stage``). LNC=1: one accumulation over every head."""
+    H = g["H"]
+    nblk = g["Hc"] * g["DT"]
+    for n0 in range(0, H, PSUM_COLS):
+        n1 = min(H, n0 + PSUM_COLS)
+        n = fr["n"]
+        fr["n"] = n + 1
+        dst = yg[:, s * H + n0:s * H + n1]
+        y_ps = fr["y_ps"][n % 2][:, 0:n1 - n0]
+        for b in range(nblk):
+            nisa.nc_matmul(dst=y_ps, stationary=own[:, b, :], moving=wo_own[:, b, n0:n1], accumulate=b > 0)
+        nisa.tensor_copy(dst=dst, src=y_ps, engine=ACT_ENG if n % 2 == 0 else DVE_ENG)
+        if wo_peer != None:
+            z_ps = fr["z_ps"][n % 2][:, 0:n1 - n0]
+            for b in range(nblk):
+                nisa.nc_matmul(dst=z_ps, stationary=recv[:, b, :], moving=wo_peer[:, b, n0:n1], accumulate=b > 0)
+            nisa.tensor_tensor(dst=dst, data1=dst, data2=z_ps, op=nl.add, engine=DVE_ENG)
+
+
+def _dense(ring_tile, F, dtype, name):
+    """``ring_tile`` when it is F columns wide, else a tile of its own (collective operands are dense)."""
+    if ring_tile.shape[1] == F:
+        return ring_tile
+    return nl.ndarray((P, F), dtype, buffer=nl.sbuf, name=name)
+
+
+def _finish_fused(g, st, wo_own, wo, fuse, stats):
+    """Phase 3 fused with the composition's next step (:func:`attention_prefill_kernel` with ``residual``): the
+    rank's o_proj output is summed over its cores and ranks, added to the residual and normalised per
+    all-reduce group, on the group's core -- the math of ``megakernel.prefill.residual_allreduce_stage`` (per
+    core) on the unfused kernel's partials, bit for bit, without the fp32 partials' HBM round trip or a launch.
+
+    A software pipeline over this core's groups (one per step, :func:`_fused_steps`), three groups in flight.
+    Iteration i in program order: og of step i+1's tiles (:func:`_fused_prepare`; one ScalarE table switch to
+    sigmoid and back per step); per sub-tile s ScalarE's part of group i-2's RMSNorm, the o_proj of group i's
+    sub-tile s (:func:`_fused_o_proj`), VectorE's part of the norm and its stores; step i+1's og^T and swap
+    (:func:`_fused_exchange`); the residual add and store of group i-1 (its collective has had a whole iteration
+    to finish); the collective of group i over the ranks (one SBUF all-reduce of [rows, kk H] fp32; one
+    destination tile, so it follows that add) and the load of group i's residual rows (two residual tiles: the
+    norm of group i-2 read the other). No in-order engine queue waits on a collective with other work behind it.
+    4K at the real shapes: 1,257.5 us central (the unfused kernel 1,113.4 + the stage 269.0 + a launch;
+    orderings tried: bench/prefill_speed.md)."""
+    act, dp, DT, Hc, H = g["act"], g["dp"], g["DT"], g["Hc"], g["H"]
+    c, n = g["core"], g["n_cores"]
+    steps = _fused_steps(g)
+    kmax = steps[0][0][2]
+    F = kmax * H
+    fr = _finish_tiles(g, st, n * kmax)
+    wo_peer = _load_wo(g, wo, "peer") if n == 2 else None
+    if n == 2:
+        fr["z_ps"] = []
+        for k in range(2):
+            fr["z_ps"].append(nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"pf_z_psum{k}"))
+    wb = None
+    if fuse["norm_out"] != "none":
+        wb = broadcast_weight(fuse["w"], H)
+    ogT = []
+    for k in range(n * kmax):
+        ogT.append(nl.ndarray((dp, Hc * DT, P), act, buffer=nl.sbuf, name=f"pf_ogT{k}"))
+    recv = []
+    for k in range(kmax + 1):       # the last one: the scratch of a shorter group's swap
+        recv.append(nl.ndarray((dp, Hc * DT, P), act, buffer=nl.sbuf, name=f"pf_ogT_recv{k}"))
+    yg = []
+    xs = []
+    for k in range(2):
+        yg.append(nl.ndarray((P, F), F32, buffer=nl.sbuf, name=f"pf_fused_y{k}"))
+        xs.append(nl.ndarray((P, F), act, buffer=nl.sbuf, name=f"pf_fused_residual{k}"))
+    total = nl.ndarray((P, F), F32, buffer=nl.sbuf, name="pf_fused_total")
+    rs = nl.ndarray((P, g["NI"]), F32, buffer=nl.sbuf, name="pf_row_sums")
+
+    S = len(steps)
+    tiles = []
+    for i in range(S):
+        tiles.append(_step_tiles(steps[i]))
+    _fused_prepare(g, st, fr, tiles[0], rs, 0, len(tiles[0]))
+    _fused_exchange(g, fr, steps[0], tiles[0], ogT, recv)
+    items = []                       # this core's groups: ((t0, rows, kk), sum, y tile, residual tile, xT tile)
+    # (the xT tile of the norm's "xT" output is allocated when the group's norm is due)
+    for i in range(S + 2):
+        cur = None
+        if i < S and c < len(steps[i]):
+            t0, rows, kk = steps[i][c]
+            y = _dense(yg[i % 2], kk * H, F32, "pf_fused_y_tail")
+            cur = ((t0, rows, kk), None, y, xs[i % 2], None)
+        items.append(cur)
+        p1 = items[i - 1] if i >= 1 else None       # its residual add is due
+        p2 = items[i - 2] if i >= 2 else None       # its RMSNorm is due
+        if p2 != None:
+            p2 = (p2[0], p2[1], p2[2], p2[3], residual_norm_xT(p2[3], p2[0][2], H, fuse["norm_out"]))
+        kk_cur = cur[0][2] if cur != None else 0
+        kk_p2 = p2[0][2] if p2 != None else 0
+        nxt = tiles[i + 1] if i + 1 < S else []
+        own = []
+        if cur != None:
+            for k in range(len(tiles[i])):
+                if tiles[i][k][0] == c:
+                    own.append(ogT[k])
+        if len(nxt) > 0:
+            _fused_prepare(g, st, fr, nxt, rs, 0, len(nxt))
+        for s in range(max(kk_cur, kk_p2)):
+            normed = None
+            if s < kk_p2:
+                normed = _fused_norm_act(g, fuse, p2, s)
+            if s < kk_cur:
+                _fused_o_proj(g, wo_own, wo_peer, fr, own[s], recv[s], s, cur[2])
+            if s < kk_p2:
+                _fused_norm_dve(g, fuse, wb, p2, s, normed)
+        if p2 != None:
+            residual_norm_store(p2[4], p2[0][1], p2[0][2], fuse["norm_t"], fuse["norm_out"], p2[0][0])
+        if len(nxt) > 0:
+            _fused_exchange(g, fr, steps[i + 1], nxt, ogT, recv)
+        if p1 != None:
+            t0, rows, kk = p1[0]
+            residual_add_rows(p1[3], p1[1], rows, kk, H, token_group_ap(fuse["out"], t0 * H, rows, kk, H))
+        if cur != None:
+            t0, rows, kk = cur[0]
+            tot = cur[2]
+            if fuse["rg"] != None:
+                tot = _dense(total, kk * H, F32, "pf_fused_total_tail")
+                ncc.all_reduce(srcs=[cur[2][0:rows, :]], dsts=[tot[0:rows, :]], replica_group=fuse["rg"],
+                               op=nl.add)
+            nisa.dma_copy(dst=cur[3][0:rows, 0:kk * H], src=token_group_ap(fuse["x"], t0 * H, rows, kk, H))
+            items[i] = (cur[0], tot, cur[2], cur[3], cur[4])
+        if i >= 2:
+            items[i - 2] = None
+    _count_nonfinite(g, st, stats, rs)
+
+
+def _fused_norm_act(g, fuse, item, s):
+    """ScalarE's part of the next RMSNorm of sub-tile s of a group's new residual rows
+    (``rmsnorm_prefill.rmsnorm_scale_tile``: x * rstd, float32) into the group's o_proj tile (dead after its
+    collective and the residual add; sub-tile s's columns serve as its square's work tile too). Returns that
+    float32 tile (None without a norm)."""
+    if fuse["norm_out"] == "none":
+        return None
+    (t0, rows, kk), _, y, xs, _ = item
+    H = g["H"]
+    w = y[:, s * H:(s + 1) * H]
+    return rmsnorm_scale_tile(xs[:, s * H:(s + 1) * H], rows, fuse["eps"], w, w)
+
+
+def _fused_norm_dve(g, fuse, wb, item, s, normed):
+    """VectorE's part of sub-tile s of the group's RMSNorm (``* (1 + w)``, rounded, written over the sub-tile's
+    residual rows: stored already, and the norm's last reader) and its store / transposes
+    (``rmsnorm_prefill.rmsnorm_weight_tile``, ``residual_norm_emit``)."""
+    if fuse["norm_out"] == "none":
+        return
+    (t0, rows, kk), _, _, xs, xt = item
+    H = g["H"]
+    rows_out = rmsnorm_weight_tile(normed, wb, rows, g["act"], xs[:, s * H:(s + 1) * H])
+    residual_norm_emit(rows_out, s, rows, fuse["norm_t"], fuse["norm_out"], t0, g["ident"], xt)
+
+
+def _count_nonfinite(g, st, stats, rs=None):
     """stats[2] = valid rows (pad rows of a partial last tile excluded) whose [O | l] sums to a non-finite
-    value (|sum| <= FLT_MAX is false for NaN and +-Inf; a sum that overflows fp32 also counts)."""
+    value (|sum| <= FLT_MAX is false for NaN and +-Inf; a sum that overflows fp32 also counts). ``rs``: the row
+    sums ``[P, NI]`` when the caller took them already (the fused epilogue, per step)."""
     Hc, NT, NI, N = g["Hc"], g["NT"], g["NI"], g["N"]
-    rs = nl.ndarray((P, NI), F32, buffer=nl.sbuf, name="pf_row_sums")
-    nisa.tensor_reduce(dst=rs, op=nl.add, data=st["ol"], axis=2)
+    if rs == None:
+        rs = nl.ndarray((P, NI), F32, buffer=nl.sbuf, name="pf_row_sums")
+        nisa.tensor_reduce(dst=rs, op=nl.add, data=st["ol"], axis=2)
     fin = nl.ndarray((P, NI), F32, buffer=nl.sbuf, name="pf_row_finite")
     nisa.tensor_scalar(dst=fin, data=rs, op0=nl.abs, operand0=None, op1=nl.less_equal, operand1=FP32_FINITE)
     valid = nl.ndarray((P, NI), F32, buffer=nl.sbuf, name="pf_row_valid")
@@ -996,7 +1249,8 @@ def _count_nonfinite(g, st, stats):
 # ---- wrapper -------------------------------------------------------------------------------------
 @nki.jit
 def attention_prefill_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, eps=1e-6,
-                             key_block=KEY_BLOCK, static_start=None):
+                             key_block=KEY_BLOCK, static_start=None, residual=None, tp=1, next_norm_w=None,
+                             norm_out="none"):
     """Wrapper: HBM in, HBM out. xT ``[P, H/P, N]``; weights from ``attention_layout``; cos/sin ``[N, R]``
     float32; caches ``[1, L, D]``; start ``[1, 1]`` int32.
 
@@ -1004,16 +1258,43 @@ def attention_prefill_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_c
     ``(partials [n_cores, N, H] float32, stats [n_cores, 3] float32, k_cache, v_cache)``: core c's o_proj
     partial in row c (the rank's output is their sum), core c's stats (frozen rows, replay ran, non-finite
     rows) and the caches, mutated in place at rows start..start+N-1.
+
+    With ``residual`` (``[N, H]`` activation dtype, the block's residual) the composition's next step is fused
+    into the o_proj (:func:`_finish_fused`): the new residual ``residual + all-reduce over the cores and tp
+    ranks(partials)`` and, with ``next_norm_w`` (a ``[P, H/P]`` row of ``norms``) and ``norm_out`` "rows" / "xT",
+    its RMSNorm -- bit for bit what ``megakernel.prefill.residual_allreduce_stage(residual, partials, tp, True,
+    next_norm_w, eps, norm_out)`` makes of the partials -> ``(residual [N, H], [normed,] stats, k_cache,
+    v_cache)``; the partials never reach HBM. A launch on every rank of the ``tp`` ranks (its collectives).
     """
     n_cores, core = program_sharding()
     _, KT, N = xT.shape
-    out = nl.ndarray((n_cores, N, KT * P), F32, buffer=nl.shared_hbm, name="attention_prefill_partials")
+    H = KT * P
     stats_out = nl.ndarray((n_cores, 3), F32, buffer=nl.shared_hbm, name="attention_prefill_stats")
-    stats = attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, out[core],
-                                   eps=eps, core=core, n_cores=n_cores, key_block=key_block,
-                                   static_start=static_start)
+    if residual == None:
+        out = nl.ndarray((n_cores, N, H), F32, buffer=nl.shared_hbm, name="attention_prefill_partials")
+        stats = attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, out[core],
+                                       eps, core, n_cores, key_block, static_start)
+        nisa.dma_copy(dst=stats_out[core:core + 1, :], src=stats)
+        return out, stats_out, k_cache, v_cache
+    if tuple(residual.shape) != (N, H) or residual.dtype != xT.dtype or norm_out not in ("none", "rows", "xT") \
+            or (norm_out != "none" and next_norm_w == None):
+        raise ValueError(f"attention_prefill: residual {residual.dtype}{list(residual.shape)} (expected {xT.dtype}"
+                         f"[{N}, {H}]), norm_out {norm_out!r} (none | rows | xT; rows / xT need next_norm_w)")
+    new = nl.ndarray((N, H), residual.dtype, buffer=nl.shared_hbm, name="attention_prefill_residual_out")
+    norm_t = None
+    if norm_out == "rows":
+        norm_t = nl.ndarray((N, H), residual.dtype, buffer=nl.shared_hbm, name="attention_prefill_rows_out")
+    elif norm_out == "xT":
+        norm_t = nl.ndarray((P, KT, N), residual.dtype, buffer=nl.shared_hbm, name="attention_prefill_xT_out")
+    rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
+    fuse = {"x": residual, "rg": rg, "out": new, "norm_t": norm_t, "norm_out": norm_out, "w": next_norm_w,
+            "eps": eps}
+    stats = attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, None,
+                                   eps, core, n_cores, key_block, static_start, None, fuse)
     nisa.dma_copy(dst=stats_out[core:core + 1, :], src=stats)
-    return out, stats_out, k_cache, v_cache
+    if norm_t != None:
+        return new, norm_t, stats_out, k_cache, v_cache
+    return new, stats_out, k_cache, v_cache
 
 
 

@@ -72,7 +72,8 @@ def _ring(shape, dtype, name, depth=RING):
 def rmsnorm_rows_tile(xs, wb, nt, eps, sq=None, y=None, out=None):
     """Residual rows ``xs [P, H]`` SBUF (rows 0..nt-1 valid, activation dtype) -> normed rows ``[P, H]`` SBUF,
     same dtype (rows 0..nt-1 written). ``sq``, ``y`` ([P, H] float32) and ``out`` ([P, H] activation dtype) are
-    the work tiles (allocated when not given: a caller pipelining tiles passes ring buffers)."""
+    the work tiles (allocated when not given: a caller pipelining tiles passes ring buffers; ``sq`` and ``y`` may
+    be one tile). The ScalarE and VectorE parts are :func:`rmsnorm_scale_tile` and :func:`rmsnorm_weight_tile`."""
     H = xs.shape[1]
     if sq == None:
         sq = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_sq")
@@ -80,12 +81,28 @@ def rmsnorm_rows_tile(xs, wb, nt, eps, sq=None, y=None, out=None):
         y = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_y")
     if out == None:
         out = nl.ndarray((P, H), xs.dtype, buffer=nl.sbuf, name="rmsp_rows")
+    rmsnorm_scale_tile(xs, nt, eps, sq, y)
+    return rmsnorm_weight_tile(y, wb, nt, xs.dtype, out)
+
+
+def rmsnorm_scale_tile(xs, nt, eps, sq, y):
+    """ScalarE's part of :func:`rmsnorm_rows_tile`: ``y = xs * rsqrt(mean(xs^2) + eps)`` float32 (rows 0..nt-1;
+    ``sq`` the square's float32 work tile, which may be ``y`` itself). Returns ``y``."""
+    H = xs.shape[1]
     nisa.activation(dst=sq[0:nt, :], op=nl.square, data=xs[0:nt, :])
     ss = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_ss")
     nisa.activation_reduce(dst=sq[0:nt, :], op=nl.copy, data=sq[0:nt, :], reduce_op=nl.add, reduce_res=ss[0:nt, :])
     rstd = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_rstd")
     nisa.activation(dst=rstd[0:nt, :], op=nl.rsqrt, data=ss[0:nt, :], scale=1.0 / H, bias=float(eps))
     nisa.activation(dst=y[0:nt, :], op=nl.copy, data=xs[0:nt, :], scale=rstd[0:nt, :])
+    return y
+
+
+def rmsnorm_weight_tile(y, wb, nt, dtype, out=None):
+    """VectorE's part of :func:`rmsnorm_rows_tile`: ``out = y * (1 + w)`` rounded to ``dtype`` (rows 0..nt-1;
+    ``out`` allocated [P, H] when not given). Returns ``out``."""
+    if out == None:
+        out = nl.ndarray((P, y.shape[1]), dtype, buffer=nl.sbuf, name="rmsp_rows")
     nisa.tensor_tensor(dst=out[0:nt, :], data1=y[0:nt, :], data2=wb[0:nt, :], op=nl.multiply)
     return out
 
@@ -115,28 +132,79 @@ def token_group_ap(t, base, rows, kk, H):
     return t.ap(pattern=[[H, rows], [P * H, kk], [1, H]], offset=base)
 
 
-def residual_norm_tile(xs, total, rows, kk, H, out_rows, norm_t, norm_out, t0, wb, ident, eps):
+AR_TILE_BYTES = 16 * 1024   # bytes per partition of one all-reduce collective's fp32 operand (2 tokens x H 2048)
+
+
+def allreduce_groups(N, H):
+    """The token groups of the on-chip residual all-reduce of an N-token chunk (``megakernel.prefill.
+    residual_allreduce_stage`` and the fused epilogues of ``attention_prefill`` / ``moe_prefill``): a list of
+    ``(t0, rows, kk)`` -- ``kk`` 128-token sub-tiles from token t0, ``rows`` partitions used (sub-tile s holds tokens
+    t0 + 128 s + p on partition p, :func:`token_group_ap`). Groups of k = AR_TILE_BYTES / (4 H) sub-tiles (2 at H =
+    2048: one collective per 16 KB fp32 per partition) while k whole sub-tiles remain, then single sub-tiles. Group g
+    belongs to core g % n_cores."""
+    k = max(1, min(AR_TILE_BYTES // (4 * H), N // P))
+    groups = []
+    t0 = 0
+    while t0 < N:
+        kk = k if N - t0 >= P * k else 1
+        rows = min(P, N - t0)
+        groups.append((t0, rows, kk))
+        t0 = t0 + rows * kk
+    return groups
+
+
+def residual_norm_tile(xs, total, rows, kk, H, out_rows, norm_t, norm_out, t0, wb, ident, eps, sq=None, y=None):
     """The step after a cross-core / cross-rank sum: ``xs[0:rows, 0:kk H] += total`` (the new residual, rounded to
     the activation dtype; ``xs`` SBUF residual rows, ``total`` their float32 sum, both [P, >= kk H] in sub-tile
     groups: column block s holds tokens t0 + 128 s + p on partition p) written to ``out_rows`` (the HBM access
     pattern of those rows), and with ``norm_out`` "rows" / "xT" its RMSNorm per sub-tile (``wb``
     :func:`broadcast_weight`, ``ident`` the identity for the transposes) into ``norm_t`` (HBM rows ``[N, H]`` or
-    xT ``[P, H/P, N]``)."""
-    F = kk * H
-    J = H // P
-    nisa.tensor_tensor(dst=xs[0:rows, 0:F], data1=xs[0:rows, 0:F], data2=total[0:rows, 0:F], op=nl.add)
-    nisa.dma_copy(dst=out_rows, src=xs[0:rows, 0:F])
+    xT ``[P, H/P, N]``). ``sq`` / ``y``: optional float32 ``[P, H]`` work tiles of the norm (:func:`rmsnorm_rows_tile`;
+    a caller short of SBUF passes tiles that are dead by then). The three steps are :func:`residual_add_rows`,
+    :func:`residual_norm_sub_tile` per sub-tile and :func:`residual_norm_store`; a caller may interleave them
+    with other work (same instructions), or split the norm itself (:func:`rmsnorm_scale_tile`,
+    :func:`rmsnorm_weight_tile`, :func:`residual_norm_emit`)."""
+    residual_add_rows(xs, total, rows, kk, H, out_rows)
     if norm_out == "none":
         return
-    xt = None
-    if norm_out == "xT":
-        xt = nl.ndarray((P, J, kk * P), xs.dtype, buffer=nl.sbuf, name="rmsp_res_xT")
+    xt = residual_norm_xT(xs, kk, H, norm_out)
     for s in range(kk):
-        normed = rmsnorm_rows_tile(xs[:, s * H:(s + 1) * H], wb, rows, eps)
-        if norm_out == "rows":
-            nisa.dma_copy(dst=norm_t[t0 + s * P:t0 + s * P + rows, :], src=normed[0:rows, :])
-        else:
-            feature_major_tile(normed, rows, ident, xt, s * P)
+        residual_norm_sub_tile(xs, s, rows, H, norm_t, norm_out, t0, wb, ident, eps, xt, sq, y)
+    residual_norm_store(xt, rows, kk, norm_t, norm_out, t0)
+
+
+def residual_add_rows(xs, total, rows, kk, H, out_rows):
+    """``xs[0:rows, 0:kk H] += total`` (rounded to the activation dtype) and one DMA of the rows to ``out_rows``."""
+    F = kk * H
+    nisa.tensor_tensor(dst=xs[0:rows, 0:F], data1=xs[0:rows, 0:F], data2=total[0:rows, 0:F], op=nl.add)
+    nisa.dma_copy(dst=out_rows, src=xs[0:rows, 0:F])
+
+
+def residual_norm_xT(xs, kk, H, norm_out):
+    """The group's feature-major SBUF tile ``[P, H/P, kk P]`` for ``norm_out`` "xT" (else None)."""
+    if norm_out != "xT":
+        return None
+    return nl.ndarray((P, H // P, kk * P), xs.dtype, buffer=nl.sbuf, name="rmsp_res_xT")
+
+
+def residual_norm_sub_tile(xs, s, rows, H, norm_t, norm_out, t0, wb, ident, eps, xt, sq=None, y=None):
+    """RMSNorm of sub-tile s of a group's residual rows ``xs`` (tokens t0 + 128 s + p), emitted by
+    :func:`residual_norm_emit`."""
+    normed = rmsnorm_rows_tile(xs[:, s * H:(s + 1) * H], wb, rows, eps, sq, y)
+    residual_norm_emit(normed, s, rows, norm_t, norm_out, t0, ident, xt)
+
+
+def residual_norm_emit(normed, s, rows, norm_t, norm_out, t0, ident, xt):
+    """Sub-tile s of a group's normed rows ``normed [P, H]`` SBUF: "rows" stored to ``norm_t`` at once, "xT"
+    transposed into the group's tile ``xt`` (:func:`residual_norm_store` writes it)."""
+    if norm_out == "rows":
+        nisa.dma_copy(dst=norm_t[t0 + s * P:t0 + s * P + rows, :], src=normed[0:rows, :])
+    else:
+        feature_major_tile(normed, rows, ident, xt, s * P)
+
+
+def residual_norm_store(xt, rows, kk, norm_t, norm_out, t0):
+    """One DMA of a group's xT columns (``norm_out`` "xT"; nothing otherwise)."""
     if norm_out == "xT":
         nisa.dma_copy(dst=norm_t[:, :, t0:t0 + kk * rows], src=xt[:, :, 0:kk * rows])
 

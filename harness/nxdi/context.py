@@ -7,9 +7,10 @@ graph shares: GDN checkpoint slot 0 (the recurrent state and conv window after t
 before it: the state is carried from chunk to chunk), the trunk's and the MTP layer's K/V rows s .. s+v-1. It is
 the pass of ``megakernel.prefill`` for one chunk (``megakernel.prefill.prefill_plan``), composed as
 ``harness.prefill`` predicts it: the chunk's embedding (``embedding_prefill``, one launch) and the first layer's
-input RMSNorm; per layer ``gdn_prefill`` or ``attention_prefill``, the residual all-reduce fused with the
-post-attention RMSNorm (``residual_allreduce_stage``), then ``moe_prefill`` with its all-reduce, the residual add
-and the next RMSNorm fused into its combine (``moe_prefill(residual=, tp=, norm_w=, norm_out=)``: the next layer's
+input RMSNorm; per layer ``gdn_prefill`` then the residual all-reduce fused with the post-attention RMSNorm
+(``residual_allreduce_stage``), or ``attention_prefill`` with that all-reduce, the residual add and the norm fused
+into its o_proj (``attention_prefill_kernel(..., residual, tp, next_norm_w, "rows")``); then ``moe_prefill`` with
+its all-reduce, the residual add and the next RMSNorm fused into its combine (``moe_prefill(residual=, tp=, norm_w=, norm_out=)``: the next layer's
 input norm, after the last layer the final norm's rows); the MTP fc over the chunk's rows (their embedding one
 more ``embedding_prefill`` launch) and the MTP layer's K/V rows (``attention_prefill_kv_kernel``); the decode head
 stage on row v-1. It is traced as that sequence of NKI custom calls (:func:`megakernel_context`), or, for the xla
@@ -205,8 +206,8 @@ def _replace(stack: torch.Tensor, a: int, rows: torch.Tensor) -> torch.Tensor:
 def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> list[torch.Tensor]:
     """One rank's context graph of the megakernel backend: the NKI prefill kernels as custom calls, each launched
     ``kernel[lnc](...)`` on every rank (the replicated ones -- embedding, RMSNorm -- too: SPMD), in the sequence
-    ``harness.prefill.predict`` costs (module docstring): 2 + 3 x layers launches for the trunk (an attention
-    layer's mixer one launch per K/V group), 4 for the MTP head, 1 for the head stage. w: the rank's
+    ``harness.prefill.predict`` costs (module docstring): 2 + 2 x layers + GDN layers launches for the trunk (an
+    attention layer's mixer one launch per K/V group), 4 for the MTP head, 1 for the head stage. w: the rank's
     ``megakernel.sharded.rank_weights``; st: its decode state (``plan.STATE`` names, not modified); rt: the run-time
     inputs as tensors; coll: the TP collectives (the MTP fc columns and the head's argmax are gathered over ranks).
     Returns [the token after the chunk [1, 1], the greedy token after its last real row [1, 1] int32, that row's
@@ -231,17 +232,21 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
     def embed(tok):                # ONE launch for the chunk's ids [C, 1] int32
         return embedding_prefill_kernel[lnc](w["embed"], tok)
 
-    def attention(layer, xT):
+    def attention(layer, xT, x):   # the all-reduce, residual add and post-attention norm fused (residual=)
         nonlocal kc, vc
-        total = None
-        for g in range(layer.groups):
+        normed = None
+        for g in range(layer.groups):  # several KV groups on a rank: each group's output is added in turn
             a = layer.mixer * layer.groups + g
-            part, _, k_new, v_new = attention_prefill_kernel[lnc](
+            last = g == layer.groups - 1
+            out = attention_prefill_kernel[lnc](
                 xT, w["attn_wqg"][a], w["attn_wk"][a], w["attn_wv"][a], w["attn_wo"][a], w["attn_norm_w"][a],
-                cos, sin, kc[a:a + 1], vc[a:a + 1], start, eps, KEY_BLOCK, None)
-            kc, vc = _replace(kc, a, k_new), _replace(vc, a, v_new)
-            total = part if total is None else total + part
-        return total
+                cos, sin, kc[a:a + 1], vc[a:a + 1], start, eps, KEY_BLOCK, None, x, tp,
+                norms[layer.post_norm] if last else None, "rows" if last else "none")
+            x = out[0]
+            if last:
+                normed = out[1]
+            kc, vc = _replace(kc, a, out[-2]), _replace(vc, a, out[-1])
+        return x, normed
 
     def kv_rows(layer, xT):        # K/V rows only: the MTP layer's attention output is not needed
         nonlocal kc, vc
@@ -263,9 +268,9 @@ def megakernel_context(plan, w: dict, st: dict, rt: dict, coll, lnc: int) -> lis
                 w["gdn_dt_bias"][j], w["gdn_norm_w"][j], w["gdn_w_out"][j], windows[j], states[j], slot, slot, eps,
                 False)
             part = pad_last(part, valid, 1)
+            x, normed = residual_allreduce_stage[lnc](x, part, tp, True, norms[layer.post_norm], eps, "rows")
         else:
-            part = attention(layer, xT)
-        x, normed = residual_allreduce_stage[lnc](x, part, tp, True, norms[layer.post_norm], eps, "rows")
+            x, normed = attention(layer, xT, x)
         # the MoE with its all-reduce, the residual add and the next RMSNorm fused into its combine: the next
         # layer's input norm (xT), after the last layer the final norm's rows (the MTP head's hidden) or nothing
         table, e = layer.experts

@@ -206,11 +206,13 @@ class _Recorded:
 
 def test_megakernel_context_runs_the_predicted_kernel_sequence(tiny_cfg, monkeypatch):
     """``megakernel_context``'s custom calls are the sequence ``harness.prefill.predict`` costs: ONE
-    ``embedding_prefill`` launch for the chunk's C ids (and one for the MTP rows' ids), per layer the mixer, the
-    residual all-reduce fused with the post-attention norm, then ``moe_prefill`` with the MoE all-reduce, the
-    residual add and the next norm fused (its residual the all-reduce's output, the next layer's input norm's xT its
-    normed output, the final norm's rows after the last layer) and no separate stage after it; the MTP fc and K/V
-    rows; the head stage. No host all-reduce. (The numbers: the slow megakernel flow test below.)"""
+    ``embedding_prefill`` launch for the chunk's C ids (and one for the MTP rows' ids), per layer the mixer --
+    ``gdn_prefill`` then the residual all-reduce fused with the post-attention norm, or ``attention_prefill`` with
+    that all-reduce, the residual add and the norm fused (its residual the previous layer's, its rows the MoE's
+    input) and no separate stage after it -- then ``moe_prefill`` with the MoE all-reduce, the residual add and the
+    next norm fused (its residual the mixer step's output, the next layer's input norm's xT its normed output, the
+    final norm's rows after the last layer) and no separate stage after it; the MTP fc and K/V rows; the head
+    stage. No host all-reduce. (The numbers: the slow megakernel flow test below.)"""
     from megakernel import layerwise, prefill
     from model.params import random_params
     from model.tp.collectives import Collectives
@@ -237,11 +239,16 @@ def test_megakernel_context_runs_the_predicted_kernel_sequence(tiny_cfg, monkeyp
             return z(C, H), torch.ones(lnc, 1)
         return (residual.clone(), *normed(norm_out), torch.ones(lnc, 1))
 
+    def attention(*a):
+        if len(a) < 15 or a[14] is None:             # the unfused form: per-core partials
+            return z(lnc, C, H), z(lnc, 3), a[8], a[9]
+        return (a[14].clone(), *normed(a[17]), z(lnc, 3), a[8], a[9])
+
     stubs = {
         (embedding_prefill, "embedding_prefill_kernel"): lambda table, ids: z(ids.shape[0], H),
         (rmsnorm_prefill, "rmsnorm_prefill_kernel"): lambda x, *a: (z(P, H // P, x.shape[0]),),
         (gdn_prefill, "gdn_prefill_kernel"): lambda *a: (z(lnc, C, H), a[8], a[7], torch.ones(1, 1)),
-        (attention_prefill, "attention_prefill_kernel"): lambda *a: (z(lnc, C, H), z(C, 3), a[8], a[9]),
+        (attention_prefill, "attention_prefill_kernel"): attention,
         (attention_prefill, "attention_prefill_kv_kernel"): lambda *a: (z(lnc, 1), a[6], a[7]),
         (prefill, "residual_allreduce_stage"): lambda x, part, tp_, per_core, norm_w=None, eps=1e-6, norm_out="none":
             (x.clone(), *normed(norm_out)),
@@ -261,13 +268,16 @@ def test_megakernel_context_runs_the_predicted_kernel_sequence(tiny_cfg, monkeyp
 
     want = ["embedding_prefill_kernel", "rmsnorm_prefill_kernel"]
     for layer in plan.layers:
-        mixer = ["gdn_prefill_kernel"] if layer.kind == rp.GDN else ["attention_prefill_kernel"] * layer.groups
-        want += mixer + ["residual_allreduce_stage", "moe_prefill"]
+        mixer = (["gdn_prefill_kernel", "residual_allreduce_stage"] if layer.kind == rp.GDN
+                 else ["attention_prefill_kernel"] * layer.groups)
+        want += mixer + ["moe_prefill"]
     want += ["embedding_prefill_kernel", "mtp_fc_prefill_stage", "rmsnorm_prefill_kernel"]
     want += ["attention_prefill_kv_kernel"] * plan.mtp.groups + ["head_stage"]
     names = [c[0] for c in calls]
     assert names == want
-    assert len(names) == 2 + 3 * len(plan.layers) + 4 + 1       # harness.prefill.predict: a last chunk
+    n_gdn = sum(1 for layer in plan.layers if layer.kind == rp.GDN)
+    assert 0 < n_gdn < len(plan.layers)
+    assert len(names) == 2 + 2 * len(plan.layers) + n_gdn + 4 + 1     # harness.prefill.predict: a last chunk
 
     embeds = [c for c in calls if c[0] == "embedding_prefill_kernel"]
     assert torch.equal(embeds[0][1][1], rt["ids"][0:C]) and torch.equal(embeds[1][1][1], rt["ids"][1:C + 1])
@@ -275,10 +285,23 @@ def test_megakernel_context_runs_the_predicted_kernel_sequence(tiny_cfg, monkeyp
     for i, layer in enumerate(plan.layers):
         at = [k for k, c in enumerate(calls) if c[0] == "moe_prefill"][i]
         ar, moe, after = calls[at - 1], calls[at], calls[at + 1]
-        assert ar[0] == "residual_allreduce_stage" and ar[1][2:4] == (tp, True) and ar[1][6] == "rows"
-        assert torch.equal(ar[1][4], norms[layer.post_norm])
+        before = calls[at - 2] if layer.kind == rp.GDN else ar          # the mixer's call
+        if layer.kind == rp.GDN:
+            assert ar[0] == "residual_allreduce_stage" and ar[1][2:4] == (tp, True) and ar[1][6] == "rows"
+            assert torch.equal(ar[1][4], norms[layer.post_norm])
+            assert torch.equal(ar[1][1], ctx.pad_last(before[2][0], rt["valid"], 1))   # the GDN's partials
+            residual_in = ar[1][0]
+        else:                                                     # all-reduce + residual + norm fused
+            assert ar[0] == "attention_prefill_kernel" and len(ar[1]) == 18 and ar[1][15] == tp
+            assert ar[1][17] == "rows" and torch.equal(ar[1][16], norms[layer.post_norm])
+            residual_in = ar[1][14]
+        if i == 0:                                                # the block's residual: the embedding, ...
+            assert residual_in is embeds[0][2]
+        else:                                                     # ... then the previous MoE's new residual
+            assert residual_in is [c for c in calls if c[0] == "moe_prefill"][i - 1][2][0]
         args = moe[1]
-        assert args[5] is None and args[6] is ar[2][0] and args[7] == tp     # the residual: the all-reduce's output
+        assert args[5] is None and args[6] is ar[2][0] and args[7] == tp     # the residual: the mixer step's output
+        assert torch.equal(args[0], moe_prefill.token_rows(ar[2][1]))         # its input: that step's normed rows
         last = i == len(plan.layers) - 1
         assert args[10] == ("rows" if last else "xT")
         assert torch.equal(args[8], norms[plan.norms.final if last else plan.layers[i + 1].in_norm])

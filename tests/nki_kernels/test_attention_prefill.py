@@ -504,3 +504,80 @@ def test_kv_rows_only_reports_nan_input():
     _, _, kv, bad = _kv_only(TINY, torch.bfloat16, 300, 0, 2, edit_x=poison)
     assert bad.ravel().tolist() == [1.0, 1.0]
     assert not torch.isfinite(kv[0][:, 200].float()).all() and torch.isfinite(kv[0][:, :200].float()).all()
+
+
+# ---- the fused next step (all-reduce over cores and ranks + residual add + RMSNorm in the o_proj) ----------------
+def _fused_vs_stage(name, dtype, N, start, tp, lnc, norm_out, key_block=pf.KEY_BLOCK):
+    """attention_prefill_kernel(residual=...) on tp ranks vs attention_prefill_kernel then
+    megakernel.prefill.residual_allreduce_stage (the separate launch it replaces): (fused outputs per rank,
+    stage outputs per rank, fused stats / caches, unfused stats / caches)."""
+    from megakernel.prefill import residual_allreduce_stage
+    from nki_kernels.rmsnorm import rmsnorm_weight_layout
+    cfg = preset(name)
+    H = cfg.hidden_size
+    L = max(key_block, -(-(start + N) // 128) * 128)
+    x, k0, v0 = _inputs(cfg, dtype, N, start, L, seed=N)
+    residual = torch.randn(N, H, generator=torch.Generator().manual_seed(N + 1)).to(dtype)
+    w = rmsnorm_weight_layout(torch.randn(H, generator=torch.Generator().manual_seed(5)) * 0.1)
+    w_arg = w if norm_out != "none" else None
+    layouts = [attention_layout(_shard(name, dtype, r)[1]) for r in range(tp)]
+    kern = pf.attention_prefill_kernel[lnc] if lnc > 1 else pf.attention_prefill_kernel
+
+    def args(r):
+        return pf.kernel_args(layouts[r], x, k0.clone(), v0.clone(), start, cfg, key_block=key_block)
+
+    plain = nkisim.launch(kern, [args(r) for r in range(tp)], tp=tp, lnc=lnc)
+    stage = residual_allreduce_stage[lnc] if lnc > 1 else residual_allreduce_stage
+    want = nkisim.launch(stage, [(residual, o[0], tp, True, w_arg, float(cfg.rms_norm_eps), norm_out) for o in plain],
+                         tp=tp, lnc=lnc)
+    got = nkisim.launch(kern, [args(r) + (residual, tp, w_arg, norm_out) for r in range(tp)], tp=tp, lnc=lnc)
+    return got, want, plain, residual
+
+
+@pytest.mark.parametrize("N,start,tp,lnc,norm_out", [(300, 0, 4, 2, "rows"), (129, 1000, 2, 1, "none"),
+                                                     (640, 1100, 2, 2, "xT")], ids=str)
+def test_fused_residual_allreduce_equals_the_separate_stage(N, start, tp, lnc, norm_out):
+    """attention_prefill_kernel(residual=, tp=, next_norm_w=, norm_out=) on every rank equals the unfused kernel
+    followed by residual_allreduce_stage (per-core partials), bit for bit: the new residual and its normed rows /
+    xT, the stats and the K/V caches. N = 300 (tiny: 2-tile groups) gives core 0 a 2-tile group and core 1 a
+    partial 1-tile one (an uneven og^T swap); 640 at start 1100 runs three pipeline steps over context blocks;
+    LNC=1 one accumulation over every head."""
+    got, want, plain, residual = _fused_vs_stage(TINY, torch.bfloat16, N, start, tp, lnc, norm_out)
+    for r in range(tp):
+        exp = want[r] if isinstance(want[r], tuple) else (want[r],)
+        assert len(got[r]) == len(exp) + 3
+        for a, b in zip(got[r][:len(exp)], exp):
+            a, b = torch.as_tensor(a), torch.as_tensor(b)
+            assert a.dtype == torch.bfloat16 and torch.isfinite(a.float()).all() and (a != 0).any()
+            assert torch.equal(_bits(a), _bits(b))
+        for a, b in zip(got[r][len(exp):], plain[r][1:]):            # stats, k_cache, v_cache
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    assert not torch.equal(torch.as_tensor(got[0][0]), residual)     # the attention output was added
+
+
+def test_shape_only_real_4k_fused_fits():
+    """Shape-only trace of the fused kernel (rows out) on a 4096-token chunk at real shapes (LNC=2, one rank, no
+    collective: the same tiles): fits SBUF (the planner's bound within 10% of nkisim's peak, under the budget),
+    wqg / wk / wv read once over the two cores and the o_proj weight twice (each core projects its rows over all
+    of the rank's heads), the residual read once, no float32 partials written."""
+    cfg = preset(REAL)
+    kernel, args = attention_prefill_launch(cfg, N=4096)
+    H = cfg.hidden_size
+    full = tuple(args) + (nkisim.ShapeDtype((4096, H), "bfloat16"), 1, nkisim.ShapeDtype((pf.P, H // pf.P), "float32"),
+                          "rows")
+    with nkisim.trace.capture() as tr:
+        kernel(*full)
+    peak = max(m["sbuf_peak_bytes_per_partition"] for m in tr.launches[0]["memory"])
+    plan = pf.sbuf_bytes(4096, cfg.head_dim, H, 2, 2, fused="rows")
+    assert peak <= plan <= 1.1 * peak and plan <= pf.SBUF_BUDGET
+    reads = {}
+    for r in tr.instructions:
+        if r["op"] == "dma_copy":
+            for reg in r["reads"]:
+                reads[reg["name"]] = reads.get(reg["name"], 0) + r["bytes"].get("shared_hbm", {}).get("read", 0)
+    for name, i, times in (("arg1", 1, 1), ("arg2", 2, 1), ("arg3", 3, 1), ("arg4", 4, 2), ("arg11", 14, 1)):
+        assert reads[name] == times * int(np.prod(full[i].shape)) * 2          # wqg, wk, wv, wo, residual
+    writes = sum(r["bytes"].get("shared_hbm", {}).get("write", 0) for r in tr.instructions if r["op"] == "dma_copy")
+    assert writes == 2 * 4096 * H * 2 + 2 * 4096 * cfg.head_dim * 2 + 2 * 3 * 4    # residual, rows, K/V rows, stats
+    with pytest.raises(ValueError, match="SBUF"):                   # the xT output's group tile does not fit at 4K
+        kernel(*(full[:-1] + ("xT",)))
