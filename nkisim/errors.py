@@ -28,3 +28,15 @@ class LaunchAborted(Exception):
 
 def fail(op, msg, exc=NkiValidationError):
     raise exc(f"{op}: {msg}")
+
+
+def by_switch(level, msg, stacklevel=4):
+    """Apply a rule whose severity is a ``nkisim.hw`` switch: "error" raises NkiValidationError, "warn" warns
+    NkiFidelityWarning, "off" does nothing."""
+    if level == "error":
+        raise NkiValidationError(msg)
+    if level == "warn":
+        import warnings
+        warnings.warn(msg, NkiFidelityWarning, stacklevel=stacklevel)
+    elif level != "off":
+        raise ValueError(f"nkisim.hw switch value {level!r}: expected 'error', 'warn' or 'off'")

@@ -48,6 +48,18 @@ ENGINE_PSUM_FMAX = 4096
 # met "tensor_tensor cannot run on Pool" (shared/docs/trn2-costs.md, "Pitfalls met on real hardware"); the SDK-ISA
 # docstring lists engine=gpsimd without the restriction. When in doubt, refuse.
 POOL_FLOAT_TENSOR_TENSOR = "error"
+# tensor_tensor on GpSimd with a bitvec operator (bitwise_and / _or / _xor, shifts): "error" (default), "warn" or "off".
+# The SDK-ISA tensor_tensor docstring: "For bitvec operators, the input/output data types must be integer types and
+# Vector Engine treats all input elements as bit patterns"; int32/uint32 tiles go to GpSimd only for arithmetic
+# operators ("native integer arithmetic"); the 2.23 release notes add GpSimd "add, multiply in 32bit integer";
+# tensor_scalar: "If bitvec operators are used, the tensor_scalar instruction must run on Vector Engine". No source
+# runs a bitvec op on GpSimd, so nkisim refuses it and routes the int32 default of a bitvec op to VectorE.
+POOL_BITVEC_TENSOR_TENSOR = "error"
+# An SBUF -> SBUF dma_copy whose source and destination span different partition counts (e.g. [T, 1] -> [1, T]):
+# "error" (default), "warn" or "off". shared/docs/trn2-costs.md, "Pitfalls met on real hardware": "`dma_copy` needs
+# equal partition counts src/dst; SBUF APs cannot fold partitions into a row." (the SDK only requires equal element
+# counts). Move through an HBM scratch, or transpose on the PE, instead.
+DMA_SBUF_PARTITION_FOLD = "error"
 
 # --- start-partition rule (SDK-ARCH "Accessing SBUF/PSUM tensors using compute engines") ------
 # n partitions in (64, 128] must start at 0; (32, 64] at 0 or 64; (0, 32] at 0/32/64/96.

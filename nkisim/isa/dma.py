@@ -2,7 +2,8 @@
 import numpy as np
 
 from .. import dtypes
-from ..errors import NkiValidationError, OutOfBoundsError
+from .. import hw
+from ..errors import NkiValidationError, OutOfBoundsError, by_switch
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, materialize, written_array
 from ..site import current
 from ..tensor import NkiTensor, check_written, covers, element_addresses, first_unwritten, raw
@@ -78,6 +79,14 @@ def run_bytes(t):
     return run
 
 
+def _partition_fold(op, src, dst):
+    by_switch(hw.DMA_SBUF_PARTITION_FOLD,
+              f"{op}: SBUF -> SBUF copy from {src.shape[0]} partitions ({src.describe()}) to {dst.shape[0]} "
+              f"({dst.describe()}): trn2-costs 'Pitfalls met on real hardware': dma_copy needs equal partition counts "
+              f"src/dst, SBUF access patterns cannot fold partitions into a row; go through HBM or transpose on the "
+              f"PE (switch: nkisim.hw.DMA_SBUF_PARTITION_FOLD)")
+
+
 def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, engine=E.unknown, name=None):
     op = OP
     for nm, t in (("dst", dst), ("src", src)):
@@ -100,6 +109,8 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
     if dst.size != src.size:
         raise NkiValidationError(f"{op}: src {src.describe()} has {src.size} elements but dst {dst.describe()} has "
                                  f"{dst.size}; the total element counts must match")
+    if dst.buffer in ON_CHIP and src.buffer in ON_CHIP and dst.shape[0] != src.shape[0]:
+        _partition_fold(op, src, dst)
     vec = [nm for nm, t in (("dst", dst), ("src", src)) if t.indirect is not None and t.indirect.kind == "vector"]
     if vec:
         if len(vec) == 2:

@@ -5,7 +5,7 @@ import numpy as np
 from ..runtime import QUIET
 
 from .. import dtypes, hw, int32, ops
-from ..errors import NkiValidationError
+from ..errors import NkiValidationError, by_switch
 from ..memory import ON_CHIP, PSUM, SBUF
 from ..tensor import NkiTensor, raw
 from .common import (F32_UFUNC_ARITH, REACH, Instruction, accumulate, check_enum, column_values, geom, is_scalar,
@@ -67,15 +67,17 @@ def _engine_of(where, engine, default, allowed):
 
 
 def _pool_float(where):
-    msg = (f"{where}: engine=gpsimd with floating-point operands: GpSimd runs tensor_tensor only on int32/uint32 "
-           f"operands or op=nl.power (ref §5.0 engine map; trn2-costs 'Pitfalls met on real hardware': "
-           f"'tensor_tensor cannot run on Pool'); use VectorE (switch: nkisim.hw.POOL_FLOAT_TENSOR_TENSOR)")
-    if hw.POOL_FLOAT_TENSOR_TENSOR == "error":
-        raise NkiValidationError(msg)
-    if hw.POOL_FLOAT_TENSOR_TENSOR == "warn":
-        import warnings
-        from ..errors import NkiFidelityWarning
-        warnings.warn(msg, NkiFidelityWarning, stacklevel=3)
+    by_switch(hw.POOL_FLOAT_TENSOR_TENSOR,
+              f"{where}: engine=gpsimd with floating-point operands: GpSimd runs tensor_tensor only on int32/uint32 "
+              f"operands or op=nl.power (ref §5.0 engine map; trn2-costs 'Pitfalls met on real hardware': "
+              f"'tensor_tensor cannot run on Pool'); use VectorE (switch: nkisim.hw.POOL_FLOAT_TENSOR_TENSOR)")
+
+
+def _pool_bitvec(where, op):
+    by_switch(hw.POOL_BITVEC_TENSOR_TENSOR,
+              f"{where}: engine=gpsimd with bitvec op {op!r}: the SDK-ISA documents bitvec operators on VectorE only "
+              f"(int32 tensor_tensor goes to GpSimd for arithmetic operators); use VectorE "
+              f"(switch: nkisim.hw.POOL_BITVEC_TENSOR_TENSOR)")
 
 
 def _operands(where, eng, *named):
@@ -95,12 +97,14 @@ def tensor_tensor(dst, data1, data2, op, engine=E.unknown, name=None):
         tensor(w, nm, t, ON_CHIP)
     ints = dst.dtype in _INT32 and data1.dtype in _INT32 and data2.dtype in _INT32
     anypsum = dst.storage.psum or data1.storage.psum or data2.storage.psum
-    default = "POOL" if (o.name == "power" or (ints and not anypsum)) else "DVE"
+    default = "POOL" if (o.name == "power" or (ints and not anypsum and o.kind != "bitvec")) else "DVE"
     eng = _engine_of(w, engine, default, ("DVE", "POOL"))
     if o.name == "power" and eng != "POOL":
         raise NkiValidationError(f"{w}: op=nl.power runs on GpSimd only")
     if eng == "POOL" and not ints and o.name != "power":
         _pool_float(w)
+    if eng == "POOL" and o.kind == "bitvec":
+        _pool_bitvec(w, o.name)
     _operands(w, eng, ("dst", dst), ("data1", data1), ("data2", data2))
     match(w, "dst", dst, "data1", data1)
     match(w, "dst", dst, "data2", data2)

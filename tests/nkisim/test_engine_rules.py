@@ -9,6 +9,7 @@ import pytest
 import nki
 import nki.isa as nisa
 import nki.language as nl
+import nkisim
 from nkisim_helpers import run_body
 from nkisim import NkiValidationError
 
@@ -78,6 +79,50 @@ def test_gpsimd_tensor_tensor_on_int32_is_accepted():
         c = nl.ndarray((4, 8), nl.int32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=c, data1=a, data2=a, op=nl.add, engine=nisa.engine.gpsimd)
     run_body(body)
+
+
+@pytest.mark.parametrize("op", [nl.bitwise_and, nl.bitwise_xor, nl.left_shift])
+def test_gpsimd_runs_no_bitvec_tensor_tensor(op):
+    """SDK-ISA tensor_tensor: bitvec operators are documented on VectorE ("Vector Engine treats all input elements as
+    bit patterns"); int32 goes to GpSimd for arithmetic only. Explicit engine=gpsimd is refused; the int32 default
+    of a bitvec op is VectorE (the trace says so), and an int32 add still defaults to GpSimd."""
+    def ints(name):
+        t = nl.ndarray((4, 8), nl.int32, buffer=nl.sbuf, name=name)
+        nisa.memset(dst=t, value=3)
+        return t
+
+    def on_pool(x):
+        nisa.tensor_tensor(dst=ints("c"), data1=ints("a"), data2=ints("b"), op=op, engine=nisa.engine.gpsimd)
+
+    def by_default(x):
+        nisa.tensor_tensor(dst=ints("c"), data1=ints("a"), data2=ints("b"), op=op)
+        nisa.tensor_tensor(dst=ints("d"), data1=ints("a"), data2=ints("b"), op=nl.add)
+    with pytest.raises(NkiValidationError, match=r"engine=gpsimd with bitvec op.*POOL_BITVEC_TENSOR_TENSOR"):
+        run_body(on_pool)
+    with nkisim.trace.capture() as tr:
+        run_body(by_default)
+    engines = [r["engine"] for r in tr.instructions if r["op"] == "tensor_tensor"]
+    assert engines == ["DVE", "POOL"], engines
+
+
+def test_sbuf_to_sbuf_dma_cannot_fold_partitions():
+    """trn2-costs 'Pitfalls met on real hardware': dma_copy needs equal partition counts src/dst; SBUF access
+    patterns cannot fold partitions into a row. [4, 1] -> [1, 4] on chip is refused; through HBM it is accepted,
+    and an on-chip copy between equal partition counts stays accepted."""
+    def fold(x):
+        col = _zeros((4, 1), nl.float32)
+        nisa.dma_copy(dst=nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf), src=col)
+
+    def via_hbm(x):
+        col = _zeros((4, 1), nl.float32)
+        scratch = nl.ndarray((4, 1), nl.float32, buffer=nl.private_hbm)
+        nisa.dma_copy(dst=scratch, src=col)
+        nisa.dma_copy(dst=nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf), src=scratch.ap(pattern=[[4, 1], [1, 4]],
+                                                                                          offset=0))
+        nisa.dma_copy(dst=nl.ndarray((4, 2), nl.float32, buffer=nl.sbuf)[:, 0:1], src=col)
+    with pytest.raises(NkiValidationError, match=r"cannot fold partitions into a row.*DMA_SBUF_PARTITION_FOLD"):
+        run_body(fold)
+    run_body(via_hbm)
 
 
 @pytest.mark.parametrize("buf, free, ok", [(nl.sbuf, 65536, True), (nl.sbuf, 65537, False),
