@@ -81,8 +81,9 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
     int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v). With ``noise_v``
     and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``).
     With ``plan.device_commit``: the run-time inputs but ``force`` are None, ``control`` int32 [lnc, 3],
-    ``control_hidden`` [lnc, K + 1, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given (``plan.control_specs``,
-    ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control, control_hidden)."""
+    ``control_hidden`` [lnc, K + 1, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given
+    (``plan.control_specs``, ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control,
+    control_hidden)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
     given = (control != None, control_hidden != None, rope_cos != None, rope_sin != None)
@@ -186,12 +187,11 @@ def run_plan(plan, t):
 
 # ---- device-side accept and commit (plan.device_commit) -------------------------------------------------------
 def control_inputs(plan, t, core):
-    """A device-committed round's run-time inputs from this core's row of the control state: sets ``t.pending``,
-    ``t.read_slot`` (views of the row) and ``t.hidden`` (row read_slot of ``control_hidden``, by a register
-    offset) and returns the position as
-    SBUF [1, 1] int32 (``t.pos_sb``; :func:`_control_rows` builds the stages' positions and RoPE rows from it when a
-    stage first needs them, so their DMAs queue behind the stage's first weights). Same instructions on both
-    cores."""
+    """A device-committed round's run-time inputs from this core's entry of the control state: sets ``t.pending``,
+    ``t.read_slot`` (views of the control row) and ``t.hidden`` (row read_slot of ``control_hidden``, by a register
+    offset) and returns the position as SBUF [1, 1] int32 (``t.pos_sb``; :func:`_control_rows` builds the stages'
+    positions and RoPE rows from it when a stage first needs them, so their DMAs queue behind the stage's first
+    weights). Same instructions on both cores."""
     t.pending = t.control[core:core + 1, 0:1]
     t.read_slot = t.control[core:core + 1, 1:2]
     slot = nisa.register_alloc()
