@@ -44,33 +44,43 @@ register values and one runtime loop)
    router columns of both router blocks), added to the other core's partial, rounded; softmax, exact top-k set
    and renormalised weights by the decode kernel's method (``max8`` values only and the unique key
    ``(p == vk) * (E - e)`` for tied experts: no instruction's tie behaviour is relied on). A token's k experts
-   ascending come from ``max8`` of ``sel * (E - e)``; its rank among the tokens choosing each expert (ascending
-   token order) from a strict-lower-triangular ones matmul plus the counts of the earlier tiles (PE, exact in
-   fp32); ``nc_n_gather`` picks the rank and weight of the k chosen experts. At LNC=2 the tiles are paired and
-   each core routes one tile of every pair (one sendrecv per pair brings it the other core's partial logits;
-   the per-pair counts are swapped and prefix-summed on the PE; a second sendrecv per pair swaps the compact
-   results of all full-tile pairs in one packed transfer), which halves the DVE-bound routing.
+   ascending come from ``max8`` of ``sel * (E - e)``; ``nc_n_gather`` picks the weight of the k chosen experts.
+   At LNC=2 the tiles are paired and each core routes one tile of every pair (one sendrecv per pair brings it
+   the other core's partial logits; the per-pair counts are swapped at the end for the totals; a second
+   sendrecv swaps the compact results of all full-tile pairs in one packed transfer), which halves the
+   DVE-bound routing.
+   **Placement** (pass 1 of the index table, issued while routing: the scatters queue on POOL, idle under the
+   DVE-bound routing): each choice's position among THIS core's tokens of its expert (ascending token order) from
+   a strict-lower-triangular ones matmul plus ones matmuls over the core's earlier tiles (PE, exact in fp32);
+   the index table holds ``cap`` rows per expert (expert e's at e*cap), core 0's tokens filling them from the
+   front and core 1's from the back (row e*cap + cap - 1 - position), so the two never meet while the expert
+   is regular and neither core needs the other's counts. One scatter DMA per (tile, choice) writes the token's
+   row index of x into that row of a table of its own per core and choice (a scatter's written region is its
+   whole table: separate tables keep the scatters independent); positions >= cap are skipped (out of bounds).
 2. **Grouping**: per-expert counts c_e. An expert is *regular* if 0 < c_e <= ``capacity`` (compile-time,
    :func:`default_capacity`: mean + 3.5 sigma + 8 of uniform routing, a multiple of 16) and *heavy* above. The
-   regular experts, ascending, take static slots 0..S-1 (S = min(E, N k)), slot s owning rows
-   ``[s*cap, (s+1)*cap)`` of the assignment tables; heavy experts get whole 128-row windows after them. Every
-   (token, choice) gets its row ``base(e) + rank``. One scatter DMA per (tile, choice) writes the token's row
-   index of x into that row of the choice's own HBM table (one table per choice keeps the scatters of different
-   choices independent: a scatter's written region is its whole table); the cores scatter disjoint halves of the
-   choices, and after a ``core_barrier`` one ``dma_compute`` sum per row chunk merges the k tables into the index
-   table (one word per row; unwritten rows read as token 0, whose outputs are never read). Meanwhile
-   the **shared expert** runs as one job per 128-token tile on the resident x^T, its rows (rounded like the
-   twin's) going to the scratch rows after the slots'.
-3. **Regular slots** (static loop over S; the slot's expert id is a register; its weight DMAs -- two per slot and
-   core, 2 KB runs -- are ``scalar_offset`` reads on the expert axis with ``oob_mode=skip``, so an unused slot
-   moves no byte): one gather-transpose DMA (SW-DGE) brings the x^T columns of the slot's cap tokens straight
+   regular experts, ascending, take static slots 0..S-1 (S = min(E, N k)), slot s owning scratch rows
+   ``[s*cap, (s+1)*cap)``; heavy experts get whole 128-row windows after the E*cap table rows (the same rows in
+   the table and the scratch). After a ``core_barrier`` one ``dma_compute`` sum per row chunk merges the L*k
+   tables into the index table (one word per row; unwritten rows read as token 0, whose outputs are never
+   read). A heavy expert's rows are placed by a runtime loop of min(heavy windows, 1) trips (0 for realistic
+   routing; the same on both cores): its rank = core 0's position, or core 0's count + core 1's, scattered into
+   the heavy windows and merged again. Every (token, choice)'s scratch row is ``base(e) + position`` (heavy:
+   the window base + that rank), kept for the combine.
+3. **Regular slots** (static loop over S; the slot's expert id and first table row e*cap are registers; its
+   weight DMAs -- two per slot and core, 2 KB runs -- are ``scalar_offset`` reads on the expert axis with
+   ``oob_mode=skip``, so an unused slot moves no byte, and an unused slot gathers zeroed spare rows): one
+   gather-transpose DMA (SW-DGE) brings the x^T columns of the slot's cap tokens straight
    from HBM (bfloat16; float32 gathers rows and transposes on the PE); gate|up with the weights stationary and
    the tokens moving (one matmul per h-block and gate/up, gate and up in one PSUM bank), the fp32 partials
    swapped and added, rounded, ``h = silu(g) * u`` rounded (the twin's casts), and the down projection per
    window of <= 128 rows with h^T stationary, evicted rounded to the activation dtype (the twin rounds each
    rank's down projection the same way) and written to the slot's scratch rows. The loop is software-pipelined
-   in program order (engines and DMA trigger queues execute in program order): weights RING slots ahead, x
-   gathers GATHER_AHEAD ahead, gate|up UP_AHEAD ahead of the down projection, every per-slot tile in a ring.
+   in program order (engines and DMA trigger queues execute in program order): weights up to RING slots ahead
+   (the ring filled two slots per slot at the start), x gathers GATHER_AHEAD ahead, gate|up UP_AHEAD ahead of
+   the down projection, every per-slot tile in a ring. The **shared expert** runs as one job per 128-token tile
+   on the resident x^T, its jobs spread among the slots' (its rows, rounded like the twin's, go to the scratch
+   rows after the heavy windows').
 4. **Heavy experts** (only if ``capacity < N``): ONE runtime loop over their 128-row windows (trip count = the
    number of heavy windows, 0 for realistic routing); a window's weight DMAs are skipped (out-of-bounds id)
    unless it is its expert's first window, so a heavy expert is also read once. Loop state in SBUF only; no
@@ -84,8 +94,8 @@ register values and one runtime loop)
    fp32 rows over the TP ranks (one SBUF collective), adds the block's residual and writes the new residual and
    the next RMSNorm's rows or xT (``rmsnorm_prefill.residual_norm_tile``): the math of
    ``megakernel.prefill.residual_allreduce_stage`` on y, bit for bit, without y's HBM round trip or a launch.
-   4K: 2,145 us (1,918 - 2,582) against 2,058 + 245 (the separate stage) + 13 (its launch head)
-   (``bench/prefill_speed.md``).
+   4K: 2,058 us (1,832 - 2,586) central (2,145 before the placement moved into the routing,
+   ``bench/prefill_moe.md``; against 2,058 + 245 + 13 unfused at the fusion's commit, ``bench/prefill_speed.md``).
 
 Read bound: a regular expert is read once in step 3, a heavy one once in step 4 (at its first window), an
 unused slot or a continuation window not at all; :func:`routed_expert_bytes` counts the reads of an executing
@@ -94,19 +104,17 @@ cost model still charges those bytes, so a prediction with unused slots -- N k <
 
 ACT runs only ``exp`` (routing) then ``silu`` (experts): one table switch; every PSUM eviction is on DVE.
 
-Predicted (``python -m harness.bench kernel nki_kernels/moe_prefill.py::moe_prefill --arg x=N*16,128:bfloat16
---arg router=2,128,16,129:bfloat16 --arg experts=256,2,128,3072:bfloat16 --arg shared=2,128,3072:bfloat16
---int top_k=8 --lnc 2``: real per-rank shapes, TP=4, LNC=2, bf16; the registers of a shape-only launch read 0,
-which is the realistic routing at N k >= E -- all 256 slots used, no heavy expert -- and an executing 1K run on
-random data predicts the same): N = 1024: 1,133 us central (1,000 - 1,482), 598 MB HBM per rank (DMA roofline
-942 us); N = 4096: 2,058 us (1,828 - 2,420), 1,002 MB (roofline 1,579 us). The weight floor is 404 MB per rank
-per layer (256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the compute floor (15.2 MFLOP per
-token and rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the kernel moves every assignment's x
-rows in and its output rows out and back (4 KB each per rank), plus the slots' padding (capacity 64 / 176
-against mean counts 32 / 128); at 4K its timeline is routing ~225 us (DVE), grouping and index tables ~200 us
-(the per-choice scatters, one SW-DGE instruction per 128 rows, are POOL-issue bound; the shared expert runs
-meanwhile), the slots ~1.3 ms at the HBM and DMA-engine bounds together (weights, x gathers, output rows), the
-combine ~310 us (DMA bound). Levers tried and their measured effect: ``bench/prefill_moe.md``.
+Predicted, the fused form the composition runs (``harness.prefill.Costs(cfg).moe_fused(N, "xT")``: real
+per-rank shapes, TP=4, LNC=2, bf16, traced on 4 ranks; the registers of a shape-only launch read 0, which is
+the realistic routing at N k >= E -- all 256 slots used, no heavy expert): N = 1024: 1,186 us central
+(1,046 - 1,582), 605 MB HBM per rank; N = 4096: 2,058 us (1,832 - 2,586), 1,026 MB (roofline 1,615 us). The
+weight floor is 404 MB per rank per layer (256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the
+compute floor (15.2 MFLOP per token and rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the
+kernel moves every assignment's x rows in and its output rows out and back (4 KB each per rank), plus the
+slots' padding (capacity 64 / 176 against mean counts 32 / 128); at 4K its timeline is routing with the
+placements ~10-210 us (DVE), grouping and the table merge ~40 us, the slots and the shared expert ~1.5 ms at
+the HBM and DMA-engine bounds together (weights, x gathers, output rows), the fused combine ~300 us. Levers
+tried and their measured effect: ``bench/prefill_moe.md``.
 """
 
 from __future__ import annotations
@@ -370,16 +378,14 @@ def _route_math(g, c, full, n, ti, st):
     returns sel [n, E] (0/1, activation dtype)."""
     L, Eh, E, k, adt, T = g["L"], g["Eh"], g["E"], g["k"], g["adt"], g["T"]
     Wc = L * (Eh + 1)
-    # all E logits contiguous (expert b*Eh + i is column b*(Eh+1) + i of full), rounded to the activation dtype
-    lg = nl.ndarray((n, E), dtype=adt, buffer=nl.sbuf, name="moe_pf_logits")
-    nisa.tensor_copy(dst=lg.ap(pattern=[[E, n], [Eh, L], [1, Eh]], offset=0),
-                     src=full.ap(pattern=[[Wc, n], [Eh + 1, L], [1, Eh]], offset=0))
+    # the E expert logits of full (expert b*Eh + i is column b*(Eh+1) + i), in the activation dtype
+    lg = full.ap(pattern=[[Wc, n], [Eh + 1, L], [1, Eh]], offset=0)
     lsum = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_logit_sum")
     nisa.tensor_reduce(dst=lsum, op=nl.add, data=full, axis=1)
 
     # softmax (fp32)
     nmx = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_nmax")
-    nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=lg, axis=1, negate=True)
+    nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=lg, axis=(1, 2), negate=True)
     ex = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_exp")
     ssum = nl.ndarray((n, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_ssum")
     nisa.activation(dst=ex, op=nl.exp, data=lg, bias=nmx, reduce_op=nl.add, reduce_res=ssum,
@@ -712,8 +718,9 @@ def _swap_compact(g, st, Tp):
 # ---------------------------------------------------------------------------------------------
 
 def _id_tables(g):
-    """(ids_h HBM [S, 1] int32, every row out of bounds (unused slot); rows_h HBM [S, 1] int32, every row 0 (an
-    unused slot gathers the valid rows of expert 0, its outputs are never read); hid HBM [NHW, 1] or None int32,
+    """(ids_h HBM [S, 1] int32, every row out of bounds (unused slot); rows_h HBM [S, 1] int32, every row ROWS (an
+    unused slot gathers the zeroed spare rows after the heavy windows: token 0, its outputs are never read; a
+    heavy expert's own rows may hold two tokens' sum); hid HBM [NHW, 1] or None int32,
     every row out of bounds (continuation window)): made before the routing (they do not depend on it), filled in
     by :func:`_group`."""
     S, NHW, oob = g["S"], g["NHW"], g["oob"]
@@ -722,10 +729,10 @@ def _id_tables(g):
     nisa.memset(dst=fill, value=oob)
     ids_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_ids_hbm")
     _fill_rows(ids_h, fill, S)
-    zero = nl.ndarray((P, m), dtype=I32, buffer=nl.sbuf, name="moe_pf_zero_fill")
-    nisa.memset(dst=zero, value=0)
+    spare = nl.ndarray((P, m), dtype=I32, buffer=nl.sbuf, name="moe_pf_spare_fill")
+    nisa.memset(dst=spare, value=g["ROWS"])
     rows_h = nl.ndarray((S, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_slot_rows_hbm")
-    _fill_rows(rows_h, zero, S)
+    _fill_rows(rows_h, spare, S)
     hid = None
     if NHW > 0:
         hid = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_ids_hbm")
@@ -737,7 +744,7 @@ def _group(g, c, run, ids_h, rows_h, hid):
     """Per-expert counts -> regular slots, heavy windows and every expert's base row in the scratch, scattered
     into the id tables of :func:`_id_tables`. Returns (BB [128, E] fp32: scratch base row of expert e on every
     partition, ids [1, S] int32: slot expert ids (out of bounds = unused), rows [1, S] int32: the slot's first
-    index-table row e*cap (0 = unused), nhw [1, 1] int32: heavy windows used, hid HBM [NHW, 1] int32: expert id
+    index-table row e*cap (ROWS = unused), nhw [1, 1] int32: heavy windows used, hid HBM [NHW, 1] int32: expert id
     of a heavy expert's first window, out of bounds for the others (None without heavy windows), V: per chunk of
     128 experts [ec, 3] fp32 flags (regular | windows | heavy))."""
     E, cap, S, NHW, HB, N = g["E"], g["cap"], g["S"], g["NHW"], g["HB"], g["N"]
@@ -1170,13 +1177,15 @@ def _slot_writes(g, scratch, row0, rows):
 
 def _run_jobs(g, c, jobs, scratch, weights):
     """Software-pipelined expert MLPs in program order (every engine and every DMA trigger queue runs in program
-    order): iteration i issues the gate|up matmuls and partial swap of job i + 2, the down projection of job i,
-    the swap-add and silu of job i + 2, the silu * up of job i + 1, the x gather of job i + GATHER_AHEAD, the
-    output rows of job i - 1 and ``weights(i - 1)`` (the DMAs into the buffer job i - 1 freed).
+    order): iteration i issues the gate|up matmuls and partial swap of job i + 2 (its weights first if they are
+    not yet issued), the down projection of job i, the swap-add and silu of job i + 2, the silu * up of job i + 1,
+    the x gather of job i + GATHER_AHEAD, the output rows of job i - 1 and the weight refill after slot i - 1
+    (:func:`_refill`).
 
     A job is {"buf": (wgu, wd), "rows": tokens, "row0": first scratch row, "xs": x^T column source (None until
-    gathered), "gather": None or (tab, table row) to gather its x^T columns from}; ``weights``: None, or the
-    weight ring of :func:`_regular_slots` (job i is slot i)."""
+    gathered), "gather": None or (tab, rows, registers, slot) to gather its x^T columns from, "geo": its
+    geometry, "slot": its slot or None (shared expert)}; ``weights``: None, or the weight ring of
+    :func:`_regular_slots`."""
     n = len(jobs)
     tag = "moe_pf_job"
     ups = []
