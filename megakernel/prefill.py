@@ -383,9 +383,10 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
 
     The rows are split over the cores in groups of k 128-token sub-tiles (``rmsnorm_prefill.allreduce_groups``;
     core c: groups c, c + n, ...; k x H x 4 bytes per partition <= ``AR_TILE_BYTES``; partition p of sub-tile i =
-    token t0 + 128 i + p, so a sub-tile is an ordinary token tile for the norm): with ``per_core`` a core loads both cores' partials of its group (the
-    partial is one HBM tensor) and adds them, then each core all-reduces its group over the TP ranks (one
-    collective per group and lane), adds the residual, writes its rows (and normalises them). The groups are
+    token t0 + 128 i + p, so a sub-tile is an ordinary token tile for the norm): with ``per_core`` a core loads
+    both cores' partials of its group (the partial is one HBM tensor) and adds them, then each core all-reduces
+    its group over the TP ranks (one collective per group and lane), adds the residual, writes its rows (and
+    normalises them). The groups are
     software-pipelined (loads two groups ahead, the collective one ahead of the residual add, stores and norm):
     4K tokens at the real shapes, per_core + rows 564 -> 269 us, disjoint rows + xT 491 -> 245 us predicted
     central (``bench/prefill_speed.md``)."""

@@ -23,12 +23,28 @@ Weights: the decode kernel's per-rank layout (``nki_kernels.attention.attention_
 * ``start`` HBM ``[1, 1]`` int32: a RUN-TIME value (one compiled kernel per chunk length N serves every chunk of
   a prompt): it becomes DMA offsets (``.ap(scalar_offset=register)``) and runtime loop bounds; nothing branches
   on it in Python.
-* Output: ``out`` HBM ``[N, H]`` float32, this core's o_proj partial (the rank's output is the sum over cores);
+* Output: ``out`` HBM ``[N, H]`` float32, this core's o_proj partial (the rank's output is the sum over cores;
+  the fused form below writes the all-reduced residual and its norm instead);
   the body also returns ``stats`` SBUF ``[1, 3]`` float32: (rows this core froze in the static pass, 1.0 if the
   replay ran on the rank, non-finite output rows of this core).
 
 The body takes and returns HBM (not SBUF like the decode bodies): an N-token chunk (N up to ~4K) does not fit in
 SBUF next to the chunk's q / gate / K / V / softmax state, so the composition hands chunks over through HBM.
+
+Fused next step (``attention_prefill_kernel(..., residual, tp, next_norm_w, norm_out)``, what the prefill
+composition launches): instead of the partials, the kernel writes the new residual ``residual + all-reduce over
+the rank's cores and the tp ranks (partials)`` and the next RMSNorm's rows / xT -- bit for bit what
+``megakernel.prefill.residual_allreduce_stage`` makes of the partials, in its row groups
+(``rmsnorm_prefill.allreduce_groups``: group q on core q % n_cores). The head split stays for the attention; for
+the o_proj the cores swap the gated output o^T of each other's rows (one ``sendrecv`` of a [128, Hc*D] bf16 tile
+per 128 tokens, 1 KB per partition), so each core projects its own groups' rows over all the rank's heads (its own
+heads' blocks in one PSUM bank, the other core's in a second, added in fp32: the stage's ``mine + peer``), then
+one SBUF collective per group over the ranks, the residual add, the stores and the norm (:func:`_finish_fused`).
+The fp32 partials (2 x 32 MB per rank at 4K) never reach HBM, and the launch of the stage goes. The o_proj weight
+is read by both cores (4 MB more per rank). Swapping the fp32 partial tiles instead (8 KB per partition per 128
+tokens, each core keeping its own heads' Wo) would move 8x the bytes and need four 8 KB swap tiles in place of the
+other heads' Wo (16 KB) and three og^T tiles: ~13 KB more SBUF than this form, which peaks at 195.7 of nkisim's
+208 KiB per partition at 4K (the planner's bound, :func:`sbuf_bytes`, 197).
 
 Work split (LNC)
 ----------------
@@ -1042,8 +1058,8 @@ def _fused_prepare(g, st, fr, tiles, rs, a, b):
 def _fused_exchange(g, fr, step, tiles, ogT, recv):
     """PE transposes of the step's og into ``ogT`` (one tile each), then the og^T swap: per sub-tile j one
     ``sendrecv`` (same shape on both cores) hands each core the other core's og^T of its own group's sub-tile j
-    (into ``recv[j]``); a core whose group is shorter than the other's receives into ``recv[-1]`` (scratch) and
-    sends its own tile j (a dummy the other core discards)."""
+    (into ``recv[j]``); a core whose group is shorter than the other's receives into the last ``recv`` tile
+    (scratch) and sends its own tile j (a dummy the other core discards)."""
     for k in range(len(tiles)):
         _gated_T(g, fr, tiles[k][2], fr["og"][k], ogT[k])
     c, n = g["core"], g["n_cores"]
@@ -1059,7 +1075,7 @@ def _fused_exchange(g, fr, step, tiles, ogT, recv):
     for j in range(max(kk[0], kk[1])):
         peer, mine = 1 - c, c
         src = ogT[first[peer] + j] if j < kk[peer] else ogT[first[mine] + j]
-        dst = recv[j] if j < kk[mine] else recv[-1]
+        dst = recv[j] if j < kk[mine] else recv[len(recv) - 1]
         nisa.sendrecv(src=src, dst=dst, send_to_rank=peer, recv_from_rank=peer, pipe_id=0)
 
 

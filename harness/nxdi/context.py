@@ -10,13 +10,14 @@ the pass of ``megakernel.prefill`` for one chunk (``megakernel.prefill.prefill_p
 input RMSNorm; per layer ``gdn_prefill`` then the residual all-reduce fused with the post-attention RMSNorm
 (``residual_allreduce_stage``), or ``attention_prefill`` with that all-reduce, the residual add and the norm fused
 into its o_proj (``attention_prefill_kernel(..., residual, tp, next_norm_w, "rows")``); then ``moe_prefill`` with
-its all-reduce, the residual add and the next RMSNorm fused into its combine (``moe_prefill(residual=, tp=, norm_w=, norm_out=)``: the next layer's
-input norm, after the last layer the final norm's rows); the MTP fc over the chunk's rows (their embedding one
-more ``embedding_prefill`` launch) and the MTP layer's K/V rows (``attention_prefill_kv_kernel``); the decode head
-stage on row v-1. It is traced as that sequence of NKI custom calls (:func:`megakernel_context`), or, for the xla
-backend, the same math with the ``model.tp`` twins (:func:`xla_context`). Its outputs are the three leading
-outputs of every graph (the token after the chunk as given, the greedy token after position s+v-1, the post-norm
-hidden h_{s+v-1}) and then every state buffer, aliased, as the round graph returns them.
+its all-reduce, the residual add and the next RMSNorm fused into its combine (``moe_prefill(residual=, tp=, norm_w=,
+norm_out=)``: the next layer's input norm, after the last layer the final norm's rows); the MTP fc over the chunk's
+rows (their embedding one more ``embedding_prefill`` launch) and the MTP layer's K/V rows
+(``attention_prefill_kv_kernel``); the decode head stage on row v-1. It is traced as that sequence of NKI custom
+calls (:func:`megakernel_context`), or, for the xla backend, the same math with the ``model.tp`` twins
+(:func:`xla_context`). Its outputs are the three leading outputs of every graph (the token after the chunk as given,
+the greedy token after position s+v-1, the post-norm hidden h_{s+v-1}) and then every state buffer, aliased, as the
+round graph returns them.
 
 Run-time inputs (:func:`input_specs`, :func:`context_inputs`): ``ids`` int32 [C+1, 1] -- the chunk's v tokens,
 the prompt token after them (the MTP row p needs token p+1; 0 when the chunk ends the prompt: that row, n-1, is
