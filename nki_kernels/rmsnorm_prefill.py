@@ -81,18 +81,25 @@ def rmsnorm_rows_tile(xs, wb, nt, eps, sq=None, y=None, out=None):
         y = nl.ndarray((P, H), F32, buffer=nl.sbuf, name="rmsp_y")
     if out == None:
         out = nl.ndarray((P, H), xs.dtype, buffer=nl.sbuf, name="rmsp_rows")
-    rmsnorm_scale_tile(xs, nt, eps, sq, y)
+    # the statistics' tiles live until this function returns (the SBUF placement, and so the physical-address
+    # dependencies the cost model keys on, of every caller's tiles stay those of the unsplit norm)
+    ss = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_ss")
+    rstd = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_rstd")
+    rmsnorm_scale_tile(xs, nt, eps, sq, y, ss, rstd)
     return rmsnorm_weight_tile(y, wb, nt, xs.dtype, out)
 
 
-def rmsnorm_scale_tile(xs, nt, eps, sq, y):
+def rmsnorm_scale_tile(xs, nt, eps, sq, y, ss=None, rstd=None):
     """ScalarE's part of :func:`rmsnorm_rows_tile`: ``y = xs * rsqrt(mean(xs^2) + eps)`` float32 (rows 0..nt-1;
-    ``sq`` the square's float32 work tile, which may be ``y`` itself). Returns ``y``."""
+    ``sq`` the square's float32 work tile, which may be ``y`` itself; ``ss`` / ``rstd`` [P, 1] float32 the sum of
+    squares and the scale, allocated when not given). Returns ``y``."""
     H = xs.shape[1]
+    if ss == None:
+        ss = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_ss")
+    if rstd == None:
+        rstd = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_rstd")
     nisa.activation(dst=sq[0:nt, :], op=nl.square, data=xs[0:nt, :])
-    ss = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_ss")
     nisa.activation_reduce(dst=sq[0:nt, :], op=nl.copy, data=sq[0:nt, :], reduce_op=nl.add, reduce_res=ss[0:nt, :])
-    rstd = nl.ndarray((P, 1), F32, buffer=nl.sbuf, name="rmsp_rstd")
     nisa.activation(dst=rstd[0:nt, :], op=nl.rsqrt, data=ss[0:nt, :], scale=1.0 / H, bias=float(eps))
     nisa.activation(dst=y[0:nt, :], op=nl.copy, data=xs[0:nt, :], scale=rstd[0:nt, :])
     return y
@@ -168,8 +175,9 @@ def residual_norm_tile(xs, total, rows, kk, H, out_rows, norm_t, norm_out, t0, w
     if norm_out == "none":
         return
     xt = residual_norm_xT(xs, kk, H, norm_out)
+    normed = None     # each sub-tile's normed rows stay live until the next ones exist (their DMA out may lag)
     for s in range(kk):
-        residual_norm_sub_tile(xs, s, rows, H, norm_t, norm_out, t0, wb, ident, eps, xt, sq, y)
+        normed = residual_norm_sub_tile(xs, s, rows, H, norm_t, norm_out, t0, wb, ident, eps, xt, sq, y)
     residual_norm_store(xt, rows, kk, norm_t, norm_out, t0)
 
 
@@ -189,9 +197,10 @@ def residual_norm_xT(xs, kk, H, norm_out):
 
 def residual_norm_sub_tile(xs, s, rows, H, norm_t, norm_out, t0, wb, ident, eps, xt, sq=None, y=None):
     """RMSNorm of sub-tile s of a group's residual rows ``xs`` (tokens t0 + 128 s + p), emitted by
-    :func:`residual_norm_emit`."""
+    :func:`residual_norm_emit`. Returns the normed rows' SBUF tile."""
     normed = rmsnorm_rows_tile(xs[:, s * H:(s + 1) * H], wb, rows, eps, sq, y)
     residual_norm_emit(normed, s, rows, norm_t, norm_out, t0, ident, xt)
+    return normed
 
 
 def residual_norm_emit(normed, s, rows, norm_t, norm_out, t0, ident, xt):
