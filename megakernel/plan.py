@@ -426,6 +426,21 @@ def forced_drafts(forced, drafts: int) -> tuple:
     return out
 
 
+def _round_start(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_slot: int, K: int, what: str):
+    """Check where a round starts (pending token at ``pos`` >= 1, ``read_slot`` in 0..K) -> h_{pos-1} as [1, H]
+    ``dtype`` (a ValueError naming ``what`` otherwise)."""
+    from nki_kernels.host import as_torch
+    if pos < 1:
+        raise ValueError(f"{what}: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
+    if read_slot not in range(K + 1):
+        raise ValueError(f"{what}: read_slot must be in 0..{K}, found {read_slot}")
+    _check_token(cfg, pending, f"{what} pending")
+    h = as_torch(hidden).reshape(1, -1).to(dtype)
+    if h.shape[1] != cfg.hidden_size:
+        raise ValueError(f"{what}: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
+    return h
+
+
 def round_inputs(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_slot: int,
                  forced_draft=None, drafts: int = DEFAULT_DRAFTS) -> dict:
     """The run-time inputs of one round of ``drafts`` (K) chained drafts (:func:`input_specs`), pending token at
@@ -433,17 +448,9 @@ def round_inputs(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_s
     ``forced_draft`` imposing the first drafts (tests, teacher-forced prefill; :func:`forced_drafts`) or None."""
     import torch
 
-    from nki_kernels.host import as_torch
     K = check_drafts(drafts)
-    if pos < 1:
-        raise ValueError(f"round: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
-    if read_slot not in range(K + 1):
-        raise ValueError(f"round: read_slot must be in 0..{K}, found {read_slot}")
-    _check_token(cfg, pending, "round pending")
+    h = _round_start(cfg, dtype, pending, hidden, pos, read_slot, K, "round")
     force = force_input(cfg, forced_draft, K)
-    h = as_torch(hidden).reshape(1, -1).to(dtype)
-    if h.shape[1] != cfg.hidden_size:
-        raise ValueError(f"round: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
     cos_d1, sin_d1 = rope_rows(cfg, pos - 1, K)
     cos_v, sin_v = rope_rows(cfg, pos, K + 1)
     out = {"pending": _i32(pending), "read_slot": _i32(read_slot), "pos": _i32(pos), "cos_v": cos_v, "sin_v": sin_v,
@@ -479,18 +486,8 @@ def control_state(cfg: ModelConfig, dtype, pending: int, hidden, pos: int, read_
     """The :func:`control_specs` tensors of a sequence whose pending token ``pending`` sits at ``pos`` >= 1 with
     hidden h_{pos-1} and checkpoint slot ``read_slot`` (what the host writes once after the prefill; the rounds
     write it after that)."""
-    import torch
-
-    from nki_kernels.host import as_torch
     K = check_drafts(drafts)
-    if pos < 1:
-        raise ValueError(f"control: the pending token's position must be >= 1 (the draft runs at pos-1), found {pos}")
-    if read_slot not in range(K + 1):
-        raise ValueError(f"control: read_slot must be in 0..{K}, found {read_slot}")
-    _check_token(cfg, pending, "control pending")
-    h = as_torch(hidden).reshape(1, -1).to(dtype)
-    if h.shape[1] != cfg.hidden_size:
-        raise ValueError(f"control: hidden has {h.shape[1]} features, hidden_size is {cfg.hidden_size}")
+    h = _round_start(cfg, dtype, pending, hidden, pos, read_slot, K, "control")
     return {"control": np.tile(_i32(pending, read_slot, pos), (lnc, 1)),
             "control_hidden": h.expand(lnc, K + 1, -1).contiguous()}
 

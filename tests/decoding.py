@@ -88,11 +88,7 @@ def forced_rounds(decoder: Decoder, prompt: list[int], plain: list[int], accepts
     pending, hidden = decoder.prefill(prompt, max_len=len(prompt) + (K + 1) * len(accepts) + K + 2)
     seq, pos = prompt + [pending], len(prompt)
     for accept in accepts:
-        right = (K if accept else 0) if isinstance(accept, bool) else int(accept)
-        base = len(seq) - len(prompt)
-        forced = [plain[base + i] for i in range(right)]
-        if right < K:
-            forced.append((plain[base + right] + 1) % vocab_size)
+        right, forced = forced_accept(accept, K, plain, len(seq) - len(prompt), vocab_size)
         r = decoder.round(pending, hidden, pos, forced)
         n = accepted_count(r.drafts, r.targets)
         if n != right + 1:
@@ -101,6 +97,17 @@ def forced_rounds(decoder: Decoder, prompt: list[int], plain: list[int], accepts
         seq += list(r.targets[:n])
         pending, hidden, pos = seq[-1], r.hidden[n - 1], pos + n
     return seq, pos
+
+
+def forced_accept(accept, drafts: int, plain: list[int], base: int, vocab_size: int) -> tuple[int, list[int]]:
+    """(right, forced drafts) of a round whose first ``right`` drafts are forced right and the next one wrong:
+    ``accept`` an int, or a bool (True = all K, False = 0); ``base``: the index in ``plain`` of the round's first
+    draft."""
+    right = (drafts if accept else 0) if isinstance(accept, bool) else int(accept)
+    forced = [plain[base + i] for i in range(right)]
+    if right < drafts:
+        forced.append((plain[base + right] + 1) % vocab_size)
+    return right, forced
 
 
 def right_draft(prompt: list[int], plain: list[int], drafts: int = 1):

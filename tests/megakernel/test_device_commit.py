@@ -24,7 +24,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from decoding import alternating, reference_greedy, right_draft
+from decoding import alternating, forced_accept, reference_greedy, right_draft
 from harness.speculative import accepted_count, generate, make_decoder
 from megakernel import plan as rp
 from model.params import random_params
@@ -53,11 +53,7 @@ def forced_rounds(decoder, prompt, plain, accepts, vocab_size, chain):
         decoder.start_chain(pending, hidden, pos)
         hidden = None
     for accept in accepts:
-        right = (K if accept else 0) if isinstance(accept, bool) else int(accept)
-        base = len(seq) - len(prompt)
-        forced = [plain[base + i] for i in range(right)]
-        if right < K:
-            forced.append((plain[base + right] + 1) % vocab_size)
+        right, forced = forced_accept(accept, K, plain, len(seq) - len(prompt), vocab_size)
         if chain:
             out = decoder.chained_round(forced).emitted
         else:
