@@ -60,6 +60,13 @@ POOL_BITVEC_TENSOR_TENSOR = "error"
 # equal partition counts src/dst; SBUF APs cannot fold partitions into a row." (the SDK only requires equal element
 # counts). Move through an HBM scratch, or transpose on the PE, instead.
 DMA_SBUF_PARTITION_FOLD = "error"
+# LNC=2: a core's read of shared-HBM bytes the other core wrote in the same launch needs a core_barrier on that tensor
+# between them (nkisim.hbm_order; SDK nki.isa.core_barrier): "error", "warn" or "off". For scratch the kernel
+# allocates, such a read can only see the other core's data or garbage: "error". For the kernel's HBM arguments the
+# reader may be reading old contents on purpose and discarding them (the decode attention's masked head tiles read
+# cache rows the other core is writing): "warn".
+CORE_BARRIER_ORDER = "error"
+CORE_BARRIER_ORDER_ARGUMENTS = "warn"
 
 # --- start-partition rule (SDK-ARCH "Accessing SBUF/PSUM tensors using compute engines") ------
 # n partitions in (64, 128] must start at 0; (32, 64] at 0 or 64; (0, 32] at 0/32/64/96.

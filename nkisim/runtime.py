@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import blas, controlflow, frontend, hw, int32, trace
+from . import blas, controlflow, frontend, hbm_order, hw, int32, trace
 from .errors import LaunchAborted, NkiValidationError
 from .memory import (PSUM, SBUF, PRIVATE_HBM, SHARED_HBM, HbmAccount, RangeAllocator, Storage,
                      attach_release)
@@ -204,6 +204,8 @@ class Launch:
         self.cond = world.cond
         self.barrier_arrived = {}       # generation bookkeeping for core_barrier
         self.barrier_gen = 0
+        self.barrier_data = {}          # pid -> storage its pending core_barrier names (hbm_order)
+        self.hbm_phase = {}             # storage id -> (storage, per-core DMA access logs) since its last barrier
         self.pipes = {}                 # sendrecv rendezvous
         self.constants = {}             # nl.shared_constant: storage id -> (data digest, core, site) of its first core
         self.traces = world.traces
@@ -409,6 +411,7 @@ def run(world, fn, per_rank_args, per_rank_kwargs):
     if world.aborted is not None:
         raise world.aborted
     controlflow.check_world(world)
+    hbm_order.check_world(world)
     return [results.get(L.instances[0].gid) for L in world.ranks]
 
 

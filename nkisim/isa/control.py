@@ -1,7 +1,7 @@
 """Registers, cross-core synchronisation and target queries (ref §2.4, §5.9, §5.11)."""
 import numpy as np
 
-from .. import dtypes, hw
+from .. import dtypes, hbm_order, hw
 from ..errors import NkiValidationError
 from ..memory import HBM, ON_CHIP, SBUF, SHARED_HBM
 from ..registers import VirtualRegister, _scalar
@@ -122,9 +122,14 @@ def core_barrier(data, cores, engine=E.gpsimd, name=None):
     with world.cond:
         gen = launch.barrier_gen
         launch.barrier_arrived[inst.pid] = gen
+        launch.barrier_data[inst.pid] = data.storage
         if len(launch.barrier_arrived) == launch.lnc:
+            named = list(launch.barrier_data.values())
             launch.barrier_arrived.clear()
+            launch.barrier_data.clear()
             launch.barrier_gen += 1
+            if not inst.shape_only:
+                hbm_order.barrier(launch, named)
             return Instruction(op)
 
         def describe():

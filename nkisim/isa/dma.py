@@ -2,7 +2,7 @@
 import numpy as np
 
 from .. import dtypes
-from .. import hw
+from .. import hbm_order, hw
 from ..errors import NkiValidationError, OutOfBoundsError, by_switch
 from ..memory import HBM, ON_CHIP, PSUM, SBUF, materialize, written_array
 from ..site import current
@@ -77,6 +77,16 @@ def run_bytes(t):
             break
         run *= n
     return run
+
+
+def _view_addresses(v):
+    """Byte address of every element of a direct view, shaped like it."""
+    a = np.full(tuple(v.shape), v.boffset, dtype=np.int64)
+    for d in range(v.ndim):
+        shp = [1] * v.ndim
+        shp[d] = v.shape[d]
+        a = a + (np.arange(v.shape[d], dtype=np.int64) * v.bstrides[d]).reshape(shp)
+    return a
 
 
 def _partition_fold(op, src, dst):
@@ -189,7 +199,9 @@ def read_view(op, name, t, oob_mode):
     isz = t.itemsize
     if addr is None:
         check_written(view, op, name)
+        hbm_order.note(current(op), st, False, op, view=view)
         return raw(view).reshape(-1), None
+    hbm_order.note(current(op), st, False, op, addr=addr[valid], itemsize=isz)
     a = np.where(valid, addr, 0)
     if (a % isz).any():
         raise NkiValidationError(f"{op}: {name} gather addresses are not aligned to {t.dtype}")
@@ -216,6 +228,9 @@ def write_view(op, name, t, out, valid, oob_mode):
     st = t.storage
     isz = t.itemsize
     if addr is None:
+        hbm_order.note(current(op), st, True, op, view=view if valid is None else None,
+                       addr=None if valid is None else _view_addresses(view)[valid.reshape(view.shape)],
+                       itemsize=isz)
         from ..tensor import covers, mask
         if valid is None and st.fresh and covers(view):
             st.fresh = False        # overwritten entirely below: no sentinel fill needed
@@ -232,6 +247,7 @@ def write_view(op, name, t, out, valid, oob_mode):
         a = addr.reshape(-1)
         sel = np.ones(a.shape, bool) if valid is None else valid
         a = a[sel]
+        hbm_order.note(current(op), st, True, op, addr=a, itemsize=isz)
         if (a % isz).any():
             raise NkiValidationError(f"{op}: {name} scatter addresses are not aligned to {t.dtype}")
         _flat(st, t.dtype)[a // isz] = out[sel]
@@ -255,6 +271,9 @@ def _execute(op, dst, src, oob_mode):
             # dge_mode), so bytes no instruction wrote stay as they were -- not a read of uninitialized data.
             return
         # direct views (the common case): the same steps as read_view/write_view without their generality
+        inst = current(op)
+        hbm_order.note(inst, src.storage, False, op, view=src)
+        hbm_order.note(inst, dst.storage, True, op, view=dst)
         sst = src.storage
         if not sst.full:
             check_written(src, op, "src")
