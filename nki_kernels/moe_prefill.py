@@ -61,8 +61,8 @@ register values and one runtime loop)
    :func:`default_capacity`: mean + 3.5 sigma + 8 of uniform routing, a multiple of 16) and *heavy* above. The
    regular experts, ascending, take static slots 0..S-1 (S = min(E, N k)), slot s owning scratch rows
    ``[s*cap, (s+1)*cap)``; heavy experts get whole 128-row windows after the E*cap table rows (the same rows in
-   the table and the scratch). After a ``core_barrier`` one ``dma_compute`` sum per row chunk merges the L*k
-   tables into the index table (one word per row; unwritten rows read as token 0, whose outputs are never
+   the table and the scratch). After a ``core_barrier`` on each of the L*k tables, ``dma_compute`` sums per row
+   chunk merge them into the index table (one word per row; unwritten rows read as token 0, whose outputs are never
    read). A heavy expert's rows are placed by a runtime loop of min(heavy windows, 1) trips (0 for realistic
    routing; the same on both cores): its rank = core 0's position, or core 0's count + core 1's, scattered into
    the heavy windows and merged again. Every (token, choice)'s scratch row is ``base(e) + position`` (heavy:
@@ -94,7 +94,7 @@ register values and one runtime loop)
    fp32 rows over the TP ranks (one SBUF collective), adds the block's residual and writes the new residual and
    the next RMSNorm's rows or xT (``rmsnorm_prefill.residual_norm_tile``): the math of
    ``megakernel.prefill.residual_allreduce_stage`` on y, bit for bit, without y's HBM round trip or a launch.
-   4K: 2,058 us (1,832 - 2,586) central (2,145 before the placement moved into the routing,
+   4K: 2,082 us (1,866 - 2,604) central (2,145 before the placement moved into the routing,
    ``bench/prefill_moe.md``; against 2,058 + 245 + 13 unfused at the fusion's commit, ``bench/prefill_speed.md``).
 
 Read bound: a regular expert is read once in step 3, a heavy one once in step 4 (at its first window), an
@@ -106,13 +106,13 @@ ACT runs only ``exp`` (routing) then ``silu`` (experts): one table switch; every
 
 Predicted, the fused form the composition runs (``harness.prefill.Costs(cfg).moe_fused(N, "xT")``: real
 per-rank shapes, TP=4, LNC=2, bf16, traced on 4 ranks; the registers of a shape-only launch read 0, which is
-the realistic routing at N k >= E -- all 256 slots used, no heavy expert): N = 1024: 1,186 us central
-(1,046 - 1,582), 605 MB HBM per rank; N = 4096: 2,058 us (1,832 - 2,586), 1,026 MB (roofline 1,615 us). The
+the realistic routing at N k >= E -- all 256 slots used, no heavy expert): N = 1024: 1,193 us central
+(1,061 - 1,586), 605 MB HBM per rank; N = 4096: 2,082 us (1,866 - 2,604), 1,026 MB (roofline 1,615 us). The
 weight floor is 404 MB per rank per layer (256 experts x 1.5 MiB + router + shared) = 637 us at 635 GB/s; the
 compute floor (15.2 MFLOP per token and rank at 132 TFLOP/s per rank) 118 / 472 us. Beyond the weights the
 kernel moves every assignment's x rows in and its output rows out and back (4 KB each per rank), plus the
 slots' padding (capacity 64 / 176 against mean counts 32 / 128); at 4K its timeline is routing with the
-placements ~10-210 us (DVE), grouping and the table merge ~40 us, the slots and the shared expert ~1.5 ms at
+placements ~10-210 us (DVE), grouping, the 16 table barriers and the merge ~70 us, the slots and the shared expert ~1.5 ms at
 the HBM and DMA-engine bounds together (weights, x gathers, output rows), the fused combine ~300 us. Levers
 tried and their measured effect: ``bench/prefill_moe.md``.
 """
@@ -496,9 +496,15 @@ def _scatter(g, st, ti, tabs, flip):
     _keep(st, d)
     _keep(st, di)
     _keep(st, pay)
-    for i in range(2):              # weight-ring clears, two per placed tile (POOL has room while VectorE routes)
+    for i in range(2):              # weight-ring clears, two per placed tile
         if len(st["clears"]) > 0:
-            nisa.memset(dst=st["clears"].pop(0), value=0.0, engine=POOL_ENG)
+            _clear(st, st["clears"].pop(0))
+
+
+def _clear(st, t):
+    """Zero the weight-ring tile t by a DMA from the zeroed tile st["zero"] (the DMA queues are idle while the
+    routing runs; POOL issues the placements' scatters)."""
+    nisa.dma_copy(dst=t, src=st["zero"][0:t.shape[0], 0:t.size // t.shape[0]])
 
 
 KEEP = 24           # routing temporaries held alive (their SBUF not reused while POOL / DMA may still read them)
@@ -895,7 +901,7 @@ def _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0):
     same on both cores): a heavy expert's choices get the rows base(e) + rank of its heavy windows, rank = the
     position among core 0's tokens, or core 0's count + the position among core 1's (RK8 holds cap - 1 - it),
     scattered into this core's tables ``mine`` for the tiles it placed, then those rows of ``tab`` merged again
-    from ``tabs``. Returns DH [P, T, k] fp32: the heavy rank -
+    (:func:`_merge_tables`). Returns DH [P, T, k] fp32: the heavy rank -
     RK8 on a heavy expert's choices, 0 elsewhere (DEST = base + RK8 + DH, :func:`_dest_rows`)."""
     T, k, E, cap, J, L, pid = g["T"], g["k"], g["E"], g["cap"], g["J"], g["L"], g["pid"]
     DH = nl.ndarray((P, T, k), dtype=F32, buffer=nl.sbuf, name="moe_pf_heavy_dest")
@@ -907,6 +913,10 @@ def _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0):
     echunks = chunks(E, P)
 
     def body(it):
+        if L == 2:      # the other core's merge has read the tables and tab before this core writes them again
+            for t in tabs:
+                nisa.core_barrier(data=t, cores=(0, 1))
+            nisa.core_barrier(data=tab, cores=(0, 1))
         hf_ps = nl.ndarray((P, E), dtype=F32, buffer=nl.psum, name="moe_pf_heavy_flags_ps")
         for i in range(len(echunks)):
             e0, ec = echunks[i]
@@ -959,8 +969,6 @@ def _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0):
                 nisa.dma_copy(dst=mine[j].ap(pattern=[[1, n], [1, 1]], offset=0,
                                              vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
                               src=pay, oob_mode=nisa.oob_mode.skip)
-        if L == 2:
-            nisa.core_barrier(data=mine[k - 1], cores=(0, 1))
         _merge_tables(g, tabs, tab, g["HB"], g["ROWS"])
 
     nl.fori_loop(0, reg, body)
@@ -968,19 +976,27 @@ def _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0):
 
 
 def _merge_tables(g, tabs, tab, lo, hi):
-    """Rows lo..hi-1 of tab [TR, 1] (this core's half of them) = sum of the choice tables (each row of a regular
-    expert or a heavy window is written in at most one of them; a heavy expert's rows e*cap.., never read, may sum
-    two tokens): contiguous runs in and out (the gather index tiles repeat each word in their own access
-    pattern)."""
-    L, pid = g["L"], g["pid"]
-    half = -(-(hi - lo) // L)
-    r_lo = lo + pid * half
-    r_hi = min(hi, r_lo + half)
-    for r0, nr in chunks(r_hi - r_lo, 8192):
-        srcs = []
+    """Rows lo..hi-1 of the index table ``tab`` [TR, 1] (this core's half of the table) = the sum of the L*k choice
+    tables (each row of a regular expert or a heavy window is written in at most one of them; a heavy expert's
+    rows e*cap.., never read, may sum two tokens), after a ``core_barrier`` on each table (the other core wrote
+    half of them; a barrier orders only its own tensor). Contiguous runs in and out (the gather index tiles repeat
+    each word in their own access pattern)."""
+    L, pid, TR = g["L"], g["pid"], g["TR"]
+    if L == 2:
         for t in tabs:
-            srcs.append(t.ap(pattern=[[1, nr]], offset=r_lo + r0))
-        nisa.dma_compute(dst=tab.ap(pattern=[[1, nr]], offset=r_lo + r0), srcs=srcs, reduce_op=nl.add)
+            nisa.core_barrier(data=t, cores=(0, 1))
+    half = -(-TR // L)
+    _sum_rows(tabs, tab, max(lo, pid * half), min(hi, (pid + 1) * half))
+
+
+def _sum_rows(srcs, dst, lo, hi):
+    """dst[lo:hi] = the sum of the tables ``srcs`` over those rows ([R, 1] int32 HBM; one dma_compute per 8,192
+    rows)."""
+    for r0, nr in chunks(max(0, hi - lo), 8192):
+        aps = []
+        for t in srcs:
+            aps.append(t.ap(pattern=[[1, nr]], offset=lo + r0))
+        nisa.dma_compute(dst=dst.ap(pattern=[[1, nr]], offset=lo + r0), srcs=aps, reduce_op=nl.add)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1258,8 +1274,8 @@ def _issue_upto(g, geo, w, s):
 def _weight_ring(g, geo, experts_w):
     """The regular slots' weight ring: D buffers (within RING_BUDGET beside the resident x^T) and their id
     registers, made before the routing (they do not depend on it). A buffer whose DMA may be skipped (unused slot)
-    is still computed on: w["clears"] lists the tiles to zero (the routing's placements clear them on POOL, the
-    rest :func:`moe_prefill_body` before the first weight DMA)."""
+    is still computed on: w["clears"] lists the tiles to zero (the routing's placements clear them by DMA from a
+    zeroed tile, the rest :func:`moe_prefill_body` before the first weight DMA)."""
     S, isz = g["S"], (2 if g["adt"] == nl.bfloat16 else 4)
     per = (g["L"] * g["jc"] * 2 * geo["ic"] + g["HL"]) * isz           # bytes per partition of one buffer
     room = RING_BUDGET - g["N"] * g["jc"] * isz                          # beside the resident x^T
@@ -1586,18 +1602,21 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     st["nfin"] = 0
     st["keep"] = []
     st["clears"] = ring["clears"]
+    zf = 0
+    for t in st["clears"]:
+        zf = max(zf, t.size // t.shape[0])
+    st["zero"] = nl.ndarray((P, zf), dtype=adt, buffer=nl.sbuf, name="moe_pf_zero_weights")
+    nisa.memset(dst=st["zero"], value=0.0, engine=POOL_ENG)
     run, placed, cnt0 = _route(g, c, xl, rr, st, mine)
     for t in st["clears"]:
-        nisa.memset(dst=t, value=0.0, engine=POOL_ENG)
-    st["clears"], st["keep"] = [], []
+        _clear(st, t)
+    st["clears"], st["keep"], st["zero"] = [], [], None
     rr = None           # the router rows are dead
     xr = xl["xr"]
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
     nisa.tensor_scalar(dst=fin, data=st["fin"], op0=nl.multiply, operand0=0.0, op1=nl.equal, operand1=0.0)
     st["fin"] = None
     tab = nl.ndarray((TR, 1), dtype=I32, buffer=nl.shared_hbm, name="moe_pf_index_table")
-    if L == 2:
-        nisa.core_barrier(data=mine[k - 1], cores=(0, 1))
     _merge_tables(g, tabs, tab, 0, TR)
     shw = _weight_buffers(g, geo_s, "moe_pf_shared_w", False)      # the shared expert runs among the slots
     _weight_dmas(g, geo_s, shared_t, sh_base, 0, None, shw[0], shw[1])
