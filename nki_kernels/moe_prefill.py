@@ -486,12 +486,7 @@ def _scatter(g, st, ti, tabs, flip):
     nisa.scalar_tensor_tensor(dst=d, data=e8, op0=nl.multiply, operand0=float(cap), op1=nl.add, operand1=r8)
     di = nl.ndarray((n, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_place")
     nisa.tensor_tensor(dst=di, data1=d, data2=over, op=nl.add)
-    pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_payload")
-    nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
-    for j in range(k):
-        nisa.dma_copy(dst=tabs[j].ap(pattern=[[1, n], [1, 1]], offset=0,
-                                     vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
-                      src=pay, oob_mode=nisa.oob_mode.skip)
+    pay = _scatter_choices(tabs, di, J, t0, "moe_pf_payload")
     _keep(st, over)
     _keep(st, d)
     _keep(st, di)
@@ -833,6 +828,20 @@ def _fill_rows(t, fill, rows):
             nisa.dma_copy(dst=t.ap(pattern=[[rest, 1], [1, rest]], offset=r0 + full * m), src=fill[0:1, 0:rest])
 
 
+def _scatter_choices(tabs, di, J, t0, name):
+    """Choice j of the n tokens t0.. (partitions): ``tabs[j][di[t, j]] = J * (t0 + t)`` (the token's payload), one
+    scatter per choice; a row index past the table's end is skipped (``oob_mode.skip``). di: SBUF [n, k] int32.
+    Returns the payload tile (the scatters read it; a caller may keep it alive, see :func:`_keep`)."""
+    n, k = di.shape
+    pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name=name)
+    nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
+    for j in range(k):
+        nisa.dma_copy(dst=tabs[j].ap(pattern=[[1, n], [1, 1]], offset=0,
+                                     vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
+                      src=pay, oob_mode=nisa.oob_mode.skip)
+    return pay
+
+
 def _scatter_index(table, row_f, flag, rows, payload, name):
     """table[row] = payload on the partitions whose flag is 1; the others target row ``rows`` (out of bounds,
     skipped). Returns the row-index tile (:func:`_scatter_rows` reuses it for another table of ``rows`` rows)."""
@@ -963,12 +972,7 @@ def _heavy_places(g, c, st, BB, V, nhw, tabs, tab, mine, cnt0):
                                operand1=float(g["BIG"]))
             di = nl.ndarray((n, k), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_place")
             nisa.tensor_tensor(dst=di, data1=b8, data2=skip, op=nl.add)
-            pay = nl.ndarray((n, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_payload")
-            nisa.iota(dst=pay, pattern=[[0, 1]], offset=J * t0, channel_multiplier=J)
-            for j in range(k):
-                nisa.dma_copy(dst=mine[j].ap(pattern=[[1, n], [1, 1]], offset=0,
-                                             vector_offset=di.ap(pattern=[[k, n], [1, 1]], offset=j), indirect_dim=0),
-                              src=pay, oob_mode=nisa.oob_mode.skip)
+            pay = _scatter_choices(mine, di, J, t0, "moe_pf_heavy_payload")   # alive until the merge
         _merge_tables(g, tabs, tab, g["HB"], g["ROWS"])
 
     nl.fori_loop(0, reg, body)
