@@ -33,6 +33,10 @@ DOC = ("SDK nki.isa.core_barrier: consume a shared HBM tensor the other core wri
        "synchronised on that tensor (data=); the barrier orders only that tensor")
 
 
+_ARGUMENT_NOTE = (" -- unless the kernel reads the old contents on purpose and discards them (a kernel argument: e.g. "
+                  "masked cache rows), which nkisim cannot tell from a race whose values are used")
+
+
 def note(inst, storage, write, op, view=None, addr=None, itemsize=1):
     """Log one executed DMA access of ``storage`` by ``inst``'s core: a direct ``view`` or byte ``addr`` (1-D)."""
     launch = inst.launch
@@ -87,7 +91,8 @@ def _check(storage, per_core, where):
                           f"{where}: core {1 - a} reads bytes of {storage.describe()} "
                           f"({e[1]}) that core {a} wrote ({writes[0][1]}) with no core_barrier(data=) on that tensor "
                           f"between them ({DOC}); add a core_barrier on it after the writes, before the other core's "
-                          f"access (switch: nkisim.hw.{switch})", stacklevel=3)
+                          f"access{_ARGUMENT_NOTE if storage.is_input else ''} (switch: nkisim.hw.{switch})",
+                          stacklevel=3)
                 return
 
 
