@@ -347,7 +347,8 @@ def test_context_graphs_registered_compiled_and_warmed_up(fake_nxd, converted, t
     assert not any(k.startswith(asm.STATES_PREFIX) for k in graph.weight_specs)
 
 
-@pytest.mark.parametrize("n, chunks", [(45, [[0, 64, 45]]), (64, [[0, 64, 64]]),
+@pytest.mark.parametrize("n, chunks", [(45, [[0, 64, 45]]),
+                                       pytest.param(64, [[0, 64, 64]], marks=pytest.mark.slow),
                                        (200, [[0, 128, 72], [72, 128, 128]])])
 def test_xla_flow_with_context_prefill_tokens_equal_plain_greedy(fake_nxd, tiny, converted, tmp_path, n, chunks):
     cfg, params = tiny

@@ -32,7 +32,8 @@ def tiny(tiny_cfg):
     return tiny_cfg, params
 
 
-@pytest.mark.parametrize("name,tp", [("megakernel", 4), ("megakernel", 1), ("layerwise", 4)])
+@pytest.mark.parametrize("name,tp", [("megakernel", 4), ("layerwise", 4),
+                                     pytest.param("megakernel", 1, marks=pytest.mark.slow)])   # TP=1: device-commit tests
 def test_tokens_equal_plain_greedy(tiny, name, tp):
     cfg, params = tiny
     n = 10
