@@ -54,8 +54,8 @@ import nki.language as nl
 from megakernel import plan as rp
 from model.tp.embed_head import combine_argmax
 from nki_kernels.common import P, kernel_assert, program_sharding
-from nki_kernels.rmsnorm_prefill import (allreduce_groups, broadcast_weight, feature_major_tile, residual_norm_tile,
-                                         rmsnorm_rows_tile, token_group_ap)
+from nki_kernels.rmsnorm_prefill import (allreduce_groups, broadcast_weight, feature_major_tile, norm_output,
+                                         residual_norm_tile, rmsnorm_rows_tile, token_group_ap)
 
 CHUNK = 4096            # default prompt tokens per chunk (the prefill kernels' measured sizes: 1K .. 4K)
 GDN_BLOCK = 64          # chunk lengths (except the last) must be multiples of the GDN kernel's block
@@ -391,15 +391,10 @@ def residual_allreduce_stage(x, partial, tp, per_core, norm_w=None, eps=1e-6, no
     4K tokens at the real shapes, per_core + rows 564 -> 269 us, disjoint rows + xT 491 -> 245 us predicted
     central (``bench/prefill_speed.md``)."""
     N, H = x.shape
-    J = H // P
     n, c = program_sharding()
     rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
     out = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_out")
-    norm_t = None
-    if norm_out == "rows":
-        norm_t = nl.ndarray((N, H), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_rows")
-    elif norm_out == "xT":
-        norm_t = nl.ndarray((P, J, N), x.dtype, buffer=nl.shared_hbm, name="ar_prefill_xT")
+    norm_t = norm_output(N, H, x.dtype, norm_out, "ar_prefill")
     kernel_assert(norm_out == "none" or norm_w != None, "residual_allreduce: a fused norm needs norm_w")
     wb = None
     ident = None

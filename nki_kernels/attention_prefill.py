@@ -132,8 +132,8 @@ import nki.isa as nisa
 import nki.language as nl
 import nki.collectives as ncc
 from nki_kernels.common import INT32_MAX, MOVING_MAX, P, PSUM_BANK, program_sharding
-from nki_kernels.rmsnorm_prefill import (allreduce_groups, broadcast_weight, residual_add_rows, residual_norm_emit,
-                                         residual_norm_store, residual_norm_xT, rmsnorm_scale_tile,
+from nki_kernels.rmsnorm_prefill import (allreduce_groups, broadcast_weight, norm_output, residual_add_rows,
+                                         residual_norm_emit, residual_norm_store, residual_norm_xT, rmsnorm_scale_tile,
                                          rmsnorm_weight_tile, token_group_ap)
 from nki_kernels.attention import attention_layout, rope_tables, xT_layout  # noqa: F401  (the shared layout)
 
@@ -1297,11 +1297,7 @@ def attention_prefill_kernel(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_c
         raise ValueError(f"attention_prefill: residual {residual.dtype}{list(residual.shape)} (expected {xT.dtype}"
                          f"[{N}, {H}]), norm_out {norm_out!r} (none | rows | xT; rows / xT need next_norm_w)")
     new = nl.ndarray((N, H), residual.dtype, buffer=nl.shared_hbm, name="attention_prefill_residual_out")
-    norm_t = None
-    if norm_out == "rows":
-        norm_t = nl.ndarray((N, H), residual.dtype, buffer=nl.shared_hbm, name="attention_prefill_rows_out")
-    elif norm_out == "xT":
-        norm_t = nl.ndarray((P, KT, N), residual.dtype, buffer=nl.shared_hbm, name="attention_prefill_xT_out")
+    norm_t = norm_output(N, H, residual.dtype, norm_out, "attention_prefill_out")
     rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
     fuse = {"x": residual, "rg": rg, "out": new, "norm_t": norm_t, "norm_out": norm_out, "w": next_norm_w,
             "eps": eps}

@@ -127,7 +127,7 @@ import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import INT32_MAX, P, PSUM_BANK, program_sharding
 from nki_kernels.moe import MAX8, block_width, geometry as _geometry, layers_per_table
-from nki_kernels.rmsnorm_prefill import broadcast_weight, residual_norm_tile, token_group_ap
+from nki_kernels.rmsnorm_prefill import broadcast_weight, norm_output, residual_norm_tile, token_group_ap
 
 BANK = PSUM_BANK    # fp32 elements per PSUM bank (nl.tile_size.psum_bank_fmax)
 WIN = 128           # rows of one down-projection window (token-major output rows on partitions)
@@ -1701,11 +1701,7 @@ def moe_prefill(x, router, experts, shared, top_k, capacity=None, residual=None,
         raise ValueError(f"moe_prefill: residual {list(residual.shape)} (expected [{N}, {H}]), norm_out {norm_out!r} "
                          f"(none | rows | xT; rows / xT need norm_w)")
     out = nl.ndarray((N, H), dtype=residual.dtype, buffer=nl.shared_hbm, name="moe_pf_residual_out")
-    norm_t = None
-    if norm_out == "rows":
-        norm_t = nl.ndarray((N, H), dtype=residual.dtype, buffer=nl.shared_hbm, name="moe_pf_rows_out")
-    elif norm_out == "xT":
-        norm_t = nl.ndarray((P, H // P, N), dtype=residual.dtype, buffer=nl.shared_hbm, name="moe_pf_xT_out")
+    norm_t = norm_output(N, H, residual.dtype, norm_out, "moe_pf_out")
     rg = ncc.ReplicaGroup([list(range(tp))]) if tp > 1 else None
     fuse = {"x": residual, "rg": rg, "out": out, "norm_t": norm_t, "norm_out": norm_out, "w": norm_w, "eps": eps}
     fin = moe_prefill_body(x, router, experts, shared, top_k, None, capacity, fuse=fuse)

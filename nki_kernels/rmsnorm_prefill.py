@@ -160,6 +160,16 @@ def allreduce_groups(N, H):
     return groups
 
 
+def norm_output(N, H, dtype, norm_out, prefix):
+    """The shared-HBM output of a fused next RMSNorm: "rows" ``[N, H]``, "xT" ``[P, H/P, N]`` (feature-major), or
+    None for "none"; named ``prefix`` + "_rows" / "_xT"."""
+    if norm_out == "rows":
+        return nl.ndarray((N, H), dtype, buffer=nl.shared_hbm, name=prefix + "_rows")
+    if norm_out == "xT":
+        return nl.ndarray((P, H // P, N), dtype, buffer=nl.shared_hbm, name=prefix + "_xT")
+    return None
+
+
 def residual_norm_tile(xs, total, rows, kk, H, out_rows, norm_t, norm_out, t0, wb, ident, eps, sq=None, y=None):
     """The step after a cross-core / cross-rank sum: ``xs[0:rows, 0:kk H] += total`` (the new residual, rounded to
     the activation dtype; ``xs`` SBUF residual rows, ``total`` their float32 sum, both [P, >= kk H] in sub-tile
