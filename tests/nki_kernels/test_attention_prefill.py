@@ -377,6 +377,19 @@ def test_inf_in_visible_cache_row_is_reported():
         _case(TINY, torch.float32, 65, 600, 1, inputs=inputs)
 
 
+def _shape_only_run(kernel, args):
+    """Trace one shape-only launch: (trace, peak SBUF bytes per partition, shared-HBM bytes read per argument)."""
+    with nkisim.trace.capture() as tr:
+        kernel(*args)
+    peak = max(m["sbuf_peak_bytes_per_partition"] for m in tr.launches[0]["memory"])
+    reads = {}
+    for r in tr.instructions:
+        if r["op"] == "dma_copy":
+            for reg in r["reads"]:
+                reads[reg["name"]] = reads.get(reg["name"], 0) + r["bytes"].get("shared_hbm", {}).get("read", 0)
+    return tr, peak, reads
+
+
 # ---- structure: weights read once, SBUF plan, static_start, refusals -------------------------------------------
 def test_shape_only_real_4k_fits_and_reads_every_weight_once():
     """Shape-only trace of a 4096-token chunk at real shapes (LNC=2): fits SBUF (the planner's bound is an upper
@@ -384,16 +397,9 @@ def test_shape_only_real_4k_fits_and_reads_every_weight_once():
     decode layout, no second copy)."""
     cfg = preset(REAL)
     kernel, args = attention_prefill_launch(cfg, N=4096)
-    with nkisim.trace.capture() as tr:
-        kernel(*args)
-    peak = max(m["sbuf_peak_bytes_per_partition"] for m in tr.launches[0]["memory"])
+    tr, peak, reads = _shape_only_run(kernel, args)
     plan = pf.sbuf_bytes(4096, cfg.head_dim, cfg.hidden_size, 2, 2)
     assert peak <= plan <= 1.1 * peak and plan <= pf.SBUF_BUDGET
-    reads = {}
-    for r in tr.instructions:
-        if r["op"] == "dma_copy":
-            for reg in r["reads"]:
-                reads[reg["name"]] = reads.get(reg["name"], 0) + r["bytes"].get("shared_hbm", {}).get("read", 0)
     for i in (1, 2, 3, 4):                   # wqg, wk, wv, wo
         assert reads[f"arg{i}"] == int(np.prod(args[i].shape)) * 2
 
@@ -565,16 +571,9 @@ def test_shape_only_real_4k_fused_fits():
     H = cfg.hidden_size
     full = tuple(args) + (nkisim.ShapeDtype((4096, H), "bfloat16"), 1, nkisim.ShapeDtype((pf.P, H // pf.P), "float32"),
                           "rows")
-    with nkisim.trace.capture() as tr:
-        kernel(*full)
-    peak = max(m["sbuf_peak_bytes_per_partition"] for m in tr.launches[0]["memory"])
+    tr, peak, reads = _shape_only_run(kernel, full)
     plan = pf.sbuf_bytes(4096, cfg.head_dim, H, 2, 2, fused="rows")
     assert peak <= plan <= 1.1 * peak and plan <= pf.SBUF_BUDGET
-    reads = {}
-    for r in tr.instructions:
-        if r["op"] == "dma_copy":
-            for reg in r["reads"]:
-                reads[reg["name"]] = reads.get(reg["name"], 0) + r["bytes"].get("shared_hbm", {}).get("read", 0)
     for name, i, times in (("arg1", 1, 1), ("arg2", 2, 1), ("arg3", 3, 1), ("arg4", 4, 2), ("arg11", 14, 1)):
         assert reads[name] == times * int(np.prod(full[i].shape)) * 2          # wqg, wk, wv, wo, residual
     writes = sum(r["bytes"].get("shared_hbm", {}).get("write", 0) for r in tr.instructions if r["op"] == "dma_copy")
