@@ -246,8 +246,10 @@ def commit(plan, t, drafts, targets, hidden, pos, core):
     # y_0 .. y_K, d_1 .. d_K along the free dim of one partition, through HBM (an SBUF -> SBUF DMA cannot fold
     # partitions into a row: trn2-costs pitfalls)
     row_hbm = nl.ndarray((1, T + K), i32, buffer=nl.private_hbm, name="commit_ids_hbm")
-    nisa.dma_copy(dst=row_hbm[:, 0:T], src=targets)
-    nisa.dma_copy(dst=row_hbm[:, T:T + K], src=drafts)
+    # the HBM side shaped like the SBUF columns ([T, 1], [K, 1]: equal partition counts, trn2-costs pitfalls), the
+    # same bytes as the row read back below
+    nisa.dma_copy(dst=row_hbm.ap(pattern=[[1, T], [1, 1]], offset=0), src=targets)
+    nisa.dma_copy(dst=row_hbm.ap(pattern=[[1, K], [1, 1]], offset=T), src=drafts)
     ids = nl.ndarray((1, T + K), i32, buffer=nl.sbuf, name="commit_ids")
     nisa.dma_copy(dst=ids, src=row_hbm)
     f = nl.ndarray((1, T + K + 1), f32, buffer=nl.sbuf, name="commit_f")
