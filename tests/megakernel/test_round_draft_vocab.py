@@ -52,6 +52,7 @@ def test_draft_is_the_argmax_over_the_subset_and_the_verify_is_unchanged(tiny, n
     assert r.targets == want.targets and torch.isfinite(r.hidden).all() and r.hidden.abs().max() > 0.1
 
 
+@pytest.mark.slow  # ~18 s: a 10-token flow; the default tier keeps the per-round check above
 def test_tokens_equal_plain_greedy_with_a_small_draft_vocabulary(tiny):
     """Real MTP drafts over 32 ids of the 272: mostly rejected, yet the output is plain greedy decoding."""
     cfg, params = tiny
