@@ -51,6 +51,26 @@ def trace_one_dma(nbytes, lnc=1):
 
 
 @nki.jit
+def two_loads(a, b, second_on_scalar=False):
+    """Two independent HBM->SBUF loads of [P, F], issued in program order; the second from ScalarE's queue when
+    ``second_on_scalar`` (engine=scalar), else from the compiler's choice like the first."""
+    ta = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+    tb = nl.ndarray(b.shape, b.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ta, src=a)
+    if second_on_scalar:
+        nisa.dma_copy(dst=tb, src=b, engine=nisa.engine.scalar, dge_mode=nisa.dge_mode.hwdge)
+    else:
+        nisa.dma_copy(dst=tb, src=b)
+    out = nl.ndarray((1, 1), a.dtype, buffer=nl.shared_hbm)
+    return out
+
+
+def trace_two_loads(nbytes, second_on_scalar=False):
+    shape = (128, nbytes // 128)
+    return capture(two_loads, SD(shape, "uint8"), SD(shape, "uint8"), second_on_scalar)
+
+
+@nki.jit
 def many_small_dmas(x):
     """x: [n, 128] uint8 HBM; n independent 128-byte HBM->SBUF DMAs (the head_major_from_tp2013 shape)."""
     n = x.shape[0]

@@ -13,7 +13,14 @@ the band's ``dma_trigger_queue``), where the trigger waits in program order and 
 DGEs for ``DMA_ISSUE_NS``. Then its data phase: every DMA in flight on a rank shares, max-min fair, (a) its own
 engines (min(16, partitions) x 23 B/ns, divided by its size inflation 1 + descriptor overhead / run bytes), (b)
 the 16 engines of its core (368 B/ns of inflated bytes) and (c) the rank's HBM bandwidth (HBM bytes only; both
-cores compete). Then the completion latency.
+cores compete). The DMAs of one trigger queue move in order (SDK nki/get-started/about/nki-dma-overview.rst "DMA
+Queues": "DMA transfers within a queue on the same DMA engine are executed in order. DMA transfers from different
+DMA queues are scheduled in a round robin fashion"; the queue "is typically tied to the trigger engine and the method
+of descriptor generation"): a DMA's data phase starts when the data phase of the queue's previous DMA has ended, so
+only the head of each queue (SP, ACT, POOL per core) shares the engines and the HBM. This treats every DMA of a queue
+as occupying all the engines it could use (a narrow DMA followed by a wide one on the same queue: the wide one waits
+for it entirely, pessimistic). A band end without a trigger queue (``dma_trigger_queue`` "none") has no order: all
+its DMAs share. Then the completion latency.
 
 An instruction starts when its stream lets it and every instruction it depends on (RAW/WAR/WAW from ``deps``,
 RAW on registers) has finished plus the hand-off: a consumer on another engine waits ``handoff_ns`` after its
@@ -26,6 +33,7 @@ ones) are rendezvous: each participant blocks its stream from its arrival until 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 
 from . import constants as C
@@ -369,6 +377,8 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
     dge = [[(0.0, None)] * C.DMA_DGE_PER_CORE for _ in P.cores]
     nranks = (max(P.rank) + 1) if n else 1
     pipes = [_Rank(params.hbm_bw_per_rank / 1e9) for _ in range(nranks)]
+    queue_head = [None] * len(streams)  # per trigger queue: the DMA in its data phase (FIFO, module doc)
+    queue_wait = [deque() for _ in streams]
     arrived = {}
     heap = []
     ctr = 0
@@ -449,6 +459,16 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
         if nb <= 0:
             push(now + C.DMA_COMPLETION_NS, EV_FINISH, i)
             return
+        s = stream[i]
+        if s >= 0:          # its DMA queue: in order behind the queue's earlier DMAs (module doc)
+            if queue_head[s] is not None:
+                queue_wait[s].append(i)
+                return
+            queue_head[s] = i
+        start_data(i, now)
+
+    def start_data(i, now):
+        nb, hb, engines, run, _, _ = P.dma[i]
         infl = 1.0 + params.dma_descriptor_overhead_bytes / run
         cap = engines * C.DMA_ENGINE_BW / infl
         r = P.rank[i]
@@ -524,6 +544,15 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
             for i in done:
                 del pp.active[i]
                 push(now + C.DMA_COMPLETION_NS, EV_FINISH, i)
+                s = stream[i]
+                if s >= 0 and queue_head[s] == i:
+                    queue_head[s] = None
+                    if queue_wait[s]:
+                        nxt = queue_wait[s].popleft()
+                        queue_head[s] = nxt
+                        if binder[nxt] is None or binder[nxt][1] < now:
+                            binder[nxt] = (i, now)
+                        start_data(nxt, now)
             if not pp.active and pp.busy_since is not None:
                 pp.busy += now - pp.busy_since
                 pp.busy_since = None

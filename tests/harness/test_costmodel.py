@@ -209,6 +209,27 @@ def test_a_reused_address_waits_for_its_last_reader():
 
 
 # ---- the HWDGE trigger queue ------------------------------------------------------------------------------
+def test_dmas_of_one_queue_move_in_order_and_queues_share_the_engines():
+    """SDK nki-dma-overview.rst "DMA Queues": transfers within a queue run in order, different queues round robin.
+    Two 4 MiB loads from the SP queue: the first moves alone at the core's engine rate, the second starts its data
+    phase when the first's ends; the second on ScalarE's queue: both move at once, each at half the rate. Without a
+    trigger queue (the band's low end) no order is known and they share as well."""
+    nbytes = 4 * 1024 * 1024
+    run = nbytes // 128
+    one = data_ns(nbytes, 128, run)
+    t0 = C.SP_INSTR_NS + C.DMA_ISSUE_NS           # trigger + issue on its DGE (the two DGEs issue in parallel)
+    same = costmodel.predict(mk.trace_two_loads(nbytes), params=bare(dma_trigger_queue="SP")).timeline
+    a, b = 0, 1
+    assert same.finish[a] == pytest.approx(t0 + one + C.DMA_COMPLETION_NS, rel=1e-9)
+    assert same.finish[b] == pytest.approx(t0 + 2 * one + C.DMA_COMPLETION_NS, rel=1e-6)
+    assert same.binder[b][0] == a                  # the critical path goes through the queue's earlier DMA
+    split = costmodel.predict(mk.trace_two_loads(nbytes, True), params=bare(dma_trigger_queue="SP")).timeline
+    assert split.finish[a] == pytest.approx(split.finish[b], rel=1e-3)
+    assert split.finish[a] == pytest.approx(t0 + 2 * one + C.DMA_COMPLETION_NS, rel=1e-3)
+    free = costmodel.predict(mk.trace_two_loads(nbytes), params=bare()).timeline
+    assert free.finish[a] == pytest.approx(free.finish[b], rel=1e-3)
+
+
 def test_a_dma_trigger_waits_in_its_queue_behind_a_waiting_trigger():
     F = 4096
     tr = mk.trace_queued_dmas(F)
