@@ -254,15 +254,19 @@ def gdn_weight_tiles(w_in, w_out):
 def gdn_weights(w_in, w_out, layer=None, arena=None):
     """Issue the DMAs of this core's in_proj weight groups and out_proj weight of layer ``layer`` (HBM, host layout;
     None: unstacked tensors) into ``arena`` (:func:`gdn_weight_tiles`) or fresh tiles -> :class:`GdnWeights`, to
-    pass to :func:`gdn_body` (a caller may issue them early: prefetch)."""
+    pass to :func:`gdn_body` (a caller may issue them early: prefetch). They are triggered from ScalarE's DMA queue:
+    the DMAs of one queue move in order (SDK nki-dma-overview.rst "DMA Queues"), so this 8 MiB stream must not sit in
+    the queue of the small DMAs the next steps wait for (norm weights, router, the routed experts), which the
+    compiler's default queue carries (bench/decode_speed.md lever 23)."""
     w_in, w_out = layer_of(w_in, layer), layer_of(w_out, layer)
     _, core = program_sharding()
     wts = arena if arena != None else gdn_weight_tiles(w_in, w_out)
     for gi in range(len(wts.w_in_tiles)):
         j0 = gi * wts.jg
         wt = wts.w_in_tiles[gi]
-        nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j0 + wt.shape[1], :])
-    nisa.dma_copy(dst=wts.wo, src=w_out[core])
+        nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j0 + wt.shape[1], :], dge_mode=nisa.dge_mode.hwdge,
+                      engine=nisa.engine.scalar)
+    nisa.dma_copy(dst=wts.wo, src=w_out[core], dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
     return wts
 
 

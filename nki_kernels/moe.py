@@ -62,11 +62,12 @@ buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) 
 conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
 later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
 buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
-which more than ``WINDOW`` (3) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
+which more than ``WINDOW`` (4) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
 issued up front and group g + WINDOW's from ScalarE's queue right after group g's ``silu`` (its
-ring positions were consumed a group earlier, so nothing else holds it back). DMAs in flight share the DMA and HBM
-bandwidth, so the first groups arrive sooner and the PE starts earlier, while the stream stays busy (issue 15,
-bench/decode_speed.md). The router and
+ring positions were consumed a group earlier, so nothing else holds it back). The DMAs of one queue move in order
+(SDK nki-dma-overview.rst "DMA Queues"), so the up-front groups land one after the other, the first as soon as its
+own bytes are in; at the default ring (8 slots = 4 groups) every static group is issued up front (issue 15,
+bench/decode_speed.md lever 23). The router and
 shared-expert blocks do not depend on the routing: ``moe_weights`` issues them (a caller does so before the
 post-attention norm, so they fly under it), else the body does first. The ACT's exp table is loaded by a dummy
 activation while they fly.
@@ -115,7 +116,7 @@ MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
 GROUP = 2          # slots whose gate|up matmuls share one moving operand (group_size)
 LEVEL = 4          # conditional slots per nesting level (_conditional_levels)
-WINDOW = 3         # slot groups in flight in a stream (_stream; >= 2: group g+1's gate|up precedes g's down)
+WINDOW = 4         # slot groups in flight in a stream (_stream; >= 2: group g+1's gate|up precedes g's down)
 IDS_NAME = "moe_expert_ids"    # the on-chip tensors the body loads registers from (harness.register_models)
 TRIPS_NAME = "moe_cond_trips"
 
