@@ -41,7 +41,7 @@ import nki.language as nl
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
 from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_ring
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
-from nki_kernels.common import kernel_assert, program_sharding
+from nki_kernels.common import P, kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, token_major
@@ -315,7 +315,9 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     under the all-reduces, the norm and the routing instead of at the top of that layer. ``early_ring`` (the verify's
     layers): an attention layer's projection ring (``attention_ring``) is allocated and its first chunks issued
     before the input norm, so they stream under the previous all-reduce (the MTP layers' drafts have no SBUF room
-    for it next to the GDN arena: they keep the body's own ring)."""
+    for it next to the GDN arena: they keep the body's own ring). Both norm weights (8 KiB each) are loaded first:
+    the DMAs of one queue move in order (SDK nki-dma-overview.rst "DMA Queues"), so behind the ring's chunks the
+    input norm would wait for them (bench/decode_speed.md lever 24)."""
     g = t.gdn
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
@@ -323,10 +325,12 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
             gdn_weights(g[0], g[5], layer.mixer, _gdn_arena(regs, g))
         wg = regs.gdn
         regs.gdn_layer = -1
+    w_norm = _sbuf_copy(t.norms[layer.in_norm], "in_norm_w")
+    w_post = _sbuf_copy(t.norms[layer.post_norm], "post_norm_w")
     ring = None
     if layer.kind == ATTENTION and layer.groups == 1 and early_ring:
         ring = attention_ring(t.attn[0], t.attn[1], t.attn[2], core, plan.lnc, layer.mixer)
-    xT = rmsnorm_body(x, t.norms[layer.in_norm], plan.eps)
+    xT = rmsnorm_body(x, w_norm, plan.eps)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs, ring)
     else:
@@ -337,7 +341,7 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
         gdn_weights(g[0], g[5], next_gdn.mixer, _gdn_arena(regs, g))
         regs.gdn_layer = next_gdn.mixer
     x = _add_into(x, allreduce_partials(y, rg))
-    xT = rmsnorm_body(x, t.norms[layer.post_norm], plan.eps)
+    xT = rmsnorm_body(x, w_post, plan.eps)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs, wm), rg))
 
 
@@ -373,8 +377,8 @@ def _first_gdn(plan, stage):
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     """The MTP head up to its final norm on T = ``stage.tokens`` positions q: ids SBUF [T, 1] int32 (token q+1), h
-    SBUF [T, H] (hidden at q) -> feature-major ``mtp.norm`` output [P, J, T]. Writes the MTP KV rows of the stage's
-    positions."""
+    SBUF [T, H] (hidden at q) -> feature-major ``mtp.norm`` output [P, J, T] (None for D2, which reads no output).
+    Writes the MTP KV rows of the stage's positions."""
     rows = plan.norms
     e = embedding_body(t.embed, ids)
     eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
@@ -388,6 +392,8 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     nisa.tensor_copy(dst=x, src=fc)
     pos, cos, sin = _stage_inputs(stage, t)
     x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage))
+    if stage.kind == REPLAY:        # D2 needs only the KV rows it wrote: no final norm (it ends the launch)
+        return None
     return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps)
 
 
@@ -438,6 +444,13 @@ def _moe(plan, layer, t, xT, regs, weights=None):
     table, index = layer.experts
     return moe_tkg_body(xT, t.moe_router, t.experts[table], t.moe_shared, plan.top_k, prefetch=MOE_PREFETCH,
                         regs=regs.moe, layer=layer.moe, experts_layer=index, weights=weights)
+
+
+def _sbuf_copy(w, name):
+    """An SBUF copy of the HBM tensor ``w`` (same shape and dtype): one DMA, issued here."""
+    sb = nl.ndarray(tuple(w.shape), w.dtype, buffer=nl.sbuf, name=name)
+    nisa.dma_copy(dst=sb, src=w)
+    return sb
 
 
 def _add_into(x, y):

@@ -69,15 +69,18 @@ def _check_x(x_sb):
 def rmsnorm_body(x_sb, w1, eps):
     """Body: residual ``x_sb [T, H]`` (SBUF, activation dtype) -> normed ``xT [P, H/P, T]`` (SBUF, same dtype).
 
-    w1: HBM ``[P, H/P]`` float32 (:func:`rmsnorm_weight_layout`); eps: compile-time float.
+    w1: ``[P, H/P]`` float32 (:func:`rmsnorm_weight_layout`), in HBM or already in SBUF (a caller that loads it
+    early); eps: compile-time float.
     """
     T, H = _check_x(x_sb)
     J = H // P
     if not (w1.shape[0] == P and w1.shape[1] == J and w1.dtype == nl.float32):
         raise ValueError(f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
                          f"{w1.dtype}{w1.shape}")
-    w_sb = nl.ndarray((P, J), nl.float32, buffer=nl.sbuf, name="rms_w1")
-    nisa.dma_copy(dst=w_sb, src=w1)
+    w_sb = w1
+    if w1.buffer != nl.sbuf:
+        w_sb = nl.ndarray((P, J), nl.float32, buffer=nl.sbuf, name="rms_w1")
+        nisa.dma_copy(dst=w_sb, src=w1)
     # 0. warm ScalarE's {copy, square, rsqrt} table now (module doc, step 5; trn2-costs: ACT_TABLE_LOAD
     # 1,283 ns on any group switch): depends only on a GpSimd memset, so it runs while x is still produced
     warm = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf, name="rms_act_warm")
