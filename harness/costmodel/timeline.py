@@ -10,7 +10,7 @@ SR (sendrecv). A DMA is *triggered* from an instruction queue: software-DGE DMAs
 scatters, ``dge_mode=swdge``) from POOL, which writes their descriptors (``DMA_ISSUE_NS`` /
 ``DMA_ISSUE_INDIRECT_NS`` of POOL time); hardware-DGE DMAs from the SP or ACT queue (the ``engine=`` given, else
 the band's ``dma_trigger_queue``), where the trigger waits in program order and then takes one of the core's 2
-DGEs for ``DMA_ISSUE_NS``. Then its data phase: every DMA in flight on a rank shares, max-min fair, (a) its own
+DGEs for ``DMA_ISSUE_NS``. Then its data phase: every DMA moving on a rank shares, max-min fair, (a) its own
 engines (min(16, partitions) x 23 B/ns, divided by its size inflation 1 + descriptor overhead / run bytes), (b)
 the 16 engines of its core (368 B/ns of inflated bytes) and (c) the rank's HBM bandwidth (HBM bytes only; both
 cores compete). The DMAs of one trigger queue move in order (SDK nki/get-started/about/nki-dma-overview.rst "DMA
