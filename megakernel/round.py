@@ -209,6 +209,7 @@ def control_inputs(plan, t, core):
     nisa.dma_copy(dst=t.pos_sb, src=t.control[core:core + 1, 2:3])
     if t.noise_v != None:   # sampled: the noise window's entry of this position, pos & (W - 1) (plan.noise_slot)
         W = t.noise_v.shape[1]
+        kernel_assert(W & (W - 1) == 0, f"round_kernel: the noise window has {W} entries, not a power of two")
         entry = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="noise_entry")
         nisa.tensor_scalar(dst=entry, data=t.pos_sb, op0=nl.bitwise_and, operand0=W - 1)
         t.noise_slot = nisa.register_alloc()

@@ -207,3 +207,53 @@ def test_refusals(tiny):
         v.engine.run("chain", {"force": rp.force_input(cfg, None, 1)})
     with pytest.raises(ValueError, match="top-k"):
         generate(v, PROMPT, 4, sampling=Sampling(1.0, top_k=3))
+
+
+@pytest.mark.slow
+def test_tp4_with_an_fr_spec_draft_vocabulary(tiny):
+    """TP = 4 x LNC = 2 (each rank's and core's entry of the window) and an FR-Spec draft head (the drafts' window
+    over the draft ids' columns): the host-driven sampled rounds' tokens, accepts and state."""
+    import numpy as np
+    cfg, params = tiny
+    subset = np.sort(np.random.default_rng(0).choice(cfg.vocab_size, 64, replace=False)).astype(np.int32)
+    host = make_decoder("megakernel", cfg, params, tp=4, draft_ids=subset)
+    want = generate(host, PROMPT, 4, sampling=S)
+    dev = make_decoder("megakernel", cfg, params, tp=4, draft_ids=subset, device_commit=True, noise_window=4)
+    got = generate(dev, PROMPT, 4, sampling=S)
+    assert got.tokens == want.tokens and got.accepted_per_round == want.accepted_per_round
+    check_same_state(host, dev, got, 1)
+
+
+def window_reads(tr, rank=0, core=0) -> tuple:
+    """(instructions of the window's slot, DMAs moved by its register) of one core in a trace: the VectorE bitwise and
+    of the position, the register load right after it, and every instruction reading that register."""
+    mine = [r for r in tr.instructions if r.get("rank", 0) == rank and r["inst"] == core]
+    ands = [i for i, r in enumerate(mine) if r["op"] == "tensor_scalar" and r["loc"].startswith("round.py")
+            and "bitwise_and" in r["alu"]]
+    assert len(ands) == 1, "one bitwise and of the position per core in the round"
+    load = next(r for r in mine[ands[0]:] if r["op"] == "register_load")
+    reg = load["reg_writes"][0]
+    users = [r for r in mine if reg in (r.get("reg_reads") or ())]
+    return (mine[ands[0]], load), users
+
+
+@pytest.mark.slow
+def test_full_size_sampled_device_committed_round_traces():
+    """The sampled device-committed round at full size (TP=4 x LNC=2, ctx 2048, shape-only, strict rules): the noise
+    window's entry offsets fit int32 and the noise DMAs move their window views within the tensor; per core the window
+    costs two instructions (the bitwise and, the register load) and its register moves exactly the K + 1 noise DMAs
+    (draft, verify)."""
+    import nkisim
+    from harness.kernel_cases import round_case
+    from model.config import preset
+    cfg = preset("qwen3.6-35b-a3b")
+    case = round_case(cfg, context=2048, device_commit=True)
+    W = rp.noise_window(1)
+    specs = rp.noise_window_specs(cfg, 4, 2, 1, window=W)
+    assert {s.name: s.shape for s in specs} == {"noise_v": (2, W, 128, 243 * 2), "noise_d1": (2, W, 1, 128, 243)}
+    for args in case.per_rank:
+        args.update({s.name: nkisim.ShapeDtype(s.shape, "float32") for s in specs})
+    tr = case.trace()
+    for rank, core in ((0, 0), (3, 1)):
+        (_, load), users = window_reads(tr, rank, core)
+        assert load["engine"] == "SP" and [u["op"] for u in users] == ["dma_copy", "dma_copy"], (rank, core)
