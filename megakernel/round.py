@@ -30,9 +30,9 @@ pending token, read slot, position and h_{p-1} (row read_slot of ``control_hidde
 into the tables, no branch); :func:`commit` accepts right after the verify (arithmetic selection: a prefix product
 of draft == target, a one-hot of the last committed token) and writes the next round's control state, so it runs
 beside D2; the launch also returns ``emitted``, then the control state. A sampled device-committed round takes
-``noise_v`` / ``noise_d1`` as a noise window (``plan.noise_window_specs``): :func:`control_inputs` loads the entry
-pos & (W - 1) into a register and the LM heads' noise DMAs read that entry (:func:`_window_entry`); the accept is the
-same equality test (the shared-Gumbel rule, ``harness.sampling``).
+``noise_v`` / ``noise_d1`` as a noise window (``plan.noise_window_specs``): :func:`control_inputs` computes the
+entry pos & (W - 1), the first LM head loads it into a register (:func:`_noise_slot`) and the LM heads' noise DMAs
+read that entry (:func:`_window_entry`); the accept is the same equality test (the shared-Gumbel rule, ``harness.sampling``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class LaunchTensors(nl.NKIObject):
         self.control = self.control_hidden = None   # a device-committed round's control state (plan.control_specs)
         self.rope_cos = self.rope_sin = None        # ... and its RoPE tables (plan.rope_table)
         self.pos_sb = None                          # ... and its position in SBUF (control_inputs)
-        self.noise_slot = None                      # ... and, sampled, its noise window entry (a register)
+        self.noise_entry = self.noise_slot = None   # ... and, sampled, its noise window entry (SBUF, a register)
 
 
 @nki.jit
@@ -210,11 +210,22 @@ def control_inputs(plan, t, core):
     if t.noise_v != None:   # sampled: the noise window's entry of this position, pos & (W - 1) (plan.noise_slot)
         W = t.noise_v.shape[1]
         kernel_assert(W & (W - 1) == 0, f"round_kernel: the noise window has {W} entries, not a power of two")
-        entry = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="noise_entry")
-        nisa.tensor_scalar(dst=entry, data=t.pos_sb, op0=nl.bitwise_and, operand0=W - 1)
-        t.noise_slot = nisa.register_alloc()
-        nisa.register_load(t.noise_slot, entry)
+        t.noise_entry = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="noise_entry")
+        nisa.tensor_scalar(dst=t.noise_entry, data=t.pos_sb, op0=nl.bitwise_and, operand0=W - 1)
     return t.pos_sb
+
+
+def _noise_slot(t):
+    """A sampled device-committed round's noise window entry (``t.noise_entry``, computed at the launch top) in a
+    register, loaded when the first LM head needs it: then the entry is long computed, so the load holds up none of
+    the DMAs queued behind it (at the launch top it would wait for the position's DMA); None in a host-driven
+    launch."""
+    if t.control == None:
+        return None
+    if t.noise_slot == None:
+        t.noise_slot = nisa.register_alloc()
+        nisa.register_load(t.noise_slot, t.noise_entry)
+    return t.noise_slot
 
 
 def _window_entry(window, core, index, slot):
@@ -480,7 +491,8 @@ def _greedy(plan, t, xT, rg, core):
     entry)."""
     noise = None
     if t.noise_v != None:
-        noise = t.noise_v[core] if t.noise_slot == None else _window_entry(t.noise_v, core, 0, t.noise_slot)
+        slot = _noise_slot(t)
+        noise = t.noise_v[core] if slot == None else _window_entry(t.noise_v, core, 0, slot)
     return _vocab_argmax(plan, t, xT, rg, core, noise)
 
 
@@ -499,7 +511,8 @@ def _draft_greedy(plan, t, xT, rg, core, i):
     of its window entry)."""
     noise = None
     if t.noise_d1 != None:
-        noise = t.noise_d1[core, i] if t.noise_slot == None else _window_entry(t.noise_d1, core, i, t.noise_slot)
+        slot = _noise_slot(t)
+        noise = t.noise_d1[core, i] if slot == None else _window_entry(t.noise_d1, core, i, slot)
     if plan.draft_vocab_per_core == 0:
         return _vocab_argmax(plan, t, xT, rg, core, noise)
     kernel_assert(t.draft_head != None and t.draft_ids != None,

@@ -226,15 +226,16 @@ def test_tp4_with_an_fr_spec_draft_vocabulary(tiny):
 
 def window_reads(tr, rank=0, core=0) -> tuple:
     """(instructions of the window's slot, DMAs moved by its register) of one core in a trace: the VectorE bitwise and
-    of the position, the register load right after it, and every instruction reading that register."""
+    of the position (at the launch top), the register load of its result (before the first LM head), and every
+    instruction reading that register."""
     mine = [r for r in tr.instructions if r.get("rank", 0) == rank and r["inst"] == core]
-    ands = [i for i, r in enumerate(mine) if r["op"] == "tensor_scalar" and r["loc"].startswith("round.py")
+    ands = [r for r in mine if r["op"] == "tensor_scalar" and r["loc"].startswith("round.py")
             and "bitwise_and" in r["alu"]]
-    assert len(ands) == 1, "one bitwise and of the position per core in the round"
-    load = next(r for r in mine[ands[0]:] if r["op"] == "register_load")
-    reg = load["reg_writes"][0]
+    loads = [r for r in mine if r["op"] == "register_load" and any(x.get("name") == "noise_entry" for x in r["reads"])]
+    assert len(ands) == 1 and len(loads) == 1, "one bitwise and of the position and one load of it per core"
+    reg = loads[0]["reg_writes"][0]
     users = [r for r in mine if reg in (r.get("reg_reads") or ())]
-    return (mine[ands[0]], load), users
+    return (ands[0], loads[0]), users
 
 
 @pytest.mark.slow
@@ -242,7 +243,7 @@ def test_full_size_sampled_device_committed_round_traces():
     """The sampled device-committed round at full size (TP=4 x LNC=2, ctx 2048, shape-only, strict rules): the noise
     window's entry offsets fit int32 and the noise DMAs move their window views within the tensor; per core the window
     costs two instructions (the bitwise and, the register load) and its register moves exactly the K + 1 noise DMAs
-    (draft, verify)."""
+    (draft, verify), all in the LM heads."""
     import nkisim
     from harness.kernel_cases import round_case
     from model.config import preset
@@ -256,4 +257,5 @@ def test_full_size_sampled_device_committed_round_traces():
     tr = case.trace()
     for rank, core in ((0, 0), (3, 1)):
         (_, load), users = window_reads(tr, rank, core)
-        assert load["engine"] == "SP" and [u["op"] for u in users] == ["dma_copy", "dma_copy"], (rank, core)
+        assert load["engine"] == "SP" and [(u["op"], u["loc"].split(":")[0]) for u in users] == \
+            [("dma_copy", "lm_head.py")] * 2, (rank, core)
