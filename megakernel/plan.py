@@ -63,7 +63,10 @@ difference: an FR-Spec draft takes its columns of the draft ids). A round whose 
 p + 1 .. p + K + 1 (verified token j predicts position p + 1 + j, draft i -- 0-based -- the same position as
 verified token i): :func:`noise_inputs` of ``noise.scaled(p + 1, K + 1)``. Its accept is the greedy equality test
 on the Gumbel-max drafts and targets (the committed tokens are plain Gumbel-max sampling's), so the device's accept
-(``megakernel.round.commit``) is unchanged and needs no probability. Only the rows depend on p, which the host of
+(``megakernel.round.commit``) is unchanged and needs no probability. (The standard rejection rule of the xla variant
+would need per draft p(d_i) and q(d_i) -- softmaxes over the whole vocabulary of both heads, a sum-exp collective
+each --, a uniform, and on a reject a draw from norm(max(0, p - q)) over both heads' logits kept until the verify:
+not built; the kernels sample by the Gumbel scheme.) Only the rows depend on p, which the host of
 a device-committed round does not know when it launches. So the round takes them from a **noise window**
 (:func:`noise_window_specs`): W entries (W a power of two >= K + 2, :func:`noise_window`), entry ``p & (W - 1)``
 (:func:`noise_slot`; a VectorE bitwise and of the control state's position, loaded into a register that offsets

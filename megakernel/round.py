@@ -32,7 +32,8 @@ of draft == target, a one-hot of the last committed token) and writes the next r
 beside D2; the launch also returns ``emitted``, then the control state. A sampled device-committed round takes
 ``noise_v`` / ``noise_d1`` as a noise window (``plan.noise_window_specs``): :func:`control_inputs` computes the
 entry pos & (W - 1), the first LM head loads it into a register (:func:`_noise_slot`) and the LM heads' noise DMAs
-read that entry (:func:`_window_entry`); the accept is the same equality test (the shared-Gumbel rule, ``harness.sampling``).
+read that entry (:func:`_window_entry`); the accept is the same equality test (the shared-Gumbel rule,
+``harness.sampling``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """decode.py --device-commit: the megakernel's device-committed rounds give the host-driven rounds' tokens on the
-embedded checkpoint, greedy and sampled (--temperature); bad combinations are one line and exit 2 (checked before any checkpoint is read)."""
+embedded checkpoint, greedy and sampled (--temperature); bad combinations are one line and exit 2 (checked before
+any checkpoint is read)."""
 
 from __future__ import annotations
 
