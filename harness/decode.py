@@ -5,6 +5,7 @@
     python harness/decode.py --model-path DIR --prompt-ids 1,2,3 --json
     python harness/decode.py --num-draft-tokens 3 --variant megakernel
     python harness/decode.py --variant megakernel --device-commit   # rounds back to back, accept on device
+    python harness/decode.py --variant megakernel --device-commit --temperature 0.7 --seed 1
 
 Each round drafts K tokens with the MTP head (--num-draft-tokens, chained: each
 draft runs on the previous one and the head's own hidden), verifies [pending,
@@ -14,10 +15,12 @@ d_1 .. d_K] with the trunk and keeps the longest matching prefix plus one token
     python harness/decode.py --variant xla --temperature 0.7 --top-k 20 --top-p 0.9 --seed 1 --num-samples 4
     python harness/decode.py --variant megakernel --temperature 0.7 --seed 1 --num-draft-tokens 2
 
---device-commit (megakernel, greedy): each round accepts on device and writes the
+--device-commit (megakernel, speculative): each round accepts on device and writes the
 next round's pending token, read slot, position and hidden into decode state, taking
-its RoPE rows from a table by position; the host launches the rounds back to back and
-only reads the emitted tokens (to stop at EOS / --max-new-tokens). Same tokens.
+its RoPE rows from a table by position (sampled: its Gumbel noise rows from a window
+the host keeps ahead, also by position); the host launches the rounds back to back and
+only reads the emitted tokens (to stop at EOS / --max-new-tokens). Same tokens, greedy
+or sampled with the same --seed.
 
 Sampling is lossless in every variant (harness/sampling.py): the committed tokens are
 distributed exactly as plain sampling from the model; the same --seed gives the same
@@ -91,8 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"K + 1 tokens")
     ap.add_argument("--device-commit", action="store_true",
                     help="megakernel: accept and commit on device, so rounds launch back to back and the host only "
-                         "reads the emitted tokens (greedy speculation only; with --variant all it applies to the "
-                         "megakernel variant; default: the host accepts and builds each round's inputs)")
+                         "reads the emitted tokens (speculation only; greedy, or --temperature > 0 with --variant "
+                         "megakernel; with --variant all it applies to the megakernel variant; default: the host "
+                         "accepts and builds each round's inputs)")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="FR-Spec: the drafts choose among the N most frequent tokens only (draft_vocab.json of the "
                          "checkpoint, python -m model.draft_vocab); the verify keeps the full vocabulary, so the "
@@ -222,9 +226,9 @@ def check_args(args) -> Sampling | None:
     if args.device_commit:
         if args.variant not in ("megakernel", "all"):
             raise UsageError(f"--device-commit runs in the megakernel variant (got --variant {args.variant})")
-        if args.no_spec or args.temperature > 0:
-            raise UsageError("--device-commit accepts speculative rounds on device: it needs greedy speculation "
-                             "(no --no-spec, --temperature 0)")
+        if args.no_spec:
+            raise UsageError("--device-commit accepts speculative rounds on device: it needs speculation "
+                             "(no --no-spec)")
     sampling_flags = args.top_k is not None or args.top_p != 1 or args.num_samples > 1
     if args.temperature == 0:
         if sampling_flags:

@@ -19,7 +19,9 @@ Device-side commit (``MegakernelEngine(device_commit=True)``, issue 15): besides
 runs ``chain`` launches (a round plan with ``device_commit``): each round reads the decode-control state the
 previous one wrote (``plan.control_specs``, seeded once by :meth:`MegakernelEngine.seed_control` after the
 prefill), accepts on device and writes the next one's, so the host passes only ``force`` and reads the emitted
-tokens (``LaunchResult.emitted``).
+tokens (``LaunchResult.emitted``). Sampled ``chain`` rounds take their Gumbel noise from a noise window the engine
+holds (``plan.noise_window_specs``; :meth:`MegakernelEngine.start_noise`, :meth:`MegakernelEngine.write_noise`,
+kept ahead of the device by ``harness.speculative.NoiseBook``), not per launch.
 
 Sampling: the xla variant draws its drafts from the MTP head's processed distributions and returns the
 distributions for the host's rejection rule (``sampler = "rejection"``); the kernel variants sample inside the
@@ -143,10 +145,11 @@ class HostEngine:
         inputs = dict(inputs)
         key = "draft_noise" if self.sampler == "rejection" else "noise"
         noise = inputs.pop(key, None)
-        if plan.device_commit and (self.sampling is not None or noise is not None):
-            raise ValueError(f"{self.name}: device-committed rounds are greedy (their noise rows would depend on the "
-                             f"device's position)")
-        if (noise is not None) != (self.sampling is not None and (mode == "round" or key == "noise")):
+        if plan.device_commit and noise is not None:
+            raise ValueError(f"{self.name}: a device-committed round takes its noise from the engine's noise window "
+                             f"(write_noise), not per launch")
+        if not plan.device_commit and (noise is not None) != (self.sampling is not None
+                                                              and (mode == "round" or key == "noise")):
             raise ValueError(f"{self.name}: {key} goes with sampled {'rounds' if key == 'draft_noise' else 'launches'}"
                              f" (engine sampling {self.sampling}, mode {mode})")
         names = rp.input_names(plan.mode, plan.device_commit)
@@ -171,16 +174,20 @@ class HostEngine:
 class MegakernelEngine(HostEngine):
     """One launch of ``megakernel.round`` per round (D1 + V + D2) and per step, on every rank, under nkisim.
     ``device_commit``: also ``chain`` rounds, accepted and committed on device (module docstring); the engine then
-    holds per rank the control state (``controls``) and the RoPE tables of the sequence (``rope``)."""
+    holds per rank the control state (``controls``) and the RoPE tables of the sequence (``rope``), and for sampled
+    chains the noise window (``noise``, ``noise_window`` entries, ``plan.noise_window_specs``)."""
 
     name = "megakernel"
 
     def __init__(self, cfg, params, tp: int = 4, lnc: int = 2, drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None,
-                 device_commit: bool = False):
+                 device_commit: bool = False, noise_window: int | None = None):
         super().__init__(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)
         self.device_commit = bool(device_commit)
+        self.noise_window = rp.check_noise_window(rp.noise_window(drafts) if noise_window is None else noise_window,
+                                                  drafts)
         self.controls: list[dict] = []
         self.rope: dict = {}
+        self.noise: list[dict] | None = None
         if self.device_commit:
             if "round" not in self.plans:
                 raise ValueError(f"{self.name}: device-side commit needs speculative rounds (the checkpoint has no "
@@ -202,6 +209,7 @@ class MegakernelEngine(HostEngine):
             return
         cos, sin = rp.rope_table(self.cfg, rp.cache_length(self.max_len))
         self.rope = {"rope_cos": torch.from_numpy(cos), "rope_sin": torch.from_numpy(sin)}
+        self.noise = None
         self.controls = [{s.name: torch.zeros(s.shape, dtype=self.dtype if s.dtype == "activation" else torch.int32)
                           for s in rp.control_specs(self.cfg, self.lnc, self.drafts)} for _ in range(self.tp)]
 
@@ -213,6 +221,27 @@ class MegakernelEngine(HostEngine):
         for c in self.controls:
             c["control"].copy_(torch.from_numpy(st["control"]))
             c["control_hidden"].copy_(st["control_hidden"])
+
+    def start_noise(self) -> None:
+        """A zero noise window per rank (a sampled chain; ``plan.noise_window_specs``), written by :meth:`write_noise`
+        before the rounds that read it."""
+        if not self.device_commit:
+            raise ValueError(f"{self.name}: the engine was built without device_commit")
+        nd = 0 if self.draft_ids is None else len(self.draft_ids)
+        specs = rp.noise_window_specs(self.cfg, self.tp, self.lnc, self.drafts, nd, self.noise_window)
+        self.noise = [{s.name: torch.zeros(s.shape, dtype=torch.float32) for s in specs} for _ in range(self.tp)]
+
+    def write_noise(self, noise, starts) -> None:
+        """Write the window entries of rounds starting at the positions ``starts`` (``noise``: the sequence's
+        ``harness.sampling.GumbelNoise``), each into its slot ``plan.noise_slot``."""
+        if self.noise is None:
+            raise ValueError(f"{self.name}: start_noise first (no noise window)")
+        for s in starts:
+            slot = rp.noise_slot(s, self.noise_window)
+            for r, window in enumerate(self.noise):
+                entry = rp.noise_window_entry(noise, s, r, self.tp, self.lnc, self.drafts, self.draft_ids)
+                for name, t in entry.items():
+                    window[name][:, slot].copy_(t)
 
     def control(self) -> dict:
         """The control state the last round wrote, read back (tests, ``Decoder.committed``): {pending, read_slot,
@@ -226,10 +255,17 @@ class MegakernelEngine(HostEngine):
         from megakernel.round import KERNELS
         names = rp.kernel_weights(plan.mode) + rp.EXPERTS + (rp.DRAFT_VOCAB if plan.draft_vocab_per_core else ())
         rt = {k: v for k, v in inputs.items() if k != "noise"}
+        window = [{}] * self.tp
         if plan.device_commit:      # the host-driven inputs come from the control state
             rt = {**{n: None for n in rp.input_names(plan.mode) if n not in rt}, **rt}
+            if self.sampling is not None:
+                if self.noise is None:
+                    raise ValueError(f"{self.name}: a sampled device-committed round needs the noise window "
+                                     f"(start_noise, write_noise)")
+                window = self.noise
         per_rank = [{"plan": plan, **{k: w[k] for k in names if k in w}, **st, **rt, **self.rank_noise(plan, inputs, r),
-                     **(self.controls[r] if plan.device_commit else {}), **(self.rope if plan.device_commit else {})}
+                     **window[r], **(self.controls[r] if plan.device_commit else {}),
+                     **(self.rope if plan.device_commit else {})}
                     for r, (w, st) in enumerate(zip(self.weights, self.states))]
         self.launches += 1
         outs = nkisim.launch(KERNELS[plan.mode], per_rank, tp=self.tp, lnc=self.lnc)
@@ -398,11 +434,13 @@ ENGINES = {"xla": XlaEngine, "layerwise": LayerwiseEngine, "megakernel": Megaker
 
 
 def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False) -> HostEngine:
+                drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False,
+                noise_window: int | None = None) -> HostEngine:
     """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores, running rounds
     of ``drafts`` chained drafts, each the argmax over ``draft_ids`` (an FR-Spec draft vocabulary,
     ``model.draft_vocab.load``) or over the full vocabulary (None); ``device_commit`` (megakernel only): rounds
-    accepted and committed on device, launched back to back (module docstring)."""
+    accepted and committed on device, launched back to back (module docstring), sampled ones with a noise window of
+    ``noise_window`` entries (None: ``plan.noise_window``)."""
     if name not in ENGINES:
         raise ValueError(f"unknown variant {name!r}; expected one of {ENGINE_NAMES}")
     rp.kv_groups(cfg, tp)
@@ -410,5 +448,8 @@ def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp
     if device_commit:
         if name != "megakernel":
             raise ValueError(f"device-side commit runs in the megakernel variant only, not {name}")
-        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, device_commit=True)
+        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, device_commit=True,
+                                noise_window=noise_window)
+    if noise_window is not None:
+        raise ValueError("a noise window is for device-committed sampled rounds (device_commit)")
     return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)

@@ -13,11 +13,13 @@ launch's positions (``harness.sampling.GumbelNoise``) as a run-time input, draft
 Gumbel-max token, and the host keeps the greedy accept rule: the committed tokens are those of plain Gumbel-max
 sampling with the same noise. Either way they are distributed exactly as plain sampling from the target model.
 
-Device-committed rounds (an engine built with ``device_commit``, the megakernel; greedy): after the prefill the
-host seeds the engine's control state once (:meth:`Decoder.start_chain`); then every round is launched with no
-input but ``force`` (:meth:`Decoder.chained_round`): the round accepts on device and writes the next round's
-pending token, read slot, position and hidden, and the host only reads the emitted tokens (to stop at EOS or
-max tokens). The tokens equal the host-driven rounds' (tested).
+Device-committed rounds (an engine built with ``device_commit``, the megakernel): after the prefill the host seeds
+the engine's control state once (:meth:`Decoder.start_chain`); then every round is launched with no input but
+``force`` (:meth:`Decoder.chained_round`): the round accepts on device and writes the next round's pending token,
+read slot, position and hidden, and the host only reads the emitted tokens (to stop at EOS or max tokens). Sampled
+(shared Gumbel noise), the round takes its noise rows from the engine's noise window by the device's position; the
+host only keeps the window ahead (:class:`NoiseBook`, ``megakernel.plan`` module docstring). The tokens equal the
+host-driven rounds' (tested), greedy and sampled.
 
 :class:`Decoder` is the one host side of every variant: the slot bookkeeping (:class:`SlotBook`), the accept rule
 (:func:`accepted_count`), the run-time inputs of each launch (``megakernel.plan.round_inputs`` / ``step_inputs``)
@@ -74,6 +76,29 @@ class SlotBook:
         self.read_slot = 0
 
 
+class NoiseBook:
+    """Which round start positions the engine's noise window holds (sampled device-committed rounds; the contract is
+    in the ``megakernel.plan`` module docstring): [p, ``hi``) for the position p the host has read. :meth:`due`
+    before each launch gives the start positions to write now: none while p + K + 1 < hi (the entries of the next
+    two rounds, p .. p + K + 1, are there), else hi .. p + W - 1 (p .. p + W - 1 the first time), whose slots hold
+    positions below p, which no round reads again. ``refreshes``: how many writes so far."""
+
+    def __init__(self, window: int, drafts: int):
+        self.window, self.reach = rp.check_noise_window(window, drafts), drafts + 1
+        self.hi = None
+        self.refreshes = 0
+
+    def due(self, pos: int) -> range:
+        if self.hi is not None and pos + self.reach < self.hi:
+            return range(0)
+        if self.hi is not None and pos > self.hi:
+            raise ValueError(f"noise window: position {pos} is past the written entries (< {self.hi})")
+        start = pos if self.hi is None else self.hi
+        self.hi = pos + self.window
+        self.refreshes += 1
+        return range(start, self.hi)
+
+
 class Decoder:
     """The host side of a variant over an engine (``harness.engines.Engine``).
 
@@ -93,6 +118,8 @@ class Decoder:
         self.noise = None           # the shared Gumbel noise of a sampled sequence (sampler "gumbel")
         self.first_sampled = False  # prefill's first token is already its Gumbel-max sample (teacher-forced)
         self.chained = False        # the device holds the control state (start_chain): it knows the read slot
+        self.chain_pos = 0          # ... and the pending token's position, as the host read it from the emitted tokens
+        self.noise_book = None      # ... and, sampled, the noise window's bookkeeping (NoiseBook)
 
     @property
     def device_commit(self) -> bool:
@@ -216,14 +243,24 @@ class Decoder:
         """Hand the sequence to the device (once, after the prefill): the control state of the pending token at
         ``pos`` with h_{pos-1} = ``hidden`` and the committed checkpoint slot; from here on the rounds keep it."""
         self.engine.seed_control(pending, hidden, pos, self.slots.read_slot)
-        self.chained = True
+        self.chained, self.chain_pos, self.noise_book = True, pos, None
+        if self.noise is not None:      # sampled: a noise window, kept ahead of the device
+            self.engine.start_noise()
+            self.noise_book = NoiseBook(self.engine.noise_window, self.drafts)
 
     def chained_round(self, forced_draft=None) -> LaunchResult:
         """One device-committed round (after :meth:`start_chain`): no host input but ``force`` (``forced_draft``:
-        ``plan.forced_drafts``, tests); ``LaunchResult.emitted`` holds the 1 .. K + 1 tokens it committed."""
+        ``plan.forced_drafts``, tests); ``LaunchResult.emitted`` holds the 1 .. K + 1 tokens it committed. Sampled,
+        the noise window is refreshed first when the position read so far nears its end (:class:`NoiseBook`)."""
         if not self.chained:
             raise ValueError("chained_round: start_chain first (the device holds no control state)")
-        return self.engine.run("chain", {"force": rp.force_input(self.cfg, forced_draft, self.drafts)})
+        if self.noise_book is not None:
+            due = self.noise_book.due(self.chain_pos)
+            if len(due):
+                self.engine.write_noise(self.noise, due)
+        r = self.engine.run("chain", {"force": rp.force_input(self.cfg, forced_draft, self.drafts)})
+        self.chain_pos += len(r.emitted)
+        return r
 
     def commit(self, accepted: int) -> None:
         """Keep the first ``accepted`` (1 .. K + 1) verified tokens' state."""
@@ -240,13 +277,15 @@ class Decoder:
 
 
 def make_decoder(name: str, cfg, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
-                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False) -> Decoder:
+                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False,
+                 noise_window: int | None = None) -> Decoder:
     """A variant by name (``harness.engines.ENGINE_NAMES``) with rounds of ``drafts`` chained drafts (over the FR-Spec
     draft vocabulary ``draft_ids``, or the full one): its in-process engine, prefilled on the host.
-    ``device_commit``: device-committed rounds (megakernel only)."""
+    ``device_commit``: device-committed rounds (megakernel only), sampled ones with a noise window of
+    ``noise_window`` entries (None: ``plan.noise_window``)."""
     from harness.engines import make_engine
     return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids,
-                               device_commit=device_commit), ReferenceModel(cfg, params))
+                               device_commit=device_commit, noise_window=noise_window), ReferenceModel(cfg, params))
 
 
 @dataclass
@@ -313,8 +352,8 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
     each batch of newly emitted tokens (for progress display). sampling: temperature / top-k / top-p / seed
     (``harness.sampling.Sampling``; temperature 0 = greedy); ``sample`` picks the generator (seed + sample). A
     Gumbel-sampling engine runs the greedy loop below on noisy scores (the noise rides with every launch). A
-    decoder whose engine commits on device (``Decoder.device_commit``) chains its rounds (greedy only): the host
-    reads the emitted tokens and computes no launch input.
+    decoder whose engine commits on device (``Decoder.device_commit``) chains its rounds: the host reads the emitted
+    tokens and computes no launch input (sampled: it keeps the noise window ahead, ``Decoder.chained_round``).
     """
     if not prompt:
         raise ValueError("generate: the prompt is empty")
@@ -328,9 +367,9 @@ def generate(decoder: Decoder, prompt: list[int], max_new_tokens: int, eos_ids: 
     if sampled and draft_source is not None and not decoder.gumbel:
         raise ValueError("generate: forced drafts are for greedy decoding and Gumbel sampling")
     chained = spec and getattr(decoder, "device_commit", False)
-    if chained and sampled:
-        raise ValueError("generate: device-committed rounds are greedy (their noise rows would depend on the "
-                         "device's position); sample with host-driven rounds")
+    if chained and sampled and not decoder.gumbel:
+        raise ValueError("generate: device-committed rounds sample by shared Gumbel noise (the kernel variants); "
+                         "the rejection rule needs the host")
     gumbel_sampled = sampled and decoder.gumbel      # the greedy loop on noisy scores
     gen = sampling.generator(sample) if sampled and not gumbel_sampled else None
     K = decoder.drafts

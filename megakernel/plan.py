@@ -54,8 +54,31 @@ or once by the host after the prefill, :func:`control_state`), takes its RoPE ro
 position (:func:`rope_table`, a register offset), accepts on device (n = the leading drafts equal to their
 targets) and writes the next round's control state (pending y_n, read slot n, position p + n + 1, hidden h_{p+n})
 and :data:`EMITTED` (the n + 1 committed tokens and their count), so rounds launch back to back and the host only
-reads tokens. The same equality rule is the accept of the shared-Gumbel sampled rounds (``harness.sampling``); a
-device-committed round is greedy here (its noise rows depend on the device's position).
+reads tokens.
+
+Sampled device-committed rounds (shared Gumbel noise, ``harness.sampling``). What the host-driven sampled round
+draws: every absolute position n has its own pre-scaled noise row fp32(T g_n) [V], a pure function of (seed +
+sample, n) (``harness.sampling.GumbelNoise``); the draft and the verify of a position share it (the only role
+difference: an FR-Spec draft takes its columns of the draft ids). A round whose pending token sits at p takes rows
+p + 1 .. p + K + 1 (verified token j predicts position p + 1 + j, draft i -- 0-based -- the same position as
+verified token i): :func:`noise_inputs` of ``noise.scaled(p + 1, K + 1)``. Its accept is the greedy equality test
+on the Gumbel-max drafts and targets (the committed tokens are plain Gumbel-max sampling's), so the device's accept
+(``megakernel.round.commit``) is unchanged and needs no probability. (The standard rejection rule of the xla variant
+would need per draft p(d_i) and q(d_i) -- softmaxes over the whole vocabulary of both heads, a sum-exp collective
+each --, a uniform, and on a reject a draw from norm(max(0, p - q)) over both heads' logits kept until the verify:
+not built; the kernels sample by the Gumbel scheme.) Only the rows depend on p, which the host of
+a device-committed round does not know when it launches. So the round takes them from a **noise window**
+(:func:`noise_window_specs`): W entries (W a power of two >= K + 2, :func:`noise_window`), entry ``p & (W - 1)``
+(:func:`noise_slot`; a VectorE bitwise and of the control state's position, loaded into a register that offsets
+the two noise DMAs, as the RoPE rows) holding exactly the host-driven round's ``noise_v`` / ``noise_d1`` for a
+round starting at p (:func:`noise_window_entry`). Same noise bytes into the same LM-head instructions: the tokens
+equal the host-driven sampled rounds' bit for bit. The host keeps the window ahead of the device
+(``harness.speculative.NoiseBook``): before launching a round it makes sure the entries of every start position
+the next two rounds can reach, p .. p + K + 1 (p: the position it has read), are written -- so it may launch one
+round before reading the previous one's tokens -- and when p + K + 1 reaches the end of what it wrote it writes
+the start positions up to p + W - 1 into the slots of positions below p (never read again): a refresh every few
+rounds, at most K + 1 new entries per round on average. A deeper pipeline of D rounds in flight needs W >=
+(K + 1) D + 1 and the reach (K + 1) D.
 
 What comes next, as data (not as new copies of the round): a chunked prefill (issue 16) is a plan of ``prefill``
 stages over prompt chunks beside :func:`teacher_forced_launches`, today's host-driven prefill through the decode
@@ -90,7 +113,8 @@ NOISE = ("noise_v", "noise_d1")   # a sampled launch's optional Gumbel noise (:f
 STATE = ("gdn_window", "gdn_state", "attn_k", "attn_v")
 # A device-committed round's decode-control state and RoPE tables (:func:`control_specs`, :func:`rope_table`; the
 # last parameters of ``round_kernel``) and its extra output, written after the state: [1, T + 1] int32, column 0
-# the committed count c (1 .. K + 1), columns 1 .. c the committed tokens (the rest: the verify's other targets)
+# the committed count c (1 .. K + 1), columns 1 .. c the committed tokens (the rest: the verify's other targets).
+# A sampled device-committed round takes ``noise_v`` / ``noise_d1`` as its noise window (:func:`noise_window_specs`)
 CONTROL = ("control", "control_hidden")
 CONTROL_COLUMNS = ("pending", "read_slot", "pos")   # columns of ``control``
 ROPE_TABLES = ("rope_cos", "rope_sin")
@@ -398,6 +422,53 @@ def noise_inputs(mode: str, noise, rank: int, tp: int, lnc: int, drafts: int = D
         out["noise_d1"] = torch.stack([rank_noise_layout(part[i:i + 1], lnc) for i in range(K)],
                                       dim=1).contiguous()
     return out
+
+
+def noise_window(drafts: int = DEFAULT_DRAFTS) -> int:
+    """Entries W of a sampled device-committed round's noise window by default: the smallest power of two >= 4 (K +
+    1) (a refresh every ~2 (K + 1) positions or more; module docstring)."""
+    w = 1
+    while w < 4 * (check_drafts(drafts) + 1):
+        w *= 2
+    return w
+
+
+def check_noise_window(window: int, drafts: int = DEFAULT_DRAFTS) -> int:
+    """W: a power of two (the slot is a bitwise and: the hardware has no integer mod) >= K + 2 (the entries of the
+    next two rounds' start positions, module docstring)."""
+    K = check_drafts(drafts)
+    if isinstance(window, bool) or not isinstance(window, int) or window < K + 2 or window & (window - 1):
+        raise ValueError(f"plan: the noise window must be a power of two >= K + 2 = {K + 2} entries, found {window!r}")
+    return window
+
+
+def noise_slot(pos: int, window: int) -> int:
+    """The window entry of a round whose pending token sits at ``pos``: pos & (W - 1) (= pos mod W)."""
+    return int(pos) & (window - 1)
+
+
+def noise_window_specs(cfg: ModelConfig, tp: int = 4, lnc: int = 2, drafts: int = DEFAULT_DRAFTS,
+                       draft_vocab: int = 0, window: int | None = None) -> tuple:
+    """A sampled device-committed round's noise window, per rank (module docstring): ``noise_v`` float32 [lnc, W,
+    P, Cp*T] and ``noise_d1`` float32 [lnc, W, K, P, Cpd] -- :func:`noise_specs`' round tensors with an entry axis W
+    after the core axis (entry :func:`noise_slot`)."""
+    W = check_noise_window(noise_window(drafts) if window is None else window, drafts)
+    out = []
+    for s in noise_specs(cfg, "round", tp, lnc, drafts, draft_vocab):
+        shape = (s.shape[0], W) + s.shape[1:]
+        if int(np.prod(shape)) > 2 ** 31 - 1:
+            raise ValueError(f"plan: a noise window {list(shape)} has element offsets beyond int32; use fewer entries")
+        out.append(TensorSpec(s.name, shape, s.dtype))
+    return tuple(out)
+
+
+def noise_window_entry(noise, start: int, rank: int, tp: int, lnc: int, drafts: int = DEFAULT_DRAFTS,
+                       draft_ids=None) -> dict:
+    """Rank ``rank``'s window entry for a round whose pending token sits at ``start``: {noise_v [lnc, P, Cp*T],
+    noise_d1 [lnc, K, P, Cpd]}, the host-driven round's :func:`noise_inputs` of rows start + 1 .. start + K + 1 of
+    ``noise`` (a ``harness.sampling.GumbelNoise``)."""
+    K = check_drafts(drafts)
+    return noise_inputs("round", noise.scaled(start + 1, K + 1), rank, tp, lnc, K, draft_ids)
 
 
 def _i32(*values: int) -> np.ndarray:

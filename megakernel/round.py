@@ -29,7 +29,11 @@ pending token, read slot, position and h_{p-1} (row read_slot of ``control_hidde
 :func:`_control_rows` builds each stage's positions and RoPE rows when the stage first needs them (register offsets
 into the tables, no branch); :func:`commit` accepts right after the verify (arithmetic selection: a prefix product
 of draft == target, a one-hot of the last committed token) and writes the next round's control state, so it runs
-beside D2; the launch also returns ``emitted``, then the control state.
+beside D2; the launch also returns ``emitted``, then the control state. A sampled device-committed round takes
+``noise_v`` / ``noise_d1`` as a noise window (``plan.noise_window_specs``): :func:`control_inputs` computes the
+entry pos & (W - 1), the first LM head loads it into a register (:func:`_noise_slot`) and the LM heads' noise DMAs
+read that entry (:func:`_window_entry`); the accept is the same equality test (the shared-Gumbel rule,
+``harness.sampling``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class LaunchTensors(nl.NKIObject):
         self.control = self.control_hidden = None   # a device-committed round's control state (plan.control_specs)
         self.rope_cos = self.rope_sin = None        # ... and its RoPE tables (plan.rope_table)
         self.pos_sb = None                          # ... and its position in SBUF (control_inputs)
+        self.noise_entry = self.noise_slot = None   # ... and, sampled, its noise window entry (SBUF, a register)
 
 
 @nki.jit
@@ -83,7 +88,8 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
     With ``plan.device_commit``: the run-time inputs but ``force`` are None, ``control`` int32 [lnc, 3],
     ``control_hidden`` [lnc, K + 1, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given
     (``plan.control_specs``, ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control,
-    control_hidden)."""
+    control_hidden); sampled, ``noise_v`` / ``noise_d1`` are the noise window (``plan.noise_window_specs``) and the
+    round takes entry pos & (W - 1)."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
     given = (control != None, control_hidden != None, rope_cos != None, rope_sin != None)
@@ -94,8 +100,10 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                                              and hidden == None and cos_v == None and pos_d1 == None),
                   "round_kernel: a device-committed round reads pending, read_slot, pos, hidden and the RoPE rows "
                   "from its control state; pass None for them")
-    kernel_assert(not plan.device_commit or noise_v == None,
-                  "round_kernel: a device-committed round is greedy (the noise rows depend on the device's position)")
+    kernel_assert(not plan.device_commit or noise_v == None or (len(noise_v.shape) == 4 and len(noise_d1.shape) == 5
+                                                                and noise_v.shape[1] == noise_d1.shape[1]),
+                  "round_kernel: a sampled device-committed round takes its noise window (plan.noise_window_specs: "
+                  "noise_v [lnc, W, P, Cp*T], noise_d1 [lnc, W, K, P, Cpd])")
     t = LaunchTensors(embed, lm_head, norms, mtp_fc,
                       (gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out),
                       (attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w), moe_router, moe_shared,
@@ -200,7 +208,38 @@ def control_inputs(plan, t, core):
     t.hidden = t.control_hidden.ap(pattern=[[H, 1], [1, H]], offset=core * T * H, scalar_offset=slot, indirect_dim=1)
     t.pos_sb = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="control_pos")
     nisa.dma_copy(dst=t.pos_sb, src=t.control[core:core + 1, 2:3])
+    if t.noise_v != None:   # sampled: the noise window's entry of this position, pos & (W - 1) (plan.noise_slot)
+        W = t.noise_v.shape[1]
+        kernel_assert(W & (W - 1) == 0, f"round_kernel: the noise window has {W} entries, not a power of two")
+        t.noise_entry = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf, name="noise_entry")
+        nisa.tensor_scalar(dst=t.noise_entry, data=t.pos_sb, op0=nl.bitwise_and, operand0=W - 1)
     return t.pos_sb
+
+
+def _noise_slot(t):
+    """A sampled device-committed round's noise window entry (``t.noise_entry``, computed at the launch top) in a
+    register, loaded when the first LM head needs it: then the entry is long computed, so the load holds up none of
+    the DMAs queued behind it (at the launch top it would wait for the position's DMA); None in a host-driven
+    launch."""
+    if t.control == None:
+        return None
+    if t.noise_slot == None:
+        t.noise_slot = nisa.register_alloc()
+        nisa.register_load(t.noise_slot, t.noise_entry)
+    return t.noise_slot
+
+
+def _window_entry(window, core, index, slot):
+    """This core's row ``index`` of the noise window entry in register ``slot``: ``window`` HBM [lnc, W, ..., P, X]
+    float32 (``plan.noise_window_specs``: [lnc, W, P, Cp*T] with index 0, or [lnc, W, K, P, Cpd] with index i) ->
+    an HBM view [P, X] (the LM head's ``noise``), moved by the register along the entry axis."""
+    shape = window.shape
+    P, X = shape[len(shape) - 2], shape[len(shape) - 1]
+    per_entry = 1
+    for d in range(2, len(shape)):
+        per_entry *= shape[d]
+    return window.ap(pattern=[[X, P], [1, X]], offset=core * shape[1] * per_entry + index * P * X,
+                     scalar_offset=slot, indirect_dim=1)
 
 
 def _control_rows(stage, t):
@@ -462,8 +501,13 @@ def _add_into(x, y):
 
 def _greedy(plan, t, xT, rg, core):
     """The verify's (step's) global argmax over the vocabulary: SBUF [T, 2] float32 (value, index); in a sampled
-    launch the Gumbel-max sample with the verify's noise ``t.noise_v``."""
-    return _vocab_argmax(plan, t, xT, rg, core, None if t.noise_v == None else t.noise_v[core])
+    launch the Gumbel-max sample with the verify's noise ``t.noise_v`` (a device-committed round: its window
+    entry)."""
+    noise = None
+    if t.noise_v != None:
+        slot = _noise_slot(t)
+        noise = t.noise_v[core] if slot == None else _window_entry(t.noise_v, core, 0, slot)
+    return _vocab_argmax(plan, t, xT, rg, core, noise)
 
 
 def _vocab_argmax(plan, t, xT, rg, core, noise):
@@ -477,8 +521,12 @@ def _draft_greedy(plan, t, xT, rg, core, i):
     draft vocabulary (``plan.draft_vocab_per_core`` > 0) over the draft head's rows only -- lowest subset index, i.e.
     lowest token id (the ids are ascending), among equal logits -- mapped to its token id. The verify always uses
     the full head (:func:`_greedy`), so the decoded tokens do not depend on it. Sampled rounds: the Gumbel-max
-    sample with draft i's noise ``t.noise_d1[core, i]`` (over the draft head's rows)."""
-    noise = None if t.noise_d1 == None else t.noise_d1[core, i]
+    sample with draft i's noise ``t.noise_d1[core, i]`` (over the draft head's rows; a device-committed round: row i
+    of its window entry)."""
+    noise = None
+    if t.noise_d1 != None:
+        slot = _noise_slot(t)
+        noise = t.noise_d1[core, i] if slot == None else _window_entry(t.noise_d1, core, i, slot)
     if plan.draft_vocab_per_core == 0:
         return _vocab_argmax(plan, t, xT, rg, core, noise)
     kernel_assert(t.draft_head != None and t.draft_ids != None,

@@ -1,5 +1,6 @@
 """decode.py --device-commit: the megakernel's device-committed rounds give the host-driven rounds' tokens on the
-embedded checkpoint; bad combinations are one line and exit 2 (checked before any checkpoint is read)."""
+embedded checkpoint, greedy and sampled (--temperature); bad combinations are one line and exit 2 (checked before
+any checkpoint is read)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,28 @@ def test_device_commit_gives_the_host_driven_tokens(capsys):
     assert dev["variants"]["megakernel"]["launches"] == dev["rounds"]     # one launch per round, host prefill
 
 
+@pytest.mark.slow
+def test_sampled_device_commit_gives_the_host_driven_tokens(capsys):
+    """--temperature > 0: the device-committed rounds take their noise from the window, the same seed gives the
+    host-driven sampled tokens (~12 s: slow tier; tests/megakernel/test_device_commit_sampled.py checks the rounds)."""
+    argv = ["--variant", "megakernel", "--tp", 1, "--max-new-tokens", 4, "--json", "--temperature", 0.7, "--seed", 1]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    host = json.loads(out)
+    code, out, err = run(capsys, *argv, "--device-commit")
+    assert code == 0, err
+    dev = json.loads(out)
+    assert dev["device_commit"] is True and dev["sampling"]["temperature"] == 0.7
+    assert dev["tokens"] == host["tokens"] and len(dev["tokens"]) == 4
+    assert dev["accepted_per_round"] == host["accepted_per_round"]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--variant", "xla"], "runs in the megakernel variant"),
-    (["--no-spec"], "needs greedy speculation"),
-    (["--variant", "megakernel", "--temperature", "0.7"], "needs greedy speculation"),
+    (["--no-spec"], "needs speculation"),
+    (["--variant", "megakernel", "--no-spec", "--temperature", "0.7"], "needs speculation"),
+    (["--variant", "megakernel", "--temperature", "0.7", "--top-k", "5"], "--temperature only"),
+    (["--variant", "all", "--temperature", "0.7"], "one --variant at a time"),
 ])
 def test_bad_combinations_exit_2_with_one_line(capsys, argv, needle):
     code, out, err = run(capsys, "--prompt-ids", "1,2", "--device-commit", *argv)
