@@ -36,6 +36,7 @@ from model.config import ModelConfig
 FP8_MAX = 240.0                      # largest float8_e4m3 magnitude (trn2's IEEE-like e4m3)
 FP8_CODES = torch.float8_e4m3fn      # host storage of e4m3 codes: torch has no IEEE-like e4m3; within +-240 the two
                                      # formats have the same values and bytes (nki_kernels.moe.kernel_table)
+FP8_SCALES = ("gate_scale", "up_scale", "down_scale")   # what shard_moe adds for a quantised checkpoint
 
 
 def intermediate_slice(size: int, rank: int, tp: int) -> slice:
