@@ -572,7 +572,7 @@ def _issue(st, group, engine=nisa.engine.unknown):
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
         if sc != None:
             ssrc = st["scales"].ap(pattern=[[0, st["T"]], [1, st["ic2"]]], offset=st["sc_offset"], scalar_offset=r,
-                                   indirect_dim=st["edim"])
+                                   indirect_dim=st["sc_edim"])
             nisa.dma_copy(dst=sc[:, i, :], src=ssrc, dge_mode=nisa.dge_mode.hwdge, engine=engine)
         src = st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"], scalar_offset=r, indirect_dim=st["edim"])
         nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
@@ -668,14 +668,17 @@ def _conditional_levels(xT, st, q, geo, wts, mask, fold, trips, trip_regs):
         nl.fori_loop(0, reg, remainder)
 
 
-def _check_scales(scales, stacked, experts_layer, adt, ic2):
-    """The fp8 experts' scales table matches the experts table (one row of 2ic fp32 per expert and core)."""
+def _check_scales(scales, experts, layer, adt, ic2):
+    """The fp8 experts' scales table matches this layer's experts (one row of 2ic fp32 per expert and core), stacked
+    like router / shared (``layer``)."""
     if adt != nl.bfloat16:
         raise ValueError(f"moe_tkg: {FP8} experts need bfloat16 activations, got {adt} (fp32 pairs only with fp32)")
-    want = tuple(stacked.shape[0:len(stacked.shape) - 2]) + (ic2,)
-    if scales.dtype != nl.float32 or tuple(scales.shape) != want:
-        raise ValueError(f"moe_tkg: scales {list(scales.shape)} {scales.dtype}, expected {list(want)} float32 for "
-                         f"experts {list(stacked.shape)} (expert_scales)")
+    want = (experts.shape[0], experts.shape[1], ic2)
+    got = tuple(scales.shape) if layer == None else tuple(scales.shape[1:])
+    if scales.dtype != nl.float32 or got != want or (layer != None and not 0 <= layer < scales.shape[0]):
+        raise ValueError(f"moe_tkg: scales {list(scales.shape)} {scales.dtype} (layer {layer}), expected "
+                         f"{list(want)} float32 (stacked [M, ...] with layer=) for experts {list(experts.shape)} "
+                         f"(expert_scales)")
 
 
 def _acc_of(accs, R):
@@ -729,8 +732,9 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     weights: the :class:`MoEWeights` of this layer from :func:`moe_weights` (DMAs issued early by the caller),
              or None (issued here).
     scales:  the opt-in fp8 experts (module docstring "fp8 experts"): with ``experts`` of dtype ``FP8`` (and
-             bfloat16 activations), HBM [E, n_cores, 2ic] float32 (:func:`expert_scales`), stacked
-             [G, E, n_cores, 2ic] like ``experts`` with ``experts_layer``; None for experts in the activation dtype.
+             bfloat16 activations), HBM [E, n_cores, 2ic] float32 (:func:`expert_scales`), or stacked
+             [M, E, n_cores, 2ic] like router / shared (with ``layer``: all MoE layers in one small table);
+             None for experts in the activation dtype.
     Returns y: SBUF [T, H] float32, this core's partial (sum over cores and ranks = MoE output).
     """
     _, J, T = xT.shape
@@ -787,7 +791,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     G = group_size(geo["ic"])
     isz = 2 if adt == nl.bfloat16 else 4
     if scales != None:
-        _check_scales(scales, stacked, experts_layer, adt, 2 * geo["ic"])
+        _check_scales(scales, experts, layer, adt, 2 * geo["ic"])
         isz = 1
     Ns = max(2 * G, min(-(-prefetch // G) * G, -(-S // G) * G, RING_BUDGET // (G * F * isz) * G))
     need = -(-(S - top_k) // LEVEL) + 1    # one trip register per nesting level + at least one id register
@@ -828,7 +832,8 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
           "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G,
           "scales": scales, "sc_ring": sc_ring, "T": T, "ic2": 2 * geo["ic"],
-          "sc_offset": 0 if scales == None else layer_offset(scales, experts_layer) + pid * 2 * geo["ic"]}
+          "sc_offset": 0 if scales == None else layer_offset(scales, layer) + pid * 2 * geo["ic"],
+          "sc_edim": 0 if layer == None else 1}
     static = _groups(0, top_k, G)
     first_bufs = []
     for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known

@@ -111,18 +111,20 @@ def stacked_fp8(x, router, experts, shared, scales, top_k, layer):
     out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
-    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=layer, scales=scales)
+    y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=1 - layer, scales=scales)
     nisa.dma_copy(dst=out[pid], src=y)
     return out
 
 
 def test_fp8_stacked_layers(tiny):
-    """The scales DMA adds the layer's offset in the stacked scales table like the block DMA does."""
+    """The scales DMA adds the layer's offset in the scales table stacked like router / shared (index ``layer``),
+    the block DMA its own in the experts table (here stacked in the other order: index 1 - layer)."""
     cfg, _, q = tiny
     k = cfg.num_experts_per_tok
     shards = [shard_moe(q, f"model.layers.{i}", cfg, 1, 2) for i in (0, 1)]
     layouts = [moe_hbm_layout(sh, 2) for sh in shards]
-    st = {n: torch.stack([L[n] for L in layouts]) for n in ("router", "experts", "shared", "scales")}
+    st = {n: torch.stack([L[n] for L in layouts]) for n in ("router", "shared", "scales")}
+    st["experts"] = torch.stack([layouts[1]["experts"], layouts[0]["experts"]])
     x = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     for layer in (1, 0):
         out = stacked_fp8[2](x, st["router"], kernel_table(st["experts"]), st["shared"], st["scales"], k, layer)
@@ -148,15 +150,16 @@ def test_fp8_refusals(tiny):
 
 
 def test_megakernel_tables(tiny):
-    """megakernel.sharded.rank_weights of a quantised checkpoint: fp8 experts tables and their scales tables,
-    stacked alike; the bf16 checkpoint has no scales tables."""
+    """megakernel.sharded.rank_weights of a quantised checkpoint: fp8 experts tables and ONE scales table of all MoE
+    layers (stacked like moe_router); the bf16 checkpoint has none."""
     from megakernel import plan as rp
     from megakernel.sharded import rank_weights
     cfg, params, q = tiny
     w, wb = rank_weights(cfg, q, 1, 4, 2), rank_weights(cfg, params, 1, 4, 2)
     ic2 = 2 * cfg.moe_intermediate_size // 4 // 2
     for t in range(rp.experts_tables(cfg, 4, 2)):
-        e, s = w[f"moe_experts_{t}"], w[f"moe_scales_{t}"]
+        e = w[f"moe_experts_{t}"]
         assert e.dtype == torch.float8_e4m3fn and e.shape == wb[f"moe_experts_{t}"].shape
-        assert s.dtype == torch.float32 and tuple(s.shape) == tuple(e.shape[:3]) + (ic2,)
-    assert not any(n.startswith("moe_scales_") for n in wb)
+    s = w["moe_scales"]
+    assert s.dtype == torch.float32 and tuple(s.shape) == (w["moe_router"].shape[0], cfg.num_experts, 2, ic2)
+    assert set(w) - set(wb) == set(rp.EXPERT_SCALES)
