@@ -129,6 +129,14 @@ def cmd_predict(a):
             draft_vocab_per_core(cfg, a.draft_vocab, a.tp * 2)
         except ValueError as e:
             raise BadInput(f"predict: --draft-vocab: {e}") from None
+    if a.fp8_experts:
+        if a.device_commit or a.corrections:
+            raise BadInput("predict: --fp8-experts predicts the host-driven round alone (no --device-commit, "
+                           "no --corrections)")
+        mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab,
+                                      fp8_experts=True)
+        bar.close()
+        return _predict_fp8_experts(a, cfg, mk, routing, t0)
     if a.device_commit:
         mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress,
                                       draft_vocab=a.draft_vocab, device_commit=True)
@@ -193,6 +201,38 @@ def cmd_predict(a):
     print(f"\nwrote {BENCH / 'costmodel_predict.json'}, costmodel_stages.png, costmodel_timeline.png, "
           f"costmodel_layers.png/.md ({out['elapsed_s']['total_wall']:.0f} s wall, "
           f"{out['elapsed_s']['total_cpu']:.0f} s CPU)")
+    return 0
+
+
+def _predict_fp8_experts(a, cfg, mk, routing, t0):
+    """``predict --fp8-experts``: the round with the opt-in fp8 experts tables (``nki_kernels.moe`` "fp8 experts")
+    -> bench/costmodel_predict_fp8_experts.json. It changes the model's output: an experiment, never the target's
+    figure (the headline JSON and plots stay the bf16 round's)."""
+    s = mk.summary(a.acceptance)
+    out = {
+        "command": "python -m harness.bench predict " + " ".join(a.argv),
+        "model": a.model, "tp": a.tp, "lnc": 2, "dtype": "bfloat16", "experts_dtype": "float8_e4m3",
+        "numerics": "changes the model's output (fp8 routed experts): does not count toward the target",
+        "context": a.context, "routing": routing.describe(), "measured_commit": _git_head(),
+        "draft_vocab": a.draft_vocab or None, "label": mk.label, "acceptance": a.acceptance,
+        "round_us": s["round_us"], "stages_us": s["stages_us"], "layer_us": _layer_kinds(mk, cfg),
+        "tokens_per_s": s["tokens_per_s"], "end_to_end_round_us": s["end_to_end_round_us"],
+        "roofline_us": s["roofline_us"], "hbm_MB_per_rank": s["hbm_MB_per_rank"],
+        "critical_by_category_us": s["critical_by_category_us"], "band_anomalies_us": s["band_anomalies_us"],
+        "instructions": s["instructions"], "kernel_parameters": s["kernel_parameters"],
+        "bottlenecks": s["bottlenecks"], "elapsed_s": {"total_wall": round(time.time() - t0, 1)},
+    }
+    path = BENCH / "costmodel_predict_fp8_experts.json"
+    path.write_text(json.dumps(out, indent=1))
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"megakernel round, fp8 experts -- changes the output, not the target's figure ({a.model}, TP={a.tp} x "
+          f"LNC=2, context {a.context}, routing {a.routing}, commit {out['measured_commit']})")
+    print(f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+          f"acceptance {a.acceptance}")
+    print("  stages           " + "   ".join(f"{k} {_band(v)}" for k, v in out["stages_us"].items()))
+    print(f"\nwrote {path} ({out['elapsed_s']['total_wall']:.0f} s wall)")
     return 0
 
 
@@ -408,6 +448,10 @@ def main(argv=None):
                    help="predict the opt-in device-committed round (accept and commit on device, rounds launched back "
                         "to back) and its end-to-end band (host enqueue hidden .. the measured host-driven gap); "
                         "writes bench/costmodel_predict_device_commit.json only (no layerwise, no plots)")
+    p.add_argument("--fp8-experts", action="store_true",
+                   help="predict the round with the routed experts in float8_e4m3 (per-channel scales; opt-in "
+                        "experiment: it changes the model's output and never counts toward the target); writes "
+                        "bench/costmodel_predict_fp8_experts.json only (no layerwise, no plots)")
     p.add_argument("--corrections", action="store_true",
                    help="also measure what each correction of issue 13 does to the central megakernel round (re-traces "
                         "the round three times: several minutes); adds 'corrections' to the JSON")

@@ -250,10 +250,17 @@ class MegakernelEngine(HostEngine):
         ctl = {k: int(v) for k, v in zip(rp.CONTROL_COLUMNS, self.controls[0]["control"][0])}
         return {**ctl, "hidden": self.controls[0]["control_hidden"][0, ctl["read_slot"]]}
 
+    def rank_weights(self, params, rank: int) -> dict:
+        """The stacked weights, fp8 experts tables (a ``model.tp.moe.quantize_fp8`` checkpoint) as the kernel's
+        ``float8_e4m3`` (``nki_kernels.moe.kernel_table``)."""
+        from nki_kernels.moe import kernel_table
+        return {k: kernel_table(v) for k, v in super().rank_weights(params, rank).items()}
+
     def _run(self, plan, inputs):
         import nkisim
         from megakernel.round import KERNELS
         names = rp.kernel_weights(plan.mode) + rp.EXPERTS + (rp.DRAFT_VOCAB if plan.draft_vocab_per_core else ())
+        names += rp.EXPERT_SCALES       # present only for fp8 experts
         rt = {k: v for k, v in inputs.items() if k != "noise"}
         window = [{}] * self.tp
         if plan.device_commit:      # the host-driven inputs come from the control state

@@ -70,17 +70,20 @@ def _dtype(name):
 
 def _shape_dtype(t):
     import nkisim
-    names = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.int32": "int32"}
+    # fp8 experts tables: e4m3 codes in torch.float8_e4m3fn storage (nki_kernels.moe "fp8 experts")
+    names = {"torch.bfloat16": "bfloat16", "torch.float32": "float32", "torch.int32": "int32",
+             "torch.float8_e4m3fn": "float8_e4m3"}
     return nkisim.ShapeDtype(tuple(t.shape), names[str(t.dtype)])
 
 
 @functools.lru_cache(maxsize=8)
 def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str = "bfloat16",
-                 draft_vocab: int = 0) -> tuple:
+                 draft_vocab: int = 0, fp8_experts: bool = False) -> tuple:
     """Per rank: {name: ShapeDtype} of every stacked weight (``megakernel.sharded.rank_weights`` run on ``meta``
     tensors, so the real layout helpers give the shapes) and of the decode state of a sequence of ``context``
     tokens plus the round's two (``megakernel.plan.state_specs``). ``draft_vocab`` > 0 adds an FR-Spec draft head of
-    that many ids (ids 0..N-1 stand in: the cost does not depend on which rows)."""
+    that many ids (ids 0..N-1 stand in: the cost does not depend on which rows). ``fp8_experts``: the routed experts
+    quantised (``model.tp.moe.quantize_fp8``: e4m3 tables and their scales, opt-in; it changes the output)."""
     import torch
 
     import nkisim
@@ -90,6 +93,9 @@ def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str
     act = _dtype(dtype)
     params = {k: torch.empty(s, dtype=torch.float32 if is_fp32_param(k) else act, device="meta")
               for k, s in expected_shapes(cfg).items()}
+    if fp8_experts:
+        from model.tp.moe import quantize_fp8
+        params = quantize_fp8(params)
     state = {s.name: nkisim.ShapeDtype(s.shape, dtype if s.dtype == "activation" else s.dtype)
              for s in state_specs(cfg, tp, context + 2)}
     ids = np.arange(draft_vocab, dtype=np.int32) if draft_vocab else None
@@ -120,13 +126,15 @@ def _runtime(cfg, context: int, dtype: str, mode: str = "round", device_commit: 
 # ---- the round megakernel -------------------------------------------------------------------------
 def round_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
                dtype: str = "bfloat16", max_context: int | None = None, draft_vocab: int = 0,
-               device_commit: bool = False) -> KernelCase:
+               device_commit: bool = False, fp8_experts: bool = False) -> KernelCase:
     """The round megakernel as shipped (``megakernel.round.round_kernel``, runtime loops) at position p =
     ``context``. ``max_context`` plans the attention's unrolled shape-only specialisation instead (the pre-issue-13
     costing, kept for comparison: ``harness.costmodel.compose.corrections``). ``draft_vocab``: ids of an FR-Spec
     draft vocabulary (0: the drafts use the full LM head). ``device_commit``: the opt-in device-committed round
-    (``megakernel.plan`` ``device_commit``; its inputs from the control state)."""
-    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context, draft_vocab, device_commit)
+    (``megakernel.plan`` ``device_commit``; its inputs from the control state). ``fp8_experts``: the opt-in fp8
+    experts tables (:func:`rank_tensors`)."""
+    return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context, draft_vocab, device_commit,
+                       fp8_experts)
 
 
 def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
@@ -136,7 +144,8 @@ def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int 
 
 
 def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, lnc: int, dtype: str,
-                max_context, draft_vocab: int = 0, device_commit: bool = False) -> KernelCase:
+                max_context, draft_vocab: int = 0, device_commit: bool = False, fp8_experts: bool = False
+                ) -> KernelCase:
     from harness.costmodel.layers import stage_tagger
     from megakernel import plan as rp
     from megakernel.round import KERNELS
@@ -144,7 +153,7 @@ def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, 
     plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab, device_commit=device_commit)
     run = _runtime(cfg, context, dtype, mode, device_commit)
     nd = draft_vocab if plan.draft_vocab_per_core else 0
-    per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype, nd)]
+    per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype, nd, fp8_experts)]
     case = KernelCase(f"{mode} megakernel", KERNELS[mode], per_rank, tp, lnc,
                       RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
                       notes={"shipped": "max_context=None (runtime loops)" if max_context is None else

@@ -13,7 +13,7 @@ Per-rank weights (:func:`rank_weights`, PyTorch ``[out, in]`` layouts, stacked l
     zero-centred weights, rows ``plan.NormRows``), ``mtp_fc`` [H, 2H] (replicated); ``gdn_<name>`` [G, ...] for the
     names of ``model.tp.gdn.WEIGHT_NAMES`` (``shard_gdn``), ``attn_<name>`` [A, ...] (``shard_attention``; trunk
     full-attention layers then MTP, all the rank's KV heads per entry), ``moe_<name>`` [M, ...] (``shard_moe``;
-    trunk layers then MTP).
+    trunk layers then MTP; a checkpoint with fp8 experts, ``model.tp.moe.quantize_fp8``, adds their scales).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from model.tp.collectives import Collectives
 from model.tp.embed_head import greedy_rank, shard_lm_head
 from model.tp.gdn import WEIGHT_NAMES as GDN_WEIGHTS
 from model.tp.gdn import GdnDims, gdn_rank_slots, shard_gdn
-from model.tp.moe import moe_rank, shard_moe
+from model.tp.moe import FP8_SCALES, moe_rank, shard_moe
 
 ATTN_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 MOE_WEIGHTS = ("router", "shared_expert_gate", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
@@ -56,8 +56,9 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
     for k in ATTN_WEIGHTS if attn else ():
         w["attn_" + k] = torch.stack([a[k] for a in attn])
     moe = [shard_moe(params, p, cfg, rank, tp) for p in moe_prefixes(cfg)]
-    for k in MOE_WEIGHTS:
-        w["moe_" + k] = torch.stack([m[k] for m in moe])
+    for k in MOE_WEIGHTS + FP8_SCALES:
+        if k in moe[0]:
+            w["moe_" + k] = torch.stack([m[k] for m in moe])
     if draft_ids is not None:
         from model.draft_vocab import draft_head_rows
         w["draft_head"] = draft_head_rows(params, cfg, draft_ids, rank, tp)
@@ -110,7 +111,7 @@ def decoder_layer(cfg: ModelConfig, plan, layer, w: dict, st: _State, x, pos, co
             GdnDims.of(cfg, plan.tp), {k: w["gdn_" + k][j] for k in GDN_WEIGHTS}, h, st.windows[j], st.states[j],
             read_slot)
     x = _add(x, coll.all_reduce(part))
-    shard = {k: w["moe_" + k][layer.moe] for k in MOE_WEIGHTS}
+    shard = {k: w["moe_" + k][layer.moe] for k in MOE_WEIGHTS + FP8_SCALES if "moe_" + k in w}
     return _add(x, coll.all_reduce(moe_rank(shard, fn.rms_norm(x, w["norms"][layer.post_norm], eps), plan.top_k)))
 
 

@@ -108,6 +108,7 @@ WEIGHTS = ("embed", "lm_head", "norms", "mtp_fc", "gdn_w_in", "gdn_conv_w", "gdn
            "gdn_norm_w", "gdn_w_out", "attn_wqg", "attn_wk", "attn_wv", "attn_wo", "attn_norm_w", "moe_router",
            "moe_shared")
 EXPERTS = tuple(f"moe_experts_{t}" for t in range(MOE_TABLES))
+EXPERT_SCALES = ("moe_scales",)   # the opt-in fp8 experts' scales [M, ...] (a launch's last parameter when given)
 DRAFT_VOCAB = ("draft_head", "draft_ids")   # a round's optional FR-Spec draft head and its ids (after the experts)
 NOISE = ("noise_v", "noise_d1")   # a sampled launch's optional Gumbel noise (:func:`noise_specs`; last parameters)
 STATE = ("gdn_window", "gdn_state", "attn_k", "attn_v")

@@ -73,6 +73,7 @@ class LaunchTensors(nl.NKIObject):
         self.rope_cos = self.rope_sin = None        # ... and its RoPE tables (plan.rope_table)
         self.pos_sb = None                          # ... and its position in SBUF (control_inputs)
         self.noise_entry = self.noise_slot = None   # ... and, sampled, its noise window entry (SBUF, a register)
+        self.moe_scales = None                      # the opt-in fp8 experts' scales [M, ...] (moe_scales)
 
 
 @nki.jit
@@ -81,7 +82,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1, moe_experts_0, moe_experts_1=None, moe_experts_2=None, moe_experts_3=None,
                  moe_experts_4=None, draft_head=None, draft_ids=None, noise_v=None, noise_d1=None, control=None,
-                 control_hidden=None, rope_cos=None, rope_sin=None):
+                 control_hidden=None, rope_cos=None, rope_sin=None, moe_scales=None):
     """One speculative round (``plan.mode == "round"``, K = ``plan.drafts``) on one core. Returns (drafts [K, 1]
     int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v). With ``noise_v``
     and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``).
@@ -89,7 +90,8 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
     ``control_hidden`` [lnc, K + 1, H] and ``rope_cos`` / ``rope_sin`` float32 [L, rotary] are given
     (``plan.control_specs``, ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control,
     control_hidden); sampled, ``noise_v`` / ``noise_d1`` are the noise window (``plan.noise_window_specs``) and the
-    round takes entry pos & (W - 1)."""
+    round takes entry pos & (W - 1). With fp8 experts tables (opt-in, ``nki_kernels.moe`` "fp8 experts")
+    ``moe_scales`` [M, ...] holds their scales."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
     given = (control != None, control_hidden != None, rope_cos != None, rope_sin != None)
@@ -113,6 +115,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
     t.draft_head, t.draft_ids = draft_head, draft_ids
     t.noise_v, t.noise_d1 = noise_v, noise_d1
     t.control, t.control_hidden, t.rope_cos, t.rope_sin = control, control_hidden, rope_cos, rope_sin
+    t.moe_scales = moe_scales
     return run_plan(plan, t)
 
 
@@ -120,7 +123,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
 def step_kernel(plan, embed, lm_head, norms, gdn_w_in, gdn_conv_w, gdn_A_log, gdn_dt_bias, gdn_norm_w, gdn_w_out,
                 attn_wqg, attn_wk, attn_wv, attn_wo, attn_norm_w, moe_router, moe_shared, gdn_window, gdn_state,
                 attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, moe_experts_0, moe_experts_1=None,
-                moe_experts_2=None, moe_experts_3=None, moe_experts_4=None, noise_v=None):
+                moe_experts_2=None, moe_experts_3=None, moe_experts_4=None, noise_v=None, moe_scales=None):
     """One plain decode step (``plan.mode == "step"``) on one core. Returns (pending [1, 1] int32 as the draft,
     targets [1, 1] int32, hidden [1, H], gdn_window, gdn_state, attn_k, attn_v); with ``noise_v`` the target is a
     Gumbel-max sample."""
@@ -132,6 +135,7 @@ def step_kernel(plan, embed, lm_head, norms, gdn_w_in, gdn_conv_w, gdn_A_log, gd
                       gdn_window, gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, None, None,
                       None, None, None)
     t.noise_v = noise_v
+    t.moe_scales = moe_scales
     return run_plan(plan, t)
 
 
@@ -482,7 +486,8 @@ def _attention(plan, layer, t, xT, pos, cos, sin, core, regs, ring=None):
 def _moe(plan, layer, t, xT, regs, weights=None):
     table, index = layer.experts
     return moe_tkg_body(xT, t.moe_router, t.experts[table], t.moe_shared, plan.top_k, prefetch=MOE_PREFETCH,
-                        regs=regs.moe, layer=layer.moe, experts_layer=index, weights=weights)
+                        regs=regs.moe, layer=layer.moe, experts_layer=index, weights=weights,
+                        scales=t.moe_scales)
 
 
 def _sbuf_copy(w, name):

@@ -11,7 +11,9 @@ weights (rank r of ``tp``, ``lnc`` cores)
   norm_w, w_out}`` [G, ...] (``nki_kernels.gdn.gdn_weight_layout``); ``attn_{wqg, wk, wv, wo, norm_w}`` [A, ...]
   (``nki_kernels.attention.attention_layout`` of each KV-head group of the rank, trunk layers then MTP);
   ``moe_router``, ``moe_shared`` [M, ...] and ``moe_experts_<t>`` [per_table, E, lnc, P, F]
-  (``nki_kernels.moe.moe_hbm_layout``, trunk layers then MTP).
+  (``nki_kernels.moe.moe_hbm_layout``, trunk layers then MTP); from a checkpoint with fp8 experts
+  (``model.tp.moe.quantize_fp8``, opt-in) the experts tables hold e4m3 codes and ``moe_scales`` [M, E, lnc, 2ic]
+  float32 their scales (``nki_kernels.moe.expert_scales``; all MoE layers in one table, like ``moe_router``).
 state (:func:`megakernel.plan.state_specs`)
   ``gdn_window`` [G, slots, K-1, C_rank], ``gdn_state`` [G, slots, Hv_rank, D, D] float32,
   ``attn_k`` / ``attn_v`` [A, L, D].
@@ -120,7 +122,7 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
     if attn:
         w.update(_stack(attn, ATTN_FIELDS, "attn_"))
     moe = [moe_hbm_layout(shard_moe(params, p, cfg, rank, tp), n_cores=lnc) for p in moe_prefixes(cfg)]
-    w.update(_stack(moe, ("router", "shared"), "moe_"))
+    w.update(_stack(moe, ("router", "shared") + (("scales",) if "scales" in moe[0] else ()), "moe_"))
     per = rp.experts_per_table(cfg, tp, lnc)
     for t in range(rp.experts_tables(cfg, tp, lnc)):
         w[f"moe_experts_{t}"] = torch.stack([lay["experts"] for lay in moe[t * per:(t + 1) * per]])

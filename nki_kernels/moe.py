@@ -100,10 +100,26 @@ expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless
 (``harness.register_models.MoERouting``, which models the ids, the trip counts and their load order): without
 one, the k always-valid slots fetch expert 0 and no conditional loop runs, i.e. the trace shows the minimum
 traffic (all tokens agreeing on k experts).
+
+**fp8 experts** (opt-in, issue 15; it changes the model's output). The routed experts' blocks may be ``FP8``
+(``float8_e4m3``: 384 KiB per expert per core instead of 768) with a small fp32 scales table ``[E, n_cores, 2ic]``
+(:func:`expert_scales`): per gate|up output column, the gate columns' scale and, for the up columns, up scale x the
+scale of the down row of the same intermediate column (the quantiser, ``model.tp.moe.quantize_fp8``, is per
+gate / up output column and per down input row, max-abs / 240). The same register that addresses a slot's block
+addresses its scales row (one DMA of 2ic fp32 broadcast to the T token partitions, issued just before the block's
+on the same queue); one DVE multiply of the group's fp32 gate|up PSUM by them precedes the silu, so ``a`` carries
+the down rows' scale and the down accumulation over the slots needs no rescale. The matmuls take bf16 stationaries
+and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared expert, router and activations stay
+bfloat16; with bfloat16 blocks nothing changes (same instructions). Twin: ``model.tp.moe.moe_rank`` of a quantised
+shard (same rounding points). Host storage: torch has no IEEE-like e4m3, so the layout helpers keep e4m3 codes in
+``torch.float8_e4m3fn`` tensors (every code is within +-240, where the two formats' bytes are the same) and
+:func:`kernel_table` views them as ``float8_e4m3`` for the kernel.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
 import torch
 
 import nki
@@ -117,6 +133,7 @@ RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
 GROUP = 2          # slots whose gate|up matmuls share one moving operand (group_size)
 LEVEL = 4          # conditional slots per nesting level (_conditional_levels)
 WINDOW = 4         # slot groups in flight in a stream (_stream; >= 2: group g+1's gate|up precedes g's down)
+FP8 = nl.float8_e4m3      # the opt-in expert block dtype (IEEE-like e4m3, max 240; trn2 has no e4m3fn matmul)
 IDS_NAME = "moe_expert_ids"    # the on-chip tensors the body loads registers from (harness.register_models)
 TRIPS_NAME = "moe_cond_trips"
 
@@ -213,9 +230,40 @@ def router_block(router: torch.Tensor, shared_expert_gate: torch.Tensor, n_cores
     return w.transpose(1, 2).reshape(n_cores, H // P, P, Eh + 1).permute(0, 2, 1, 3).contiguous()
 
 
+def expert_scales(gate_scale: torch.Tensor, up_scale: torch.Tensor, down_scale: torch.Tensor, n_cores: int
+                  ) -> torch.Tensor:
+    """Per-channel fp8 scales of one rank's experts (``model.tp.moe.quantize_fp8``: gate / up per output column,
+    down per input row; each [E, I_r]) -> the kernel's table [E, n_cores, 2ic] float32: row (e, c) holds core c's
+    gate|up columns' multipliers, ``gate_scale[e, c*ic + n]`` for n < ic, ``up_scale * down_scale`` (fp32 product)
+    of intermediate column c*ic + n - ic after."""
+    E, inter = gate_scale.shape
+    if up_scale.shape != (E, inter) or down_scale.shape != (E, inter):
+        raise ValueError(f"expert_scales: gate {list(gate_scale.shape)}, up {list(up_scale.shape)}, down "
+                         f"{list(down_scale.shape)}: expected three [E, I]")
+    if inter % n_cores:
+        raise ValueError(f"expert_scales: {inter} intermediate columns do not split over {n_cores} cores")
+    ic = inter // n_cores
+    ud = up_scale.float() * down_scale.float()
+    return torch.cat([gate_scale.float().reshape(E, n_cores, ic), ud.reshape(E, n_cores, ic)], dim=2).contiguous()
+
+
+def kernel_table(t):
+    """A host table for the kernel: fp8 experts blocks (``torch.float8_e4m3fn`` holding e4m3 codes, module docstring
+    "fp8 experts") -> a numpy ``float8_e4m3`` array of the same bytes; any other tensor unchanged."""
+    if t is None or t.dtype != torch.float8_e4m3fn:
+        return t
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3)
+
+
 def moe_hbm_layout(shard: dict[str, torch.Tensor], n_cores: int = 2) -> dict[str, torch.Tensor]:
     """A rank's shard (``model.tp.moe.shard_moe``) -> the kernel's HBM tensors:
-    ``router`` [n_cores, P, H/P, E/n_cores + 1], ``experts`` [E, n_cores, P, F], ``shared`` [n_cores, P, Fs]."""
+    ``router`` [n_cores, P, H/P, E/n_cores + 1], ``experts`` [E, n_cores, P, F], ``shared`` [n_cores, P, Fs];
+    a quantised shard (``model.tp.moe.quantize_fp8``: fp8 expert codes and ``*_scale``) adds ``scales``
+    [E, n_cores, 2ic] (:func:`expert_scales`)."""
+    if "gate_scale" in shard:
+        out = moe_hbm_layout({k: v for k, v in shard.items() if not k.endswith("_scale")}, n_cores)
+        out["scales"] = expert_scales(shard["gate_scale"], shard["up_scale"], shard["down_scale"], n_cores)
+        return out
     return {
         "router": router_block(shard["router"], shard["shared_expert_gate"], n_cores),
         "experts": expert_blocks(shard["gate"], shard["up"], shard["down"], n_cores),
@@ -449,18 +497,25 @@ def _gate_up(xT, buf, geo, n):
     return gu
 
 
-def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None):
+def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=None):
     """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
     a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight), one PE
     transpose per slot, one mask multiply into the block-diagonal stationaries z [P, n, R*T] (activation
     dtype), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
     (PSUM [R*T, H/R]; ``first``: the first matmul overwrites). ``refill``: a group (first slot, slots) whose DMAs
     are issued on ScalarE's queue right after the silu (:func:`_stream`, into ``st``'s ring); returns its ring view,
-    or None."""
+    or None. ``sc``: fp8 blocks (``FP8``) -- the n slots' scales [T, n, 2ic] fp32 (:func:`expert_scales`), which
+    multiply gu first (one DVE op: gate columns by theirs, up columns by up x down-row scales, so the down
+    projection of the e4m3 rows needs no rescale); the stationaries z are then bfloat16."""
     T = gu.shape[0]
     adt = buf.dtype
     f32 = nl.float32
     ic, R, off_d = geo["ic"], geo["R"], geo["off_d"]
+    if sc != None:
+        adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
+        gs = nl.ndarray((T, n, 2 * ic), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=gs, data1=gu, data2=sc, op=nl.multiply)
+        gu = gs
     h = nl.ndarray((T, n, ic), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=h, op=nl.silu, data=gu[:, :, 0:ic])
     view = None
@@ -488,31 +543,41 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None):
 
 
 def _place(st, n):
-    """The ring view [P, n, F] for the next group of n slots: ring positions p..p+n-1 from st["pos"] on (back to
-    0 when the group would not fit before the end: a group is one contiguous view)."""
+    """The first ring position p of the next group of n slots: positions p..p+n-1 from st["pos"] on (back to 0
+    when the group would not fit before the end: a group is one contiguous view)."""
     Ns = st["ring"].shape[1]
     p = st["pos"]
     if p + n > Ns:
         p = 0
     st["pos"] = (p + n) % Ns
-    return st["ring"][:, p:p + n, :]
+    return p
 
 
 def _issue(st, group, engine=nisa.engine.unknown):
     """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
     (round robin over the id registers) that is the ``scalar_offset`` of one HWDGE DMA of the expert's [P, F]
     block of this core (triggered from ``engine``'s queue, e.g. ``nisa.engine.scalar``; ``engine.unknown``: the
-    default queue). Returns the group's ring view."""
+    default queue). With fp8 blocks the same register first addresses the expert's scales row of this core,
+    broadcast to the T token partitions of the scale ring (a stride-0 HBM read, 2ic fp32 per token). Returns the
+    group's (ring view [P, n, F], scales view [T, n, 2ic] or None)."""
     s0, n = group
     F = st["F"]
-    buf = _place(st, n)
+    p = _place(st, n)
+    buf = st["ring"][:, p:p + n, :]
+    sc = None
+    if st["scales"] != None:
+        sc = st["sc_ring"][:, p:p + n, :]
     for i in range(n):
         r = st["id_regs"][st["next"] % len(st["id_regs"])]
         st["next"] = st["next"] + 1
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+        if sc != None:
+            ssrc = st["scales"].ap(pattern=[[0, st["T"]], [1, st["ic2"]]], offset=st["sc_offset"], scalar_offset=r,
+                                   indirect_dim=st["sc_edim"])
+            nisa.dma_copy(dst=sc[:, i, :], src=ssrc, dge_mode=nisa.dge_mode.hwdge, engine=engine)
         src = st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"], scalar_offset=r, indirect_dim=st["edim"])
         nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-    return buf
+    return (buf, sc)
 
 
 def _ahead(groups, Ns):
@@ -528,7 +593,7 @@ def _ahead(groups, Ns):
 
 
 def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
-    """Run ``groups`` (consecutive slot groups) through the ring: ``bufs`` holds the ring views of the groups
+    """Run ``groups`` (consecutive slot groups) through the ring: ``bufs`` holds the :func:`_issue` views of the groups
     issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
     right after the down projection of the group whose ring positions it takes -- or, when more than ``WINDOW``
     of them fit, WINDOW groups up front and group g + WINDOW right after group g's silu (ScalarE-triggered, see
@@ -545,16 +610,16 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         views.append(bufs[g] if g < len(bufs) else None)
     for g in range(len(bufs), min(lead, ng)):
         views[g] = _issue(st, groups[g])
-    gu_next = _gate_up(xT, views[0], geo, groups[0][1])
+    gu_next = _gate_up(xT, views[0][0], geo, groups[0][1])
     for g in range(ng):
         gu = gu_next
         if g + 1 < ng:
-            gu_next = _gate_up(xT, views[g + 1], geo, groups[g + 1][1])
+            gu_next = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
         s0, n = groups[g]
         refill = None
         if lead < ahead and g + lead < ng:
             refill = groups[g + lead]
-        v = _down(gu, views[g], geo, n, wts, s0, mask, acc, first, st, refill)
+        v = _down(gu, views[g][0], geo, n, wts, s0, mask, acc, first, st, refill, views[g][1])
         if refill != None:
             views[g + lead] = v
         first = False
@@ -604,6 +669,19 @@ def _conditional_levels(xT, st, q, geo, wts, mask, fold, trips, trip_regs):
         nl.fori_loop(0, reg, remainder)
 
 
+def _check_scales(scales, experts, layer, adt, ic2):
+    """The fp8 experts' scales table matches this layer's experts (one row of 2ic fp32 per expert and core), stacked
+    like router / shared (``layer``)."""
+    if adt != nl.bfloat16:
+        raise ValueError(f"moe_tkg: {FP8} experts need bfloat16 activations, got {adt} (fp32 pairs only with fp32)")
+    want = (experts.shape[0], experts.shape[1], ic2)
+    got = tuple(scales.shape) if layer == None else tuple(scales.shape[1:])
+    if scales.dtype != nl.float32 or got != want or (layer != None and not 0 <= layer < scales.shape[0]):
+        raise ValueError(f"moe_tkg: scales {list(scales.shape)} {scales.dtype} (layer {layer}), expected "
+                         f"{list(want)} float32 (stacked [M, ...] with layer=) for experts {list(experts.shape)} "
+                         f"(expert_scales)")
+
+
 def _acc_of(accs, R):
     """The accumulator entry ``[R, psum, sbuf fold]`` of fold factor R in ``accs``, or None."""
     for a in accs:
@@ -636,7 +714,7 @@ def moe_weights(router, shared, layer=None):
 
 
 def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None, experts_layer=None,
-                 weights=None):
+                 weights=None, scales=None):
     """Sparse MoE of T tokens on one core: SBUF xT in, SBUF partial y out.
 
     xT:      SBUF [P, H/P, T] activation dtype (bfloat16 or float32), element (p, j, t) = x[t, j*P + p]
@@ -654,6 +732,10 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
              tensors"). None / None: one layer's tensors.
     weights: the :class:`MoEWeights` of this layer from :func:`moe_weights` (DMAs issued early by the caller),
              or None (issued here).
+    scales:  the opt-in fp8 experts (module docstring "fp8 experts"): with ``experts`` of dtype ``FP8`` (and
+             bfloat16 activations), HBM [E, n_cores, 2ic] float32 (:func:`expert_scales`), or stacked
+             [M, E, n_cores, 2ic] like router / shared (with ``layer``: all MoE layers in one small table);
+             None for experts in the activation dtype.
     Returns y: SBUF [T, H] float32, this core's partial (sum over cores and ranks = MoE output).
     """
     _, J, T = xT.shape
@@ -687,8 +769,11 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         raise ValueError(f"moe_tkg: experts {list(experts.shape)} / router {list(router.shape)} do not match "
                          f"H={H}, E={E} (expected [E, n_cores, {P}, F] and [n_cores, {P}, {J}, E/n_cores + 1])")
     for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
-        if t.dtype != adt:
+        if t.dtype != adt and not (nm == "experts" and t.dtype == FP8):
             raise ValueError(f"moe_tkg: {nm} is {t.dtype} but the activations are {adt}; weights must match")
+    if (experts.dtype == FP8) != (scales != None):
+        raise ValueError(f"moe_tkg: experts are {experts.dtype} and scales are {'given' if scales != None else 'None'}"
+                         f": {FP8} experts take a scales table (expert_scales), other experts none")
     if not 1 <= top_k <= MAX8 or E < MAX8 or E + 1 > PSUM_BANK:
         raise ValueError(f"moe_tkg: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {PSUM_BANK}")
     if not 1 <= T <= 16:
@@ -706,6 +791,9 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     S = min(T * top_k, E)
     G = group_size(geo["ic"])
     isz = 2 if adt == nl.bfloat16 else 4
+    if scales != None:
+        _check_scales(scales, experts, layer, adt, 2 * geo["ic"])
+        isz = 1
     Ns = max(2 * G, min(-(-prefetch // G) * G, -(-S // G) * G, RING_BUDGET // (G * F * isz) * G))
     need = -(-(S - top_k) // LEVEL) + 1    # one trip register per nesting level + at least one id register
     if regs == None:
@@ -720,7 +808,10 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # write comes after the routing, so the wait for their last reader costs nothing); the weights that do not
     # depend on the routing -- router (+gate) and the shared expert -- unless the caller prefetched them
     # (moe_weights); and the ACT's exp table is loaded while they fly (the softmax's exp is on the critical path)
-    ring = nl.ndarray((P, Ns, F), dtype=adt, buffer=nl.sbuf, name="moe_expert_ring")
+    ring = nl.ndarray((P, Ns, F), dtype=experts.dtype, buffer=nl.sbuf, name="moe_expert_ring")
+    sc_ring = None
+    if scales != None:      # the slots' fp8 scales, ring position for ring position
+        sc_ring = nl.ndarray((T, Ns, 2 * geo["ic"]), dtype=f32, buffer=nl.sbuf, name="moe_scale_ring")
     if weights == None:
         weights = moe_weights(router, shared)
     r_sb, sh = weights.router, weights.shared
@@ -740,7 +831,10 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
     st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
-          "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G}
+          "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G,
+          "scales": scales, "sc_ring": sc_ring, "T": T, "ic2": 2 * geo["ic"],
+          "sc_offset": 0 if scales == None else layer_offset(scales, layer) + pid * 2 * geo["ic"],
+          "sc_edim": 0 if layer == None else 1}
     static = _groups(0, top_k, G)
     first_bufs = []
     for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known
@@ -793,10 +887,10 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
 
 
 @nki.jit
-def moe_tkg(x, router, experts, shared, top_k, prefetch=8):
+def moe_tkg(x, router, experts, shared, top_k, prefetch=8, scales=None):
     """HBM wrapper of :func:`moe_tkg_body`: x [T, H] (activation dtype) -> per-core partials
     [n_cores, T, H] float32 (core c writes row c; the rank's partial is their sum).
-    Weights from :func:`moe_hbm_layout` for the launch's LNC degree."""
+    Weights from :func:`moe_hbm_layout` for the launch's LNC degree (``scales``: its fp8 experts' table)."""
     T, H = x.shape
     if H % P:
         raise ValueError(f"moe_tkg: hidden size {H} is not a multiple of {P}")
@@ -804,7 +898,7 @@ def moe_tkg(x, router, experts, shared, top_k, prefetch=8):
     out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
-    y = moe_tkg_body(xT, router, experts, shared, top_k, prefetch)
+    y = moe_tkg_body(xT, router, experts, shared, top_k, prefetch, scales=scales)
     nisa.dma_copy(dst=out[pid], src=y)
     return out
 
@@ -814,8 +908,8 @@ def moe_tkg(x, router, experts, shared, top_k, prefetch=8):
 # ---------------------------------------------------------------------------------------------
 
 def routed_expert_bytes(trace, rank=None):
-    """HBM bytes read by the routed-expert DMAs (the scalar-offset reads of the experts table) in an
-    nkisim trace, summed over the cores (and ranks, unless ``rank`` is given)."""
+    """HBM bytes read by the routed-expert DMAs (the scalar-offset reads of the experts table and, with fp8
+    experts, of its scales table) in an nkisim trace, summed over the cores (and ranks, unless ``rank`` is given)."""
     total = 0
     for r in trace.instructions:
         if r["op"] != "dma_copy" or (rank is not None and r.get("rank") != rank):
@@ -827,6 +921,7 @@ def routed_expert_bytes(trace, rank=None):
 
 
 def expert_block_bytes(cfg, tp=4, dtype="bfloat16"):
-    """Bytes one rank reads for one routed expert (all its cores): 3 * H * I/tp elements."""
-    isz = 2 if dtype == "bfloat16" else 4
+    """Bytes one rank reads for one routed expert (all its cores): 3 * H * I/tp elements (of ``dtype``: the
+    experts' dtype, bfloat16, float32 or ``FP8``)."""
+    isz = {"bfloat16": 2, "float32": 4, FP8: 1}[dtype]
     return 3 * cfg.hidden_size * (cfg.moe_intermediate_size // tp) * isz

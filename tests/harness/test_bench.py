@@ -120,6 +120,7 @@ def test_kernel_command_honours_the_package_context(tmp_path, capsys):
       "--lnc", "3"], "--lnc"),
     (["predict", "--context", "0"], "--context"),
     (["predict", "--trace", "/nonexistent/t.json"], "no such trace"),
+    (["predict", "--fp8-experts", "--device-commit"], "--fp8-experts"),
 ])
 def test_bad_input_is_one_line_and_exit_2(add_file, capsys, argv, needle):
     code, out, err = run(capsys, *[a.replace("{f}", str(add_file)) for a in argv])
@@ -167,6 +168,26 @@ def test_predict_contract_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     for png in ("costmodel_stages.png", "costmodel_timeline.png", "costmodel_layers.png"):
         assert (tmp_path / png).stat().st_size > 10_000
     assert "| L0 |" in (tmp_path / "costmodel_layers.md").read_text()
+
+
+@pytest.mark.slow  # two tiny-round predictions (~15 s idle, 60 s on a busy machine)
+def test_predict_fp8_experts_on_the_tiny_model(tmp_path, monkeypatch, capsys):
+    """``predict --fp8-experts``: its own JSON (never the headline's), marked as changing the output, with a band,
+    and fewer HBM bytes per rank than the bf16 round (the routed experts' blocks are half the size)."""
+    from harness.costmodel import compose
+    from model.config import preset
+    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    code, out, err = run(capsys, "predict", "--model", "tiny", "--context", "600", "--fp8-experts", "--json",
+                         "--quiet")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["experts_dtype"] == "float8_e4m3" and "does not count toward the target" in d["numerics"]
+    assert d["round_us"]["low"] <= d["round_us"]["central"] <= d["round_us"]["high"]
+    assert set(d["stages_us"]) >= {"D1", "V", "D2"} and set(d["layer_us"]) == {"gdn", "attention"}
+    assert json.loads((tmp_path / "costmodel_predict_fp8_experts.json").read_text())["round_us"] == d["round_us"]
+    assert not (tmp_path / "costmodel_predict.json").exists()
+    bf16 = compose.megakernel_round(preset("tiny"), 600)
+    assert d["hbm_MB_per_rank"] < bf16.hbm_bytes_per_rank / 1e6
 
 
 def test_predict_on_a_saved_trace_and_calibrate(tmp_path, monkeypatch, capsys):
