@@ -60,6 +60,20 @@ def bank_of(block: int, S: int) -> int:
     return 2 * (block % half) + block // half
 
 
+def fold_banks(R: int, S: int) -> bool:
+    """Does the fold ``[R*T, H/R]`` map onto the banks in row-group order, i.e. is column piece h (of width H/S) of
+    fold row group g bank h*R + g for every g < R, h < S/R? Then a block-diagonal stationary of the fold placed at
+    column offset h*R*T of an ``[*, S*T]`` one accumulates piece h straight into the stacked layout (the MoE's down
+    projection, ``nki_kernels.moe``). True for R = 2 and every S >= 2 (the interleaved bank order)."""
+    if R < 2 or S < R or S % R:
+        return False
+    for g in range(R):
+        for h in range(S // R):
+            if bank_of(g * (S // R) + h, S) != h * R + g:
+                return False
+    return True
+
+
 def check_stack(S: int, T: int, H: int, where: str):
     """S must be a power of two with H / S a multiple of 128 (the norm transposes 128-column tiles) and the
     stacked rows S*T <= 128."""
@@ -84,43 +98,60 @@ def broadcast_banks(a, T: int, n: int, S: int):
 
 
 def stack_rows(x, S: int, name: str = "stacked_x"):
-    """Token-major SBUF ``x [T, H]`` -> stacked SBUF ``[S*T, H/S]`` (same dtype, bit-exact): bank 0 (block 0, the
-    same partitions) by one copy on GpSimd, every other bank by one SBUF -> SBUF DMA of ``[T, W]`` (equal partition
-    counts on both sides, trn2-costs pitfalls). For the stage entries (embedding, the MTP fc output), off the
-    critical path: the first input norm reads the token-major x."""
+    """Token-major SBUF ``x [T, H]`` -> stacked SBUF ``[S*T, H/S]`` (same dtype, bit-exact) on the PE: bank s is
+    one matmul of a selection stationary ``E_s [T, S*T]`` (a [T, T] identity in columns s*T .. s*T + T - 1, zeros
+    elsewhere: one non-zero product per output) against ``x[:, block(s)]``, all S into one PSUM bank, then one
+    copy. For the stage entries (embedding, the MTP fc output); no DMA, so nothing queues behind the stage's weight
+    DMAs, and off the critical path (the first input norm reads the token-major x)."""
     T, H = x.shape
     check_stack(S, T, H, "stack_rows")
     if S == 1:
         return x
     W = H // S
-    out = nl.ndarray((S * T, W), x.dtype, buffer=nl.sbuf, name=name)
-    nisa.tensor_copy(dst=out[0:T, :], src=x[:, 0:W], engine=nisa.engine.gpsimd)
-    for s in range(1, S):
+    if W > MOVING_MAX:
+        raise ValueError(f"stack_rows: bank width {W} exceeds one PSUM bank ({MOVING_MAX} fp32)")
+    ident = nl.shared_identity_matrix(n=T, dtype=x.dtype)
+    e = nl.ndarray((T, 1, S, S * T), x.dtype, buffer=nl.sbuf, name="stack_select")
+    nisa.memset(dst=e, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=diagonal(e, S, T, 1), src=broadcast_banks(ident, T, 1, S), engine=nisa.engine.gpsimd)
+    ps = nl.ndarray((S * T, W), nl.float32, buffer=nl.psum, name="stack_ps")
+    for s in range(S):
         b = bank_block(s, S)
-        nisa.dma_copy(dst=out[s * T:(s + 1) * T, :], src=x[:, b * W:(b + 1) * W])
+        nisa.nc_matmul(dst=ps, stationary=e[:, 0, s, :], moving=x[:, b * W:(b + 1) * W], accumulate=s > 0)
+    out = nl.ndarray((S * T, W), x.dtype, buffer=nl.sbuf, name=name)
+    nisa.tensor_copy(dst=out, src=ps)
     return out
 
 
 def unfold(fold, R: int, S: int, T: int, out, engine):
-    """A fold ``[R*T, H/R]`` (SBUF fp32; row g*T + t holds ``y[t, g*H/R + c]``) into the stacked SBUF ``out
-    [S*T, H/S]`` (R = S: the fold itself is stacked when the bank order matches; general R, S powers of two).
+    """A fold ``[R*T, H/R]`` (SBUF fp32; row g*T + t holds ``y[t, g*H/R + c]``, ``nki_kernels.moe``) into the
+    stacked SBUF ``out [S*T, H/S]`` (R, S powers of two).
 
-    Banks are written in runs of consecutive banks that read consecutive fold row groups at one column offset (one
-    ``[n*T, W]`` piece each): the piece of bank 0 (the same partitions from 0) is one copy on ``engine``, any other one SBUF ->
-    SBUF DMA with equal partition counts."""
+    R <= S (a bank inside one fold group): banks are written in runs of consecutive banks that read consecutive
+    fold row groups at one column offset, one ``[n*T, W]`` piece each; R > S: one ``[T, H/R]`` piece per fold
+    group. The piece at partition 0 of both sides is one copy on ``engine``, every other one an SBUF -> SBUF DMA
+    with equal partition counts (trn2-costs pitfalls)."""
     HR = fold.shape[1]
     W = out.shape[1]
-    s = 0
-    while s < S:
-        b = bank_block(s, S)
-        g, off = (b * W) // HR, (b * W) % HR
-        n = 1
-        while s + n < S and bank_block(s + n, S) * W == (g + n) * HR + off and g + n < R:
-            n = n + 1
-        src = fold[g * T:(g + n) * T, off:off + W]
-        dst = out[s * T:(s + n) * T, :]
-        if g == 0 and s == 0:     # the same partitions, from partition 0 (compute-engine start rule, ref §3.4)
-            nisa.tensor_copy(dst=dst, src=src, engine=engine)
-        else:
-            nisa.dma_copy(dst=dst, src=src)
-        s = s + n
+    pieces = []             # (dst, src, on partition 0 of both sides)
+    if HR < W:
+        for g in range(R):
+            s = bank_of((g * HR) // W, S)
+            off = (g * HR) % W
+            pieces.append((out[s * T:(s + 1) * T, off:off + HR], fold[g * T:(g + 1) * T, :], g == 0 and s == 0))
+    else:
+        s = 0
+        while s < S:
+            b = bank_block(s, S)
+            g, off = (b * W) // HR, (b * W) % HR
+            n = 1
+            while s + n < S and bank_block(s + n, S) * W == (g + n) * HR + off and g + n < R:
+                n = n + 1
+            pieces.append((out[s * T:(s + n) * T, :], fold[g * T:(g + n) * T, off:off + W], g == 0 and s == 0))
+            s = s + n
+    for p in pieces:        # the DMAs first (their triggers may share a queue with the copy's engine)
+        if not p[2]:
+            nisa.dma_copy(dst=p[0], src=p[1])
+    for p in pieces:        # the same partitions, from partition 0 (compute-engine start rule, ref §3.4)
+        if p[2]:
+            nisa.tensor_copy(dst=p[0], src=p[1], engine=engine)

@@ -78,7 +78,7 @@ def test_stacked_norm_equals_token_major_norm(S, T, dtype):
                        b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
-@pytest.mark.parametrize("R,S,T", [(2, 4, 2), (2, 8, 1), (1, 4, 2), (4, 4, 1)])
+@pytest.mark.parametrize("R,S,T", [(2, 4, 2), (2, 8, 1), (1, 4, 2), (4, 4, 1), (16, 4, 2), (8, 2, 1)])
 def test_unfold_writes_the_stacked_layout(R, S, T):
     H = 1024
     y = torch.randn(T, H, generator=torch.Generator().manual_seed(R * 10 + S))
@@ -140,3 +140,67 @@ def test_gdn_stacked_partial(S, T):
     ys = _gdn_stacked[2](x, *args, window.clone(), state.clone(), rs, cfg.rms_norm_eps, S)
     for c in range(2):
         _close_stacked(as_torch(ys)[c], as_torch(y)[c], S)
+
+
+@nki.jit
+def _attention_stacked(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps, kv_tile, max_context, S):
+    from nki_kernels import attention as att
+    from nki_kernels.common import program_sharding
+    n_cores, core = program_sharding()
+    Pp, KT, T = xT.shape
+    out = nl.ndarray((n_cores, S * T, KT * P // S), nl.float32, buffer=nl.shared_hbm, name="att_stacked")
+    xs = nl.ndarray((Pp, KT, T), xT.dtype, buffer=nl.sbuf, name="att_x")
+    nisa.dma_copy(dst=xs, src=xT)
+    y = att.attention_body(xs, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=eps, core=core,
+                           n_cores=n_cores, kv_tile=kv_tile, max_context=max_context, stack=S)
+    nisa.dma_copy(dst=out[core], src=y)
+    return out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("S,T", [(4, 2), (2, 1)])
+def test_attention_stacked_partial(S, T):
+    from model.params import random_params
+    from model.tp.attention import shard_attention
+    from nki_kernels import attention as att
+    cfg = _mid_cfg()
+    p = random_params(cfg, seed=0, dtype=torch.bfloat16, include_mtp=False)
+    sh = shard_attention(p, f"model.layers.{cfg.full_layers[0]}", cfg, 0, 4)
+    g = torch.Generator().manual_seed(S + T)
+    L = 2 * att.KV_TILE
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    k0 = torch.randn(1, L, cfg.head_dim, generator=g).to(torch.bfloat16)
+    v0 = torch.randn(1, L, cfg.head_dim, generator=g).to(torch.bfloat16)
+    layout = att.attention_layout(sh)
+    want = att.run_attention(layout, x, k0.clone(), v0.clone(), 5, cfg, lnc=2)
+    args = att.kernel_args(layout, x, k0.clone(), v0.clone(), 5, cfg)
+    got, _, _ = _attention_stacked[2](*args, S)
+    for c in range(2):
+        _close_stacked(as_torch(got)[c], as_torch(want)[c], S)
+
+
+@nki.jit
+def _moe_stacked(x, router, experts, shared, top_k, S):
+    from nki_kernels.common import program_sharding
+    from nki_kernels.moe import moe_tkg_body
+    T, H = x.shape
+    lnc, pid = program_sharding()
+    out = nl.ndarray((lnc, S * T, H // S), dtype=nl.float32, buffer=nl.shared_hbm, name="moe_stacked")
+    xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf, name="moe_x")
+    nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
+    nisa.dma_copy(dst=out[pid], src=moe_tkg_body(xT, router, experts, shared, top_k, stack=S))
+    return out
+
+
+@pytest.mark.parametrize("S,T,inter", [(4, 2, 64), (4, 2, 512), (2, 1, 512)])   # fold R = 16, 2, 2
+def test_moe_stacked_partial(S, T, inter):
+    from model.params import random_params
+    from model.tp.moe import shard_moe
+    from nki_kernels.moe import moe_hbm_layout, moe_tkg
+    cfg = _mid_cfg().replace(moe_intermediate_size=inter, shared_expert_intermediate_size=inter)
+    p = random_params(cfg, seed=2, dtype=torch.bfloat16, include_mtp=False)
+    L = moe_hbm_layout(shard_moe(p, "model.layers.1", cfg, 0, 4), 2)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(S * T)).to(torch.bfloat16)
+    args = (x, L["router"], L["experts"], L["shared"], cfg.num_experts_per_tok)
+    want, got = moe_tkg[2](*args), _moe_stacked[2](*args, S)
+    for c in range(2):
+        _close_stacked(as_torch(got)[c], as_torch(want)[c], S)
