@@ -292,7 +292,9 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     -> (draft ids SBUF [1, 1] int32, the head's post-norm hidden SBUF [1, H] for the next draft, or None after the
     last one)."""
     i = stage.draft
-    hm = mtp_head(plan, stage, t, ids, h, rg, regs, core)
+    # x, the MTP layer's last residual, stays allocated (bound here) through the LM head, as the verify's does: its
+    # SBUF cannot become the head's weight ring, whose first DMA would then wait (WAR) for the final norm's reads
+    hm, x = mtp_head(plan, stage, t, ids, h, rg, regs, core)
     force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
     nisa.dma_copy(dst=force, src=t.force[i:i + 1, :])
     d = token_ids_from_best(_forced(_draft_greedy(plan, t, hm, rg, core, i), force))
@@ -389,8 +391,8 @@ def _first_gdn(plan, stage):
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     """The MTP head up to its final norm on T = ``stage.tokens`` positions q: ids SBUF [T, 1] int32 (token q+1), h
-    SBUF [T, H] (hidden at q) -> feature-major ``mtp.norm`` output [P, J, T]. Writes the MTP KV rows of the stage's
-    positions."""
+    SBUF [T, H] (hidden at q) -> (feature-major ``mtp.norm`` output [P, J, T], the layer's last residual). Writes
+    the MTP KV rows of the stage's positions."""
     rows = plan.norms
     e = embedding_body(t.embed, ids)
     eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
@@ -406,7 +408,7 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     pos, cos, sin = _stage_inputs(stage, t)
     x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False,
                       xe)
-    return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps, stack=t.stack)
+    return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps, stack=t.stack), x
 
 
 def _stage_inputs(stage, t):
