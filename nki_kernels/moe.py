@@ -493,24 +493,35 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None):
 def _down_banks(aT, buf, geo, n, mask, acc, first):
     """:func:`_down`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
     (S = ``geo["banks"]``, ``stacked.fold_banks``): the block-diagonal stationary of slot i is placed once per
-    column piece h (width W = H/S of the folded down block) at column offset h*R*T of a zero ``[P, S*T]``, so piece
-    h of fold row group g lands in bank h*R + g. Same moving columns as the folded layout (W = 512 at the real
-    shapes: the same matmuls), one PSUM bank instead of H/R/512."""
+    column piece h (width W = H/S of the folded down block) at column offset h*R*T of an otherwise zero
+    ``[P, S*T]``, so piece h of fold row group g lands in bank h*R + g: ONE multiply of a^T by the padded mask
+    (:func:`_bank_mask`) writes every element, zeros included (no memset per group, so no WAR chain on the
+    previous group's stationaries). Same moving columns as the folded layout (W = 512 at the real shapes: the same
+    matmuls), one PSUM bank instead of H/R/512."""
     T = aT.shape[2]
     R, off_d, S = geo["R"], geo["off_d"], geo["banks"]
     W = geo["HR"] * R // S
     Hb = S // R
     z = nl.ndarray((P, n, Hb, S * T), dtype=buf.dtype, buffer=nl.sbuf)     # zero-padded stationaries
-    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
-    nisa.tensor_tensor(dst=z.ap(pattern=[[n * Hb * S * T, P], [Hb * S * T, n], [(S + R) * T, Hb], [1, R * T]],
-                                offset=0),
-                       data1=aT.ap(pattern=[[n * T, P], [T, n], [0, Hb], [0, R], [1, T]], offset=0),
-                       data2=mask.ap(pattern=[[R * T, P], [0, n], [0, Hb], [1, R * T]], offset=0), op=nl.multiply)
+    nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, Hb], [0, S], [1, T]], offset=0),
+                       data2=mask.ap(pattern=[[Hb * S * T, P], [0, n], [S * T, Hb], [1, S * T]], offset=0),
+                       op=nl.multiply)
     for i in range(n):
         for h in range(Hb):
             nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=buf[:, i, off_d + h * W:off_d + (h + 1) * W],
                            accumulate=not (first and h == 0))
         first = False
+
+
+def _bank_mask(mask, R, S, T):
+    """The fold mask ``[P, R*T]`` (:func:`_fold_mask`) padded for :func:`_down_banks`: ``[P, S/R, S*T]`` f32 with
+    the mask at column offset h*R*T of row h, zeros elsewhere (once per body: a memset and one copy)."""
+    Hb = S // R
+    m = nl.ndarray((P, Hb, S * T), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=m, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=m.ap(pattern=[[Hb * S * T, P], [(S + R) * T, Hb], [1, R * T]], offset=0),
+                     src=mask.ap(pattern=[[R * T, P], [0, Hb], [1, R * T]], offset=0), engine=nisa.engine.gpsimd)
+    return m
 
 
 def _place(st, n):
@@ -792,6 +803,10 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         mask = mask_s
     else:
         mask = _fold_mask(geo["ic"], T) if geo["R"] > 1 else None
+    if geo_s["banks"] > 1:
+        mask_s = _bank_mask(mask_s, geo_s["R"], stack, T)
+    if geo["banks"] > 1:
+        mask = mask_s if geo["ic"] == geo_s["ic"] else _bank_mask(mask, geo["R"], stack, T)
     acc_s = _acc_of(accs, geo_s["R"])
     _down(gu_s, sh, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
     _stream(xT, st, static, geo, wsel, mask, _acc_of(accs, geo["R"])[1], geo["R"] != geo_s["R"], first_bufs)
