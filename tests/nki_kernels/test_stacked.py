@@ -97,13 +97,14 @@ def test_unfold_writes_the_stacked_layout(R, S, T):
 def _close_stacked(got, want_token_major, S):
     want = stacked_reference(want_token_major, S)
     assert got.shape == want.shape and torch.isfinite(got).all() and want.abs().max() > 1e-3
-    torch.testing.assert_close(got, want, rtol=0, atol=4 * 2.0 ** -23 * want.abs().max().item())
+    err, bound = (got - want).abs().max().item(), 4 * 2.0 ** -23 * want.abs().max().item()
+    assert err <= bound, f"stacked partial differs from the token-major one by {err:.3g} (bound {bound:.3g})"
 
 
 def _mid_cfg():
-    """tiny with a hidden size that splits into 4 banks of 128 columns."""
-    from model.config import preset
-    return preset("tiny").replace(hidden_size=512)
+    """tiny (4 layers: GDN, MoE and attention layers) with a hidden size that splits into 4 banks of 128 columns."""
+    from model.config import _pattern, preset
+    return preset("tiny").replace(hidden_size=512, num_hidden_layers=4, layer_types=_pattern(4))
 
 
 @nki.jit
@@ -119,7 +120,7 @@ def _gdn_stacked(x, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, 
     return y_out
 
 
-@pytest.mark.parametrize("S,T", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("S,T", [(4, 2)])
 def test_gdn_stacked_partial(S, T):
     from model.params import random_params
     from model.tp.gdn import GdnDims, shard_gdn
@@ -157,7 +158,7 @@ def _attention_stacked(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, 
     return out, k_cache, v_cache
 
 
-@pytest.mark.parametrize("S,T", [(4, 2), (2, 1)])
+@pytest.mark.parametrize("S,T", [(4, 2)])
 def test_attention_stacked_partial(S, T):
     from model.params import random_params
     from model.tp.attention import shard_attention
@@ -191,12 +192,14 @@ def _moe_stacked(x, router, experts, shared, top_k, S):
     return out
 
 
-@pytest.mark.parametrize("S,T,inter", [(4, 2, 64), (4, 2, 512), (2, 1, 512)])   # fold R = 16, 2, 2
-def test_moe_stacked_partial(S, T, inter):
+@pytest.mark.parametrize("S,T", [(4, 2)])
+def test_moe_stacked_partial(S, T):
+    """Routed experts with fold R = 2 (the down projections accumulate the stacked layout, moe._down_banks), the
+    shared expert with R = 16 (its own accumulator, unfolded), their stacked sum."""
     from model.params import random_params
     from model.tp.moe import shard_moe
     from nki_kernels.moe import moe_hbm_layout, moe_tkg
-    cfg = _mid_cfg().replace(moe_intermediate_size=inter, shared_expert_intermediate_size=inter)
+    cfg = _mid_cfg().replace(moe_intermediate_size=512, shared_expert_intermediate_size=64)
     p = random_params(cfg, seed=2, dtype=torch.bfloat16, include_mtp=False)
     L = moe_hbm_layout(shard_moe(p, "model.layers.1", cfg, 0, 4), 2)
     x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(S * T)).to(torch.bfloat16)
