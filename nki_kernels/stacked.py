@@ -9,8 +9,9 @@ over S "banks" of W = H / S columns on S * T partitions::
 so an elementwise op over it has free size W (0.68 us at S = 4), a collective moves the same bytes, and the
 RMSNorm transposes it with W / 128 PE matmuls instead of H / 128. The banks are interleaved
 (:func:`bank_block`: ``block(s) = (s % 2) * S/2 + s // 2``, i.e. blocks 0, 2, 1, 3 at S = 4) so that the MoE's
-down-projection fold ``[2T, H/2]`` (``nki_kernels.moe``, row g*T + t holds column half g) is bank pairs already:
-its column slice h*W .. (h+1)*W is banks 2h, 2h + 1, i.e. one ``[2T, W]`` piece (:func:`unfold`).
+down-projection fold ``[2T, H/2]`` (``nki_kernels.moe``, row g*T + t holds column half g) is bank pairs: its
+column slice h*W .. (h+1)*W is banks 2h, 2h + 1 (:func:`fold_banks`), so the MoE accumulates the stacked layout
+directly (its block-diagonal stationary placed at column offset 2hT); other folds go through :func:`unfold`.
 
 How the bodies produce a stacked partial for free: an output projection accumulates each column block of y in
 PSUM with ``stationary = a^T [K, T]``; with ``stationary = Z_s [K, S*T]`` (a^T in columns s*T .. s*T + T - 1,
