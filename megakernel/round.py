@@ -11,8 +11,8 @@ x_{t+1} at position p and h_t the trunk's post-norm hidden at position t:
   branch). Draft 0 runs on (x_{t+1}, h_t), draft i > 0 on (d_i, draft i-1's ``mtp.norm`` output).
 * V (:func:`verify`): the residual ``x [T, H]`` (T = K + 1: [x_{t+1}, d_1 .. d_K]) stays in SBUF across all
   layers, bank-stacked (``[S*T, H/S]``, ``RESIDUAL_BANKS``, nki_kernels/stacked.py; so are the MTP layer's residual
-  and every partial); after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores; KV rows are
-  written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax for every
+  and every partial); after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores;
+  KV rows are written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax for every
   position -> targets; the post-norm hidden goes back to the host.
 * D2 (:func:`replay`): the MTP layer on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1: writes
   the MTP KV rows the next round needs for the accepted drafts; no LM head.
@@ -325,10 +325,10 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     """One decoder layer on the residual x, bank-stacked SBUF [S*T, H/S] (S = ``t.stack``, nki_kernels/stacked.py;
     S = 1: token-major [T, H]): x += mixer(norm(x)); x += MoE(norm(x)), each partial (stacked too) all-reduced
     over the TP x LNC cores. ``entry``: at a stage's first layer, the same residual token-major [T, H], which the
-    input norm reads (so the stacking copies of the stage entry run beside the norm and the mixer), else None. ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``;
-    None: none); its weights are issued into the launch's arena as soon as this layer's mixer is done, so they stream
-    under the all-reduces, the norm and the routing instead of at the top of that layer. ``early_ring`` (the verify's
-    layers): an attention layer's projection ring (``attention_ring``) is allocated and its first chunks issued
+    input norm reads (so the stacking copies of the stage entry run beside the norm and the mixer), else None.
+    ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``; None: none); its weights are issued
+    into the launch's arena as soon as this layer's mixer is done, so they stream under the all-reduces, the norm
+    and the routing instead of at the top of that layer. ``early_ring`` (the verify's layers): an attention layer's projection ring (``attention_ring``) is allocated and its first chunks issued
     before the input norm, so they stream under the previous all-reduce (the MTP layers' drafts have no SBUF room
     for it next to the GDN arena: they keep the body's own ring)."""
     g = t.gdn
