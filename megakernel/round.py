@@ -12,8 +12,8 @@ x_{t+1} at position p and h_t the trunk's post-norm hidden at position t:
 * V (:func:`verify`): the residual ``x [T, H]`` (T = K + 1: [x_{t+1}, d_1 .. d_K]) stays in SBUF across all
   layers, bank-stacked (``[S*T, H/S]``, ``RESIDUAL_BANKS``, nki_kernels/stacked.py; so are the MTP layer's residual
   and every partial); after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores;
-  KV rows are written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax for every
-  position -> targets; the post-norm hidden goes back to the host.
+  KV rows are written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax
+  for every position -> targets; the post-norm hidden goes back to the host.
 * D2 (:func:`replay`): the MTP layer on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1: writes
   the MTP KV rows the next round needs for the accepted drafts; no LM head.
 
@@ -328,9 +328,10 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     input norm reads (so the stacking copies of the stage entry run beside the norm and the mixer), else None.
     ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``; None: none); its weights are issued
     into the launch's arena as soon as this layer's mixer is done, so they stream under the all-reduces, the norm
-    and the routing instead of at the top of that layer. ``early_ring`` (the verify's layers): an attention layer's projection ring (``attention_ring``) is allocated and its first chunks issued
-    before the input norm, so they stream under the previous all-reduce (the MTP layers' drafts have no SBUF room
-    for it next to the GDN arena: they keep the body's own ring)."""
+    and the routing instead of at the top of that layer. ``early_ring`` (the verify's layers): an attention layer's
+    projection ring (``attention_ring``) is allocated and its first chunks issued before the input norm, so they
+    stream under the previous all-reduce (the MTP layers' drafts have no SBUF room for it next to the GDN arena:
+    they keep the body's own ring)."""
     g = t.gdn
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
