@@ -10,9 +10,10 @@ x_{t+1} at position p and h_t the trunk's post-norm hidden at position t:
   head and global argmax -> draft d_{i+1} (or the host's forced draft, for tests; selected arithmetically, no
   branch). Draft 0 runs on (x_{t+1}, h_t), draft i > 0 on (d_i, draft i-1's ``mtp.norm`` output).
 * V (:func:`verify`): the residual ``x [T, H]`` (T = K + 1: [x_{t+1}, d_1 .. d_K]) stays in SBUF across all
-  layers; after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores; KV rows are
-  written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax for every
-  position -> targets; the post-norm hidden goes back to the host.
+  layers, bank-stacked (``[S*T, H/S]``, ``RESIDUAL_BANKS``, nki_kernels/stacked.py; so are the MTP layer's residual
+  and every partial); after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores;
+  KV rows are written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax
+  for every position -> targets; the post-norm hidden goes back to the host.
 * D2 (:func:`replay`): the MTP layer on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1: writes
   the MTP KV rows the next round needs for the accepted drafts; no LM head.
 
@@ -45,13 +46,20 @@ import nki.language as nl
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
 from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_ring
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
-from nki_kernels.common import P, kernel_assert, program_sharding
+from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body, moe_weights
 from nki_kernels.rmsnorm import rmsnorm_body
+from nki_kernels.stacked import banks_for, stack_rows
+
+# Banks of the residual's bank-stacked layout (nki_kernels/stacked.py; issue 15, bench/decode_speed.md lever 22):
+# the residual and every partial are [S*T, H/S] across the stages' layers, so the lane combine and the residual
+# add are DVE ops of H/S columns and the norm transposes H/S/128 tiles. S = 4: one PSUM bank (512 fp32) per
+# partial. A hidden size that does not split into banks of a multiple of 128 columns stays token-major.
+RESIDUAL_BANKS = 4
 
 
 class LaunchTensors(nl.NKIObject):
@@ -74,6 +82,7 @@ class LaunchTensors(nl.NKIObject):
         self.pos_sb = None                          # ... and its position in SBUF (control_inputs)
         self.noise_entry = self.noise_slot = None   # ... and, sampled, its noise window entry (SBUF, a register)
         self.moe_scales = None                      # the opt-in fp8 experts' scales [M, ...] (moe_scales)
+        self.stack = banks_for(embed.shape[1], RESIDUAL_BANKS)     # the residual's banks S (1: token-major)
 
 
 @nki.jit
@@ -326,7 +335,9 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     -> (draft ids SBUF [1, 1] int32, the head's post-norm hidden SBUF [1, H] for the next draft, or None after the
     last one)."""
     i = stage.draft
-    hm = mtp_head(plan, stage, t, ids, h, rg, regs, core)
+    # x, the MTP layer's last residual, stays allocated (bound here) through the LM head, as the verify's does: its
+    # SBUF cannot become the head's weight ring, whose first DMA would then wait (WAR) for the final norm's reads
+    hm, x = mtp_head(plan, stage, t, ids, h, rg, regs, core)
     force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
     nisa.dma_copy(dst=force, src=t.force[i:i + 1, :])
     d = token_ids_from_best(_forced(_draft_greedy(plan, t, hm, rg, core, i), force))
@@ -335,12 +346,14 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
 
 def verify(plan, stage, t, ids, rg, regs, core):
     """V: the trunk on ids SBUF [T, 1] at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H])."""
-    x = embedding_body(t.embed, ids)
+    e = embedding_body(t.embed, ids)
+    x = stack_rows(e, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
     layers = stage.layers
     for i in range(len(layers)):
-        x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True)
-    xT = rmsnorm_body(x, t.norms[plan.norms.final], plan.eps)
+        x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True,
+                          e if i == 0 else None)
+    xT = rmsnorm_body(x, t.norms[plan.norms.final], plan.eps, stack=t.stack)
     return token_ids_from_best(_greedy(plan, t, xT, rg, core)), token_major(xT)
 
 
@@ -351,16 +364,19 @@ def replay(plan, stage, t, ids, h, rg, regs, core):
 
 
 # ---- layers --------------------------------------------------------------------------------------------------
-def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None, early_ring=False):
-    """One decoder layer on the residual x SBUF [T, H]: x += mixer(norm(x)); x += MoE(norm(x)), each partial
-    all-reduced over the TP x LNC cores. ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``;
-    None: none); its weights are issued into the launch's arena as soon as this layer's mixer is done, so they stream
-    under the all-reduces, the norm and the routing instead of at the top of that layer. ``early_ring`` (the verify's
-    layers): an attention layer's projection ring (``attention_ring``) is allocated and its first chunks issued
-    before the input norm, so they stream under the previous all-reduce (the MTP layers' drafts have no SBUF room
-    for it next to the GDN arena: they keep the body's own ring). Both norm weights (8 KiB each) are loaded first:
-    the DMAs of one queue move in order (SDK nki-dma-overview.rst "DMA Queues"), so behind the ring's chunks the
-    input norm would wait for them (bench/decode_speed.md lever 24)."""
+def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None, early_ring=False, entry=None):
+    """One decoder layer on the residual x, bank-stacked SBUF [S*T, H/S] (S = ``t.stack``, nki_kernels/stacked.py;
+    S = 1: token-major [T, H]): x += mixer(norm(x)); x += MoE(norm(x)), each partial (stacked too) all-reduced
+    over the TP x LNC cores. ``entry``: at a stage's first layer, the same residual token-major [T, H], which the
+    input norm reads (so the stacking copies of the stage entry run beside the norm and the mixer), else None.
+    ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``; None: none); its weights are issued
+    into the launch's arena as soon as this layer's mixer is done, so they stream under the all-reduces, the norm
+    and the routing instead of at the top of that layer. ``early_ring`` (the verify's layers): an attention layer's
+    projection ring (``attention_ring``) is allocated and its first chunks issued before the input norm, so they
+    stream under the previous all-reduce (the MTP layers' drafts have no SBUF room for it next to the GDN arena:
+    they keep the body's own ring). Both norm weights (8 KiB each) are loaded first: the DMAs of one queue move in
+    order (SDK nki-dma-overview.rst "DMA Queues"), so behind the ring's chunks the input norm would wait for them
+    (bench/decode_speed.md lever 24)."""
     g = t.gdn
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
@@ -373,18 +389,21 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     ring = None
     if layer.kind == ATTENTION and layer.groups == 1 and early_ring:
         ring = attention_ring(t.attn[0], t.attn[1], t.attn[2], core, plan.lnc, layer.mixer)
-    xT = rmsnorm_body(x, w_norm, plan.eps)
+    if entry != None:
+        xT = rmsnorm_body(entry, w_norm, plan.eps)
+    else:
+        xT = rmsnorm_body(x, w_norm, plan.eps, stack=t.stack)
     if layer.kind == ATTENTION:
         y = _attention(plan, layer, t, xT, pos, cos, sin, core, regs, ring)
     else:
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
-                     layer=layer.mixer, weights=wg)
+                     layer=layer.mixer, weights=wg, stack=t.stack)
     wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
         gdn_weights(g[0], g[5], next_gdn.mixer, _gdn_arena(regs, g))
         regs.gdn_layer = next_gdn.mixer
     x = _add_into(x, allreduce_partials(y, rg))
-    xT = rmsnorm_body(x, w_post, plan.eps)
+    xT = rmsnorm_body(x, w_post, plan.eps, stack=t.stack)
     return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs, wm), rg))
 
 
@@ -420,8 +439,8 @@ def _first_gdn(plan, stage):
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     """The MTP head up to its final norm on T = ``stage.tokens`` positions q: ids SBUF [T, 1] int32 (token q+1), h
-    SBUF [T, H] (hidden at q) -> feature-major ``mtp.norm`` output [P, J, T] (None for D2, which reads no output).
-    Writes the MTP KV rows of the stage's positions."""
+    SBUF [T, H] (hidden at q) -> (feature-major ``mtp.norm`` output [P, J, T] (None for D2, which reads no output),
+    the layer's last residual). Writes the MTP KV rows of the stage's positions."""
     rows = plan.norms
     e = embedding_body(t.embed, ids)
     eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
@@ -431,13 +450,15 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
     fc = allgather_cores(columns_body(uT, t.mtp_fc[core]), rg, plan.tp)
-    x = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
-    nisa.tensor_copy(dst=x, src=fc)
+    xe = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
+    nisa.tensor_copy(dst=xe, src=fc)
+    x = stack_rows(xe, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
-    x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage))
+    x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False,
+                      xe)
     if stage.kind == REPLAY:        # D2 needs only the KV rows it wrote: no final norm (it ends the launch)
-        return None
-    return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps)
+        return None, x
+    return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps, stack=t.stack), x
 
 
 def _stage_inputs(stage, t):
@@ -475,7 +496,8 @@ def _attention(plan, layer, t, xT, pos, cos, sin, core, regs, ring=None):
     for g in range(layer.groups):
         yg = attention_body(xT, a[0], a[1], a[2], a[3], a[4], cos, sin, t.attn_k, t.attn_v, pos, eps=plan.eps,
                             core=core, n_cores=plan.lnc, max_context=plan.max_context, regs=regs.attention,
-                            layer=layer.mixer * layer.groups + g, ring=ring if g == 0 else None)
+                            layer=layer.mixer * layer.groups + g, ring=ring if g == 0 else None,
+                            stack=t.stack)
         if g == 0:
             y = yg
         else:
@@ -487,7 +509,7 @@ def _moe(plan, layer, t, xT, regs, weights=None):
     table, index = layer.experts
     return moe_tkg_body(xT, t.moe_router, t.experts[table], t.moe_shared, plan.top_k, prefetch=MOE_PREFETCH,
                         regs=regs.moe, layer=layer.moe, experts_layer=index, weights=weights,
-                        scales=t.moe_scales)
+                        scales=t.moe_scales, stack=t.stack)
 
 
 def _sbuf_copy(w, name):
@@ -498,7 +520,8 @@ def _sbuf_copy(w, name):
 
 
 def _add_into(x, y):
-    """Residual update: x (activation dtype) + y (fp32 sum of the partials), rounded once."""
+    """Residual update: x (activation dtype) + y (fp32 sum of the partials), rounded once; both in the residual's
+    layout (bank-stacked [S*T, H/S]: a DVE op of H/S columns)."""
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf, name="residual")
     nisa.tensor_tensor(dst=out, data1=x, data2=y, op=nl.add)
     return out

@@ -127,6 +127,7 @@ import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import MOVING_MAX, PSUM_BANK, P, layer_offset, layer_of, program_sharding
 from nki_kernels.host import as_torch, feature_major
+from nki_kernels.stacked import bank_block, check_stack
 xT_layout = feature_major     # the name nki_kernels/attention_prefill.py imports
 
 KV_TILE = PSUM_BANK     # keys per KV tile: one PSUM bank of fp32 scores
@@ -228,7 +229,7 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
 
 # ---- body ----------------------------------------------------------------------------------------
 def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6,
-                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None, layer=None, ring=None):
+                   core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None, layer=None, ring=None, stack=1):
     """Body: this core's gated-attention partial for T tokens (see the module docstring for every layout).
 
     xT: SBUF ``[P, KT, T]`` act dtype (normed hidden, feature-major). wqg, wk, wv, wo, norm_w: HBM, the rank's
@@ -242,6 +243,7 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     this layer's KV-head group in the stack (nki_kernels/common.py "Stacked tensors"); None: one layer's tensors.
     ring: :func:`attention_ring` of the same tensors / core / layer (its first chunks' DMAs issued earlier by the
     caller), or None: allocated and filled here.
+    stack: S > 1: the partial comes bank-stacked, SBUF ``[S*T, H/S]`` (``nki_kernels.stacked``).
     Returns ``y`` SBUF ``[T, H]`` float32: the o_proj partial over this core's query heads.
     """
     offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
@@ -284,6 +286,8 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     # ---- gate, back to d-on-partitions, o_proj
     og = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_gated")
     nisa.tensor_tensor(dst=og, data1=o, data2=sg, op=nl.multiply)
+    if stack > 1:
+        return _o_proj_stacked(g, og, w["wo"], ident, stack)
     return _o_proj(g, og, w["wo"], ident)
 
 
@@ -933,6 +937,40 @@ def _o_proj(g, og, wo, ident):
     nisa.tensor_copy(dst=y[:, 0:half], src=y_ps[:, 0:half], engine=ACT_ENG)
     if half < H:
         nisa.tensor_copy(dst=y[:, half:H], src=y_ps[:, half:H], engine=DVE_ENG)
+    return y
+
+
+def _o_proj_stacked(g, og, wo, ident, S):
+    """:func:`_o_proj` into the bank-stacked layout: og^T goes straight from PSUM into the bank diagonals of
+    zero-padded stationaries ``Z [dp, DT, Hc, S, S*T]`` (Z[:, dh, h, s, s*T + t] = og^T of head h, d-tile dh,
+    token t; ``nki_kernels.stacked``), then every block accumulates into ONE PSUM bank ``[S*T, H/S]`` (bank s
+    from the wo columns of block ``bank_block(s)``) and one copy evicts it: y SBUF ``[S*T, H/S]`` float32."""
+    act, T, H, Hc, dp, DT, nq = g.act, g.T, g.H, g.Hc, g.dp, g.DT, g.nq
+    W = H // S
+    check_stack(S, T, H, "attention")
+    if W > MOVING_MAX:
+        raise ValueError(f"attention: bank width {W} exceeds one PSUM bank ({MOVING_MAX} fp32); stack more banks")
+    z = nl.ndarray((dp, DT, Hc, S, S * T), act, buffer=nl.sbuf, name="att_ogT_banks")
+    nisa.memset(dst=z, value=0.0, engine=POOL_ENG)
+    ps = nl.ndarray((dp, DT, nq), F32, buffer=nl.psum, name="att_ogT_psum")
+    for dh in range(DT):
+        nisa.nc_matmul(dst=ps[:, dh, :], stationary=og[:, dh * dp:(dh + 1) * dp], moving=ident[0:nq, 0:nq],
+                       accumulate=False)
+    # (dh, h) iterate together in z (adjacent dims); ps column t*Hc + h, broadcast over the banks
+    nisa.tensor_copy(dst=z.ap(pattern=[[DT * Hc * S * S * T, dp], [S * S * T, DT * Hc], [(S + 1) * T, S], [1, T]],
+                              offset=0),
+                     src=ps.ap(pattern=[[DT * nq, dp], [nq, DT], [1, Hc], [0, S], [Hc, T]], offset=0),
+                     engine=DVE_ENG)
+    y_ps = nl.ndarray((S * T, W), F32, buffer=nl.psum, name="att_y_psum_banks")
+    nblk = Hc * DT
+    for s in range(S):
+        n0 = bank_block(s, S) * W
+        for b in range(nblk):
+            h, dh = divmod(b, DT)
+            nisa.nc_matmul(dst=y_ps, stationary=z[:, dh, h, s, :], moving=wo[:, b, n0:n0 + W],
+                           accumulate=s > 0 or b > 0)
+    y = nl.ndarray((S * T, W), F32, buffer=nl.sbuf, name="att_y")
+    nisa.tensor_copy(dst=y, src=y_ps, engine=ACT_ENG)
     return y
 
 

@@ -35,14 +35,16 @@ window) and keeping each reduction to one collective + one sendrecv, as here.
 Per round: verify 40 layers x 2 = 80 reductions, each MTP pass 2, plus ONE packed ``(value, index)``
 collective per LM-head evaluation (``argmax_combine``, finding #11) -- never two.
 
-Layouts (nki_kernels/README.md): partial ``y`` SBUF ``[T, H]`` float32, token-major; LM-head winner
+Layouts (nki_kernels/README.md): partial ``y`` SBUF ``[T, H]`` float32, token-major, or in the megakernel
+bank-stacked ``[S*T, H/S]`` (nki_kernels/stacked.py; every function here is elementwise over y); LM-head winner
 ``best`` SBUF ``[T, 2]`` float32 ``(value, local index)``. Collective operands must be dense 2-D SBUF
 tiles (MK: "nccl SBUF all-reduce needs a densely packed operand").
 
 Cost note: the lane combine is a DVE add over ``[T, H]`` -- DVE time grows with the free size, not the
 partitions (trn2-costs calibration: ~0.15 us + 1.04 ns/element), so ~2.3 us at H = 2048 whatever T is.
 It is the same one add the sendrecv-first order would need; only a producer-side layout with H spread
-over more partitions would make it cheaper.
+over more partitions makes it cheaper: the megakernel's bank-stacked partials ``[4T, H/4]`` (0.68 us; the
+same bytes, so the same collective cost).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def _rank_slots(x, tp, name):
 def allreduce_partials(y, rg, pipe_id: int = 0):
     """Sum every core's partial ``y`` over all TP x LNC cores.
 
-    y:  SBUF ``[T, H]`` float32, this core's partial (dense; a view is copied first).
+    y:  SBUF ``[T, H]`` float32, this core's partial (dense; a view is copied first), or any other layout of
+        the same elements (the megakernel's bank-stacked ``[S*T, H/S]``): the result has y's shape.
     rg: ``tp_group(tp)`` (None at TP = 1: no collective).
     pipe_id: sendrecv pipe for the intra-rank exchange (distinct from any concurrently open pipe).
     Returns SBUF ``[T, H]`` float32, identical bits on every core: lane sums over ranks in ascending

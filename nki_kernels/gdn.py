@@ -88,6 +88,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, program_sharding
+from nki_kernels.stacked import bank_block, broadcast_banks, check_stack, diagonal
 
 MAX_T = 4
 L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
@@ -271,7 +272,7 @@ def gdn_weights(w_in, w_out, layer=None, arena=None):
 
 
 def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps, layer=None,
-             weights=None):
+             weights=None, stack=1):
     """Body of one core: normed ``xT [128, H/128, T]`` (SBUF, activation dtype) + HBM weights (host layout)
     and decode state -> this core's partial ``y [T, H]`` float32 (SBUF).
 
@@ -280,7 +281,8 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     gated-norm epsilon (compile-time float). layer: with weights and state stacked over the GDN layers
     (``[G, ...]``, ``megakernel.plan``), the index of this layer (nki_kernels/common.py "Stacked tensors");
     None: one layer's tensors. weights: :func:`gdn_weights` of the same ``w_in`` / ``w_out`` / ``layer``, issued
-    earlier by the caller (prefetch, e.g. into an arena), or None: loaded here.
+    earlier by the caller (prefetch, e.g. into an arena), or None: loaded here. stack: S > 1: ``y`` is the
+    bank-stacked partial SBUF ``[S*T, H/S]`` float32 (``nki_kernels.stacked``; the megakernel's residual layout).
     """
     w_off, s_off = layer_offset(window, layer), layer_offset(state, layer)
     slot_dim = 0 if layer == None else 1          # the dimension a run-time slot offset steps along
@@ -544,6 +546,8 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.activation(dst=rstd, op=nl.rsqrt, data=ss2, scale=1.0 / D, bias=float(eps))
     yn = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_norm")
     nisa.tensor_tensor(dst=yn, data1=o_all, data2=rstd, op=nl.multiply)
+    if stack > 1:
+        return _out_proj_stacked(yn, wn, sz, wo, stack)
     yg = nl.ndarray((D, hv_c, T), adt, buffer=nl.sbuf, name="o_gated")
     nisa.scalar_tensor_tensor(dst=yg, data=yn, op0=nl.multiply, operand0=wn, op1=nl.multiply, operand1=sz)
     n_ochunks = (H + MOVING_MAX - 1) // MOVING_MAX
@@ -563,6 +567,32 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
             nisa.activation(dst=y[:, n0:min(H, n0 + MOVING_MAX)], op=nl.copy, data=y_ps[k])
         else:
             nisa.tensor_copy(dst=y[:, n0:min(H, n0 + MOVING_MAX)], src=y_ps[k])
+    return y
+
+
+def _out_proj_stacked(yn, wn, sz, wo, S):
+    """The gated output ``yn * w * silu(z)`` [D, Hv_c, T] straight into the bank diagonals of a zero-padded
+    stationary ``Z [D, Hv_c, S, S*T]`` (``nki_kernels.stacked``: Z[:, i, s, s*T + t] = the gated output of head i,
+    token t), then out_proj as ONE PSUM accumulation ``[S*T, H/S]`` (bank s from the W_out columns of block
+    ``bank_block(s)``) and one eviction: the bank-stacked partial ``y`` SBUF ``[S*T, H/S]`` float32."""
+    D, hv_c, T = yn.shape
+    H = wo.shape[2]
+    W = H // S
+    check_stack(S, T, H, "gdn")
+    if W > MOVING_MAX:
+        raise ValueError(f"gdn: bank width {W} exceeds one PSUM bank ({MOVING_MAX} fp32); stack more banks")
+    z = nl.ndarray((D, hv_c, S, S * T), wo.dtype, buffer=nl.sbuf, name="o_gated_banks")
+    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.scalar_tensor_tensor(dst=diagonal(z, S, T, hv_c), data=broadcast_banks(yn, T, hv_c, S), op0=nl.multiply,
+                              operand0=wn, op1=nl.multiply, operand1=broadcast_banks(sz, T, hv_c, S))
+    y_ps = nl.ndarray((S * T, W), nl.float32, buffer=nl.psum, name="y_ps_banks")
+    for i in range(hv_c):
+        for s in range(S):
+            b = bank_block(s, S)
+            nisa.nc_matmul(dst=y_ps, stationary=z[:, i, s, :], moving=wo[:, i, b * W:(b + 1) * W],
+                           accumulate=i > 0 or s > 0)
+    y = nl.ndarray((S * T, W), nl.float32, buffer=nl.sbuf, name="y")
+    nisa.activation(dst=y, op=nl.copy, data=y_ps)
     return y
 
 

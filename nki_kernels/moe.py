@@ -127,6 +127,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from nki_kernels.common import INT32_MAX, MOVING_MAX, PSUM_BANK, P, layer_of, layer_offset, program_sharding
+from nki_kernels.stacked import check_stack, fold_banks, unfold
 
 MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
@@ -510,7 +511,7 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
     T = gu.shape[0]
     adt = buf.dtype
     f32 = nl.float32
-    ic, R, off_d = geo["ic"], geo["R"], geo["off_d"]
+    ic, R, off_d, S = geo["ic"], geo["R"], geo["off_d"], geo["banks"]
     if sc != None:
         adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
         gs = nl.ndarray((T, n, 2 * ic), dtype=f32, buffer=nl.sbuf)
@@ -528,6 +529,9 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
                                   op0=nl.multiply, operand0=wts[:, c0 + i:c0 + i + 1], op1=nl.multiply,
                                   operand1=gu.ap(pattern=[[n * 2 * ic, T], [0, R], [1, ic]], offset=i * 2 * ic + ic))
         nisa.nc_transpose(dst=aT[:, i, :], data=a, engine=nisa.engine.tensor)
+    if S > 1:
+        _down_banks(aT, buf, geo, n, mask, acc, first, adt)
+        return view
     z = nl.ndarray((P, n, R * T), dtype=adt, buffer=nl.sbuf)        # block-diagonal stationaries
     if R == 1:
         nisa.tensor_copy(dst=z, src=aT)
@@ -540,6 +544,41 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
                            accumulate=not first)
         first = False
     return view
+
+
+def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
+    """:func:`_down`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
+    (S = ``geo["banks"]``, ``stacked.fold_banks``): the block-diagonal stationary of slot i is placed once per
+    column piece h (width W = H/S of the folded down block) at column offset h*R*T of an otherwise zero
+    ``[P, S*T]``, so piece h of fold row group g lands in bank h*R + g: ONE multiply of a^T by the padded mask
+    (:func:`_bank_mask`) writes every element, zeros included (no memset per group, so no WAR chain on the
+    previous group's stationaries). Same moving columns as the folded layout (W = 512 at the real shapes: the same
+    matmuls), one PSUM bank instead of H/R/512. ``adt``: the stationaries' dtype (the activation dtype; bfloat16
+    beside fp8 blocks)."""
+    T = aT.shape[2]
+    R, off_d, S = geo["R"], geo["off_d"], geo["banks"]
+    W = geo["HR"] * R // S
+    Hb = S // R
+    z = nl.ndarray((P, n, Hb, S * T), dtype=adt, buffer=nl.sbuf)          # zero-padded stationaries
+    nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, Hb], [0, S], [1, T]], offset=0),
+                       data2=mask.ap(pattern=[[Hb * S * T, P], [0, n], [S * T, Hb], [1, S * T]], offset=0),
+                       op=nl.multiply)
+    for i in range(n):
+        for h in range(Hb):
+            nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=buf[:, i, off_d + h * W:off_d + (h + 1) * W],
+                           accumulate=not (first and h == 0))
+        first = False
+
+
+def _bank_mask(mask, R, S, T):
+    """The fold mask ``[P, R*T]`` (:func:`_fold_mask`) padded for :func:`_down_banks`: ``[P, S/R, S*T]`` f32 with
+    the mask at column offset h*R*T of row h, zeros elsewhere (once per body: a memset and one copy)."""
+    Hb = S // R
+    m = nl.ndarray((P, Hb, S * T), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=m, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=m.ap(pattern=[[Hb * S * T, P], [(S + R) * T, Hb], [1, R * T]], offset=0),
+                     src=mask.ap(pattern=[[R * T, P], [0, Hb], [1, R * T]], offset=0), engine=nisa.engine.gpsimd)
+    return m
 
 
 def _place(st, n):
@@ -714,7 +753,7 @@ def moe_weights(router, shared, layer=None):
 
 
 def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, layer=None, experts_layer=None,
-                 weights=None, scales=None):
+                 weights=None, scales=None, stack=1):
     """Sparse MoE of T tokens on one core: SBUF xT in, SBUF partial y out.
 
     xT:      SBUF [P, H/P, T] activation dtype (bfloat16 or float32), element (p, j, t) = x[t, j*P + p]
@@ -736,6 +775,9 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
              bfloat16 activations), HBM [E, n_cores, 2ic] float32 (:func:`expert_scales`), or stacked
              [M, E, n_cores, 2ic] like router / shared (with ``layer``: all MoE layers in one small table);
              None for experts in the activation dtype.
+    stack:   S > 1: y comes bank-stacked, SBUF [S*T, H/S] (``nki_kernels.stacked``): when the fold maps onto
+             the banks (``stacked.fold_banks``: R = 2, the real shapes) the down projections accumulate that layout
+             directly (:func:`_down_banks`; one PSUM bank, no unfold), else the fold's unfold writes it.
     Returns y: SBUF [T, H] float32, this core's partial (sum over cores and ranks = MoE output).
     """
     _, J, T = xT.shape
@@ -778,6 +820,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         raise ValueError(f"moe_tkg: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {PSUM_BANK}")
     if not 1 <= T <= 16:
         raise ValueError(f"moe_tkg: {T} tokens; the decode kernel handles 1..16")
+    check_stack(stack, T, H, "moe_tkg")
     lnc, pid = program_sharding()
     if n_cores != lnc or tuple(shared.shape[0:2]) != (lnc, P):
         raise ValueError(f"moe_tkg: weights laid out for {n_cores} cores (shared {list(shared.shape)}) but the "
@@ -787,6 +830,8 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     for g in (geo, geo_s):
         if g["R"] * T > P:
             raise ValueError(f"moe_tkg: {T} tokens x {g['R']} down-row groups exceed {P} output partitions")
+        # stack > 1 and the fold maps onto the banks: the down projection accumulates the stacked layout itself
+        g["banks"] = stack if stack > 1 and fold_banks(g["R"], stack) else 1
     F, Fs = geo["F"], geo_s["F"]
     S = min(T * top_k, E)
     G = group_size(geo["ic"])
@@ -847,17 +892,22 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     accs = []               # [R, PSUM accumulator, SBUF fold]
     for g in (geo_s, geo):
         if _acc_of(accs, g["R"]) == None:
-            accs.append([g["R"], nl.ndarray((g["R"] * T, g["HR"]), dtype=f32, buffer=nl.psum), None])
+            shape = (stack * T, H // stack) if g["banks"] > 1 else (g["R"] * T, g["HR"])
+            accs.append([g["R"], nl.ndarray(shape, dtype=f32, buffer=nl.psum), None])
     mask_s = _fold_mask(geo_s["ic"], T) if geo_s["R"] > 1 else None
     if geo["ic"] == geo_s["ic"]:
         mask = mask_s
     else:
         mask = _fold_mask(geo["ic"], T) if geo["R"] > 1 else None
+    if geo_s["banks"] > 1:
+        mask_s = _bank_mask(mask_s, geo_s["R"], stack, T)
+    if geo["banks"] > 1:
+        mask = mask_s if geo["ic"] == geo_s["ic"] else _bank_mask(mask, geo["R"], stack, T)
     acc_s = _acc_of(accs, geo_s["R"])
     _down(gu_s, sh, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
     _stream(xT, st, static, geo, wsel, mask, _acc_of(accs, geo["R"])[1], geo["R"] != geo_s["R"], first_bufs)
     for a in accs:          # evict every accumulator before the first runtime loop
-        a[2] = nl.ndarray((a[0] * T, H // a[0]), dtype=f32, buffer=nl.sbuf)
+        a[2] = nl.ndarray(tuple(a[1].shape), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=a[2], src=a[1])
         a[1] = None
 
@@ -866,10 +916,18 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if trips != None:
         _conditional_levels(xT, st, 0, geo, wsel, mask, _acc_of(accs, geo["R"])[2], trips, regs[0:nq])
 
-    # 6. fold back: y[t, g*H/R + c] = fold[g*T + t, c]
+    # 6. fold back: y[t, g*H/R + c] = fold[g*T + t, c] (stack > 1: into the bank-stacked layout, stacked.unfold)
     parts = []
     for a in accs:
         R, fold = a[0], a[2]
+        if stack > 1 and fold_banks(R, stack):      # stacked already (_down_banks)
+            parts.append(fold)
+            continue
+        if stack > 1:
+            ys = nl.ndarray((stack * T, H // stack), dtype=f32, buffer=nl.sbuf)
+            unfold(fold, R, stack, T, ys, nisa.engine.scalar)
+            parts.append(ys)
+            continue
         if R == 1:
             parts.append(fold)
             continue
@@ -880,7 +938,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
         parts.append(yR)
     y = parts[0]
     for extra in parts[1:]:
-        total = nl.ndarray((T, H), dtype=f32, buffer=nl.sbuf)
+        total = nl.ndarray(y.shape, dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=total, data1=y, data2=extra, op=nl.add)
         y = total
     return y

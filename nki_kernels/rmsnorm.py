@@ -42,6 +42,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import P, kernel_assert, program_sharding
+from nki_kernels.stacked import check_stack
 
 MAX_T = 4
 
@@ -57,8 +58,12 @@ def rmsnorm_weight_layout(w):
     return (1.0 + t).reshape(-1, P).t().contiguous()
 
 
-def _check_x(x_sb):
-    T, H = x_sb.shape
+def _check_x(x_sb, stack):
+    rows, W = x_sb.shape
+    T, H = rows // stack, W * stack
+    check_stack(stack, T, H, "rmsnorm")
+    if rows % stack:
+        raise ValueError(f"rmsnorm: {rows} stacked rows are not {stack} banks of T token rows")
     if not (1 <= T and T <= MAX_T):
         raise ValueError(f"rmsnorm: x has {T} token rows, expected 1..{MAX_T}")
     if H % P:
@@ -66,13 +71,17 @@ def _check_x(x_sb):
     return T, H
 
 
-def rmsnorm_body(x_sb, w1, eps):
+def rmsnorm_body(x_sb, w1, eps, stack=1):
     """Body: residual ``x_sb [T, H]`` (SBUF, activation dtype) -> normed ``xT [P, H/P, T]`` (SBUF, same dtype).
 
     w1: ``[P, H/P]`` float32 (:func:`rmsnorm_weight_layout`), in HBM or already in SBUF (a caller that loads it
     early); eps: compile-time float.
+    stack: S > 1: ``x_sb`` is the bank-stacked residual ``[S*T, H/S]`` (``nki_kernels.stacked``); step 1 then
+    takes (H/S)/P transposes of ``[S*T, P]`` against an ``[S*T, S*T]`` identity, each writing the S feature tiles
+    j = block(s)*(H/S)/P + c of its column tile c (a strided PSUM destination). Every later step, and ``xT``,
+    are the same instructions and bits as for the token-major x.
     """
-    T, H = _check_x(x_sb)
+    T, H = _check_x(x_sb, stack)
     J = H // P
     if not (w1.shape[0] == P and w1.shape[1] == J and w1.dtype == nl.float32):
         raise ValueError(f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
@@ -87,15 +96,24 @@ def rmsnorm_body(x_sb, w1, eps):
     nisa.memset(dst=warm, value=1.0, engine=nisa.engine.gpsimd)
     nisa.activation(dst=warm, op=nl.rsqrt, data=warm)
 
-    ident = nl.shared_identity_matrix(n=T, dtype=x_sb.dtype)
+    ident = nl.shared_identity_matrix(n=stack * T, dtype=x_sb.dtype)
     ones = nl.ndarray((P, P), nl.float32, buffer=nl.sbuf, name="rms_ones")
     nisa.memset(dst=ones, value=1.0)
 
     # 1. feature-major copy of x (exact) in PSUM
     xt_ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="rms_xt_ps")
-    for j in range(J):
-        nisa.nc_matmul(dst=xt_ps[:, j, :], stationary=x_sb[:, j * P:(j + 1) * P], moving=ident,
-                       accumulate=False)
+    if stack == 1:
+        for j in range(J):
+            nisa.nc_matmul(dst=xt_ps[:, j, :], stationary=x_sb[:, j * P:(j + 1) * P], moving=ident,
+                           accumulate=False)
+    else:
+        # output column s*T + t = bank s = 2u + v holds block v*S/2 + u (stacked.bank_block): feature tile
+        # j = (v*S/2 + u)*JW + c, iterated (u, v, t)
+        JW = J // stack
+        half = stack // 2
+        for c in range(JW):
+            dst = xt_ps.ap(pattern=[[J * T, P], [JW * T, half], [half * JW * T, 2], [1, T]], offset=c * T)
+            nisa.nc_matmul(dst=dst, stationary=x_sb[:, c * P:(c + 1) * P], moving=ident, accumulate=False)
     # 2-3. squares and per-partition partial sums over j
     sq = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_sq")
     nisa.activation(dst=sq, op=nl.square, data=xt_ps)
