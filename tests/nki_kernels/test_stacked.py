@@ -180,7 +180,7 @@ def test_attention_stacked_partial(S, T):
 
 
 @nki.jit
-def _moe_stacked(x, router, experts, shared, top_k, S):
+def _moe_stacked(x, router, experts, shared, top_k, S, scales=None):
     from nki_kernels.common import program_sharding
     from nki_kernels.moe import moe_tkg_body
     T, H = x.shape
@@ -188,7 +188,7 @@ def _moe_stacked(x, router, experts, shared, top_k, S):
     out = nl.ndarray((lnc, S * T, H // S), dtype=nl.float32, buffer=nl.shared_hbm, name="moe_stacked")
     xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf, name="moe_x")
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
-    nisa.dma_copy(dst=out[pid], src=moe_tkg_body(xT, router, experts, shared, top_k, stack=S))
+    nisa.dma_copy(dst=out[pid], src=moe_tkg_body(xT, router, experts, shared, top_k, stack=S, scales=scales))
     return out
 
 
@@ -205,5 +205,24 @@ def test_moe_stacked_partial(S, T):
     x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(S * T)).to(torch.bfloat16)
     args = (x, L["router"], L["experts"], L["shared"], cfg.num_experts_per_tok)
     want, got = moe_tkg[2](*args), _moe_stacked[2](*args, S)
+    for c in range(2):
+        _close_stacked(as_torch(got)[c], as_torch(want)[c], S)
+
+
+def test_moe_stacked_partial_fp8_experts():
+    """The opt-in fp8 experts (moe.py "fp8 experts") in the stacked layout: the same partial as their token-major
+    run (the stationaries stay bfloat16 beside the e4m3 blocks: the stacked down projections take the activation
+    dtype, not the block's)."""
+    from model.params import random_params
+    from model.tp.moe import quantize_fp8, shard_moe
+    from nki_kernels.moe import kernel_table, moe_hbm_layout, moe_tkg
+    S, T = 4, 2
+    cfg = _mid_cfg().replace(moe_intermediate_size=512, shared_expert_intermediate_size=64)
+    p = quantize_fp8(random_params(cfg, seed=2, dtype=torch.bfloat16, include_mtp=False))
+    L = moe_hbm_layout(shard_moe(p, "model.layers.1", cfg, 0, 4), 2)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    args = (x, L["router"], kernel_table(L["experts"]), L["shared"], cfg.num_experts_per_tok)
+    want = moe_tkg[2](*args, scales=L["scales"])
+    got = _moe_stacked[2](*args, S, L["scales"])
     for c in range(2):
         _close_stacked(as_torch(got)[c], as_torch(want)[c], S)
