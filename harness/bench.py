@@ -222,15 +222,21 @@ def _predict_fp8_experts(a, cfg, mk, routing, t0):
         "instructions": s["instructions"], "kernel_parameters": s["kernel_parameters"],
         "bottlenecks": s["bottlenecks"], "elapsed_s": {"total_wall": round(time.time() - t0, 1)},
     }
-    path = BENCH / "costmodel_predict_fp8_experts.json"
+    return _write_variant(a, out, BENCH / "costmodel_predict_fp8_experts.json", (
+        f"megakernel round, fp8 experts -- changes the output, not the target's figure ({a.model}, TP={a.tp} x "
+        f"LNC=2, context {a.context}, routing {a.routing}, commit {out['measured_commit']})",
+        f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+        f"acceptance {a.acceptance}"))
+
+
+def _write_variant(a, out, path, lines):
+    """Write a variant's predict JSON to ``path``; print it (``--json``) or ``lines``, its stages and the path."""
     path.write_text(json.dumps(out, indent=1))
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"megakernel round, fp8 experts -- changes the output, not the target's figure ({a.model}, TP={a.tp} x "
-          f"LNC=2, context {a.context}, routing {a.routing}, commit {out['measured_commit']})")
-    print(f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
-          f"acceptance {a.acceptance}")
+    for line in lines:
+        print(line)
     print("  stages           " + "   ".join(f"{k} {_band(v)}" for k, v in out["stages_us"].items()))
     print(f"\nwrote {path} ({out['elapsed_s']['total_wall']:.0f} s wall)")
     return 0
@@ -257,21 +263,14 @@ def _predict_device_commit(a, mk, routing, t0):
         "bottlenecks": s["bottlenecks"], "assumptions": C.assumptions(),
         "elapsed_s": {"total_wall": round(time.time() - t0, 1)},
     }
-    path = BENCH / "costmodel_predict_device_commit.json"
-    path.write_text(json.dumps(out, indent=1))
-    if a.json:
-        print(json.dumps(out, indent=1))
-        return 0
     ch = out["chained_end_to_end_round_us"]
-    print(f"megakernel round, accept and commit on device ({a.model}, TP={a.tp} x LNC=2, context {a.context}, "
-          f"routing {a.routing}, commit {out['measured_commit']})")
-    print(f"  device           {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
-          f"acceptance {a.acceptance}")
-    print(f"  back to back     {_band(ch['host_hidden'])} (host enqueue hidden) .. {_band(ch['host_exposed'])} "
-          f"(the whole {out['host_driven_gap_us']:,.0f} us host-driven gap exposed)")
-    print("  stages           " + "   ".join(f"{k} {_band(v)}" for k, v in out["stages_us"].items()))
-    print(f"\nwrote {path} ({out['elapsed_s']['total_wall']:.0f} s wall)")
-    return 0
+    return _write_variant(a, out, BENCH / "costmodel_predict_device_commit.json", (
+        f"megakernel round, accept and commit on device ({a.model}, TP={a.tp} x LNC=2, context {a.context}, "
+        f"routing {a.routing}, commit {out['measured_commit']})",
+        f"  device           {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+        f"acceptance {a.acceptance}",
+        f"  back to back     {_band(ch['host_hidden'])} (host enqueue hidden) .. {_band(ch['host_exposed'])} "
+        f"(the whole {out['host_driven_gap_us']:,.0f} us host-driven gap exposed)"))
 
 
 def _md_layers(rows):

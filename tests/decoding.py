@@ -131,3 +131,33 @@ def alternating(prompt: list[int], plain: list[int], vocab: int, drafts: int = 1
         want = right(seq)
         return want[:n] + ([(want[n] + 1) % vocab] if n < drafts else [])
     return source
+
+
+
+def assert_round_matches_reference(cfg, params, prompt, tp: int = 4):
+    """One megakernel round after the prompt's prefill against the reference round (:func:`assert_same_round`)."""
+    from harness.speculative import make_decoder
+    ref, mk = ReferenceDecoder(cfg, params), make_decoder("megakernel", cfg, params, tp=tp)
+    outs = []
+    for v in (ref, mk):
+        first, h = v.prefill(prompt, max_len=24)
+        outs.append((first, v.round(first, h, len(prompt))))
+    (f0, r0), (f1, r1) = outs
+    assert f0 == f1
+    assert_same_round(ref, mk, r0, r1, len(prompt))
+
+
+def assert_same_round(ref, v, r0, r1, p: int):
+    """Round r1 of decoder v equals the reference decoder's round r0 (both after a prefill of p tokens): drafts and
+    targets equal; the hidden (finite, not all zero), every checkpoint slot and the KV rows p, p+1 (and the MTP
+    rows p-1, p) within 1e-4 (fp32 weights, another summation order). Commits both decoders' slots."""
+    from compare import assert_close
+    assert (r1.drafts, r1.targets) == (r0.drafts, r0.targets)
+    assert torch.isfinite(r1.hidden).all() and r1.hidden.abs().max() > 0.1
+    assert_close(r1.hidden, r0.hidden, rtol=0, atol=1e-4, name="round hidden vs reference")
+    for slot in (0, 1):
+        ref.commit(slot + 1)
+        v.commit(slot + 1)
+        want, got = ref.committed(p + 1 + slot), v.committed(p + 1 + slot)
+        for name in want:
+            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=0, atol=1e-4, msg=name)

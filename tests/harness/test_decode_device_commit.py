@@ -17,14 +17,18 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def _host_and_device(capsys, argv):
+    """The decode CLI's JSON for argv, host-driven and with --device-commit."""
+    runs = []
+    for extra in ((), ("--device-commit",)):
+        code, out, err = run(capsys, *argv, *extra)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    return runs
+
+
 def test_device_commit_gives_the_host_driven_tokens(capsys):
-    argv = ["--variant", "megakernel", "--tp", 1, "--max-new-tokens", 5, "--json"]
-    code, out, err = run(capsys, *argv)
-    assert code == 0, err
-    host = json.loads(out)
-    code, out, err = run(capsys, *argv, "--device-commit")
-    assert code == 0, err
-    dev = json.loads(out)
+    host, dev = _host_and_device(capsys, ["--variant", "megakernel", "--tp", 1, "--max-new-tokens", 5, "--json"])
     assert dev["device_commit"] is True and host["device_commit"] is False
     assert dev["tokens"] == host["tokens"] and len(dev["tokens"]) == 5 and len(set(dev["tokens"])) > 1
     assert dev["accepted_per_round"] == host["accepted_per_round"]
@@ -35,13 +39,8 @@ def test_device_commit_gives_the_host_driven_tokens(capsys):
 def test_sampled_device_commit_gives_the_host_driven_tokens(capsys):
     """--temperature > 0: the device-committed rounds take their noise from the window, the same seed gives the
     host-driven sampled tokens (~12 s: slow tier; tests/megakernel/test_device_commit_sampled.py checks the rounds)."""
-    argv = ["--variant", "megakernel", "--tp", 1, "--max-new-tokens", 4, "--json", "--temperature", 0.7, "--seed", 1]
-    code, out, err = run(capsys, *argv)
-    assert code == 0, err
-    host = json.loads(out)
-    code, out, err = run(capsys, *argv, "--device-commit")
-    assert code == 0, err
-    dev = json.loads(out)
+    host, dev = _host_and_device(capsys, ["--variant", "megakernel", "--tp", 1, "--max-new-tokens", 4, "--json",
+                                          "--temperature", 0.7, "--seed", 1])
     assert dev["device_commit"] is True and dev["sampling"]["temperature"] == 0.7
     assert dev["tokens"] == host["tokens"] and len(dev["tokens"]) == 4
     assert dev["accepted_per_round"] == host["accepted_per_round"]

@@ -33,8 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from compare import assert_close
-from decoding import ReferenceDecoder, forced_rounds, reference_decode_state, reference_greedy
+from decoding import ReferenceDecoder, assert_same_round, forced_rounds, reference_decode_state, reference_greedy
 from decoding import alternating as alternating_drafts
 from harness import xla
 from harness.engines import LaunchResult, make_engine
@@ -363,16 +362,7 @@ def test_xla_round_matches_reference_round(tiny, tp):
     v = Decoder(eng)
     r1 = v.round(first, h, len(PROMPT))
     r0 = ref.round(first, h, len(PROMPT))
-    assert (r1.drafts, r1.targets) == (r0.drafts, r0.targets)
-    assert r1.hidden.abs().max() > 0.1
-    assert_close(r1.hidden, r0.hidden, rtol=0, atol=1e-4, name="round hidden vs reference")
-    p = len(PROMPT)
-    for slot in (0, 1):
-        ref.commit(slot + 1)
-        v.commit(slot + 1)
-        want, got = ref.committed(p + 1 + slot), v.committed(p + 1 + slot)
-        for name in want:
-            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=0, atol=1e-4, msg=name)
+    assert_same_round(ref, v, r0, r1, len(PROMPT))
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 6])

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compare import assert_close
-from decoding import ReferenceDecoder, alternating, forced_rounds, reference_decode_state, reference_greedy
+from decoding import (alternating, assert_round_matches_reference, forced_rounds, reference_decode_state,
+                      reference_greedy)
 from harness.speculative import generate, make_decoder
 from model.params import random_params
 
@@ -65,22 +65,7 @@ def test_bf16_megakernel_tokens_equal_plain_greedy():
 
 def test_round_matches_the_reference_round(tiny):
     cfg, params = tiny
-    ref, mk = ReferenceDecoder(cfg, params), make_decoder("megakernel", cfg, params, tp=4)
-    outs = []
-    for v in (ref, mk):
-        first, h = v.prefill(PROMPT, max_len=24)
-        outs.append((first, v.round(first, h, len(PROMPT))))
-    (f0, r0), (f1, r1) = outs
-    assert f0 == f1 and r0.drafts == r1.drafts and r0.targets == r1.targets
-    assert r1.hidden.abs().max() > 0.1
-    assert_close(r1.hidden, r0.hidden, rtol=0, atol=1e-4, name="round hidden vs reference")
-    p = len(PROMPT)
-    for slot in (0, 1):  # every checkpoint slot and KV rows p, p+1 (and the MTP rows p-1, p)
-        ref.commit(slot + 1)
-        mk.commit(slot + 1)
-        want, got = ref.committed(p + 1 + slot), mk.committed(p + 1 + slot)
-        for name in want:
-            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=0, atol=1e-4, msg=name)
+    assert_round_matches_reference(cfg, params, PROMPT)
 
 
 def test_state_invariant_after_forced_rounds(tiny):
