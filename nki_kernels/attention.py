@@ -956,11 +956,13 @@ def _o_proj_stacked(g, og, wo, ident, S):
     for dh in range(DT):
         nisa.nc_matmul(dst=ps[:, dh, :], stationary=og[:, dh * dp:(dh + 1) * dp], moving=ident[0:nq, 0:nq],
                        accumulate=False)
-    # (dh, h) iterate together in z (adjacent dims); ps column t*Hc + h, broadcast over the banks
-    nisa.tensor_copy(dst=z.ap(pattern=[[DT * Hc * S * S * T, dp], [S * S * T, DT * Hc], [(S + 1) * T, S], [1, T]],
-                              offset=0),
-                     src=ps.ap(pattern=[[DT * nq, dp], [nq, DT], [1, Hc], [0, S], [Hc, T]], offset=0),
-                     engine=DVE_ENG)
+    # per d-tile dh (at most 3 free dims per operand: SDK nki-aps.rst "most instructions only support 1D/2D/3D in
+    # the free dimension"): h iterates in z, ps column t*Hc + h, broadcast over the banks
+    for dh in range(DT):
+        nisa.tensor_copy(dst=z.ap(pattern=[[DT * Hc * S * S * T, dp], [S * S * T, Hc], [(S + 1) * T, S], [1, T]],
+                                  offset=dh * Hc * S * S * T),
+                         src=ps.ap(pattern=[[DT * nq, dp], [1, Hc], [0, S], [Hc, T]], offset=dh * nq),
+                         engine=DVE_ENG)
     y_ps = nl.ndarray((S * T, W), F32, buffer=nl.psum, name="att_y_psum_banks")
     nblk = Hc * DT
     for s in range(S):

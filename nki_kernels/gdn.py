@@ -361,6 +361,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.dma_copy(dst=gin[T:T + 1, 1, :], src=dt_bias[vh0:vh0 + hv_c])
     identA = nl.shared_identity_matrix(n=T if T > Km1 else Km1, dtype=adt)
     identF = nl.shared_identity_matrix(n=D, dtype=f32)
+    # the gates' one-hot stationaries address an identity by a raw access pattern: a [T+1, T+1] one of this body's
+    # own (the shared identity's storage may be the compiler's larger shared one, SDK-NL; nkisim refuses .ap() on it)
+    ident_g = nl.ndarray((T + 1, T + 1), f32, buffer=nl.sbuf, name="gate_ident")
+    nl.shared_identity_matrix(n=T + 1, dtype=f32, dst=ident_g)
     onesF = nl.ndarray((D, D), f32, buffer=nl.sbuf, name="ones")
     nisa.memset(dst=onesF, value=1.0)
 
@@ -415,7 +419,7 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.tensor_copy(dst=gin[0:T, :, :], src=proj[:, cb:cb + 2 * hv_c])      # proj holds b ‖ a
     gr_ps = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.psum, name="gate_in_ps")
     for t in range(T + 1):          # one-hot stationary (column t of an identity, repeated D times)
-        nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=identF.ap(pattern=[[D, T + 1], [0, D]], offset=t),
+        nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=ident_g.ap(pattern=[[T + 1, T + 1], [0, D]], offset=t),
                        moving=gin, accumulate=False)
     gr = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in_b")
     nisa.tensor_copy(dst=gr, src=gr_ps)

@@ -560,7 +560,7 @@ def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
     W = geo["HR"] * R // S
     Hb = S // R
     z = nl.ndarray((P, n, Hb, S * T), dtype=adt, buffer=nl.sbuf)     # zero-padded stationaries
-    nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, Hb], [0, S], [1, T]], offset=0),
+    nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, Hb * S], [1, T]], offset=0),
                        data2=mask.ap(pattern=[[Hb * S * T, P], [0, n], [S * T, Hb], [1, S * T]], offset=0),
                        op=nl.multiply)
     for i in range(n):

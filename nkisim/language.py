@@ -166,6 +166,7 @@ def shared_identity_matrix(n, dtype=uint8, dst=None):
             return t
         t = inst.identities[key] = ndarray((n, n), dt, sbuf, "identity")
         t.storage.loops = ()       # a constant of the whole launch, wherever it is first asked for
+        t.storage.shared = True    # NkiTensor.ap refuses it: its storage may be the compiler's shared identity
     else:
         t = dst
     nbytes = t.size * t.itemsize

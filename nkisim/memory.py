@@ -72,7 +72,7 @@ class Storage:
     __slots__ = ("id", "kind", "name", "shape", "dtype", "nbytes", "row_bytes", "partitions", "address",
                  "data", "written", "mm", "owner", "dirty", "is_input", "named", "cc", "full", "release",
                  "onchip", "nelems", "cstrides", "mm_state", "fresh", "psum", "loops", "epoch", "site", "known",
-                 "__weakref__")
+                 "shared", "__weakref__")
 
     def __init__(self, kind, shape, dtype, name="", with_data=True, owner=None, fill=True):
         self.id = _next_id()
@@ -91,6 +91,7 @@ class Storage:
         self.epoch = None             # PSUM: Instance.loop_events at its last access (isa.common._psum_loop_rules)
         self.site = None              # (filename, line) of the kernel line that allocated an unnamed tensor
         self.known = None             # shape-only: {element index: value} DMA-copied from a real integer input
+        self.shared = False           # nl.shared_identity_matrix's constant (the compiler may share its storage)
         self.cstrides = None          # row-major byte strides (NkiTensor.whole)
         self.mm_state = False         # PSUM "last written by nc_matmul": True/False everywhere, None = mixed
         if kind in ON_CHIP:

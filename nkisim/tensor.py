@@ -529,6 +529,13 @@ class NkiTensor:
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
         op = "ap"
         st = self.storage
+        if st.shared:
+            raise NkiValidationError(
+                f"{op}: {self.describe()} is nl.shared_identity_matrix's constant; SDK-NL: \"The compiler will reuse "
+                f"all the identity matrices of the same dtype in the graph\", so its storage may be larger than "
+                f"[n, n] and a raw access pattern would address other elements (partition step = the storage's row, "
+                f"SDK-AP). Load it into a tile of your own (shared_identity_matrix(n, dtype, dst=tile)) and "
+                f"address that, or use view indexing")
         dt = self.dtype if dtype is None else dtypes.normalize(dtype, "ap dtype")
         isz = _ITEMSIZE[dt]
         try:

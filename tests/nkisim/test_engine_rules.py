@@ -125,6 +125,27 @@ def test_sbuf_to_sbuf_dma_cannot_fold_partitions():
     run_body(via_hbm)
 
 
+def test_a_raw_access_pattern_on_the_shared_identity_is_refused():
+    """SDK-NL shared_identity_matrix: "The compiler will reuse all the identity matrices of the same dtype in the
+    graph", so its storage may be a larger shared identity and a raw ``.ap()`` (which addresses the storage, its
+    partition step = the storage's row) would read other elements: refused. Views of it and an identity loaded into
+    a tile of one's own (``dst=``) stay accepted."""
+    def raw(x):
+        ident = nl.shared_identity_matrix(n=4, dtype=nl.float32)
+        out = nl.ndarray((4, 2, 4), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out, src=ident.ap(pattern=[[4, 4], [0, 2], [1, 4]], offset=0))
+
+    def own(x):
+        ident = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nl.shared_identity_matrix(n=4, dtype=nl.float32, dst=ident)
+        out = nl.ndarray((4, 2, 4), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out, src=ident.ap(pattern=[[4, 4], [0, 2], [1, 4]], offset=0))
+        nisa.tensor_copy(dst=out[:, 0, 0:2], src=nl.shared_identity_matrix(n=4, dtype=nl.float32)[:, 0:2])
+    with pytest.raises(NkiValidationError, match=r"shared_identity_matrix's constant"):
+        run_body(raw)
+    run_body(own)
+
+
 @pytest.mark.parametrize("buf, free, ok", [(nl.sbuf, 65536, True), (nl.sbuf, 65537, False),
                                            (nl.psum, 4096, True)])
 def test_engine_free_size_per_instruction(buf, free, ok):
