@@ -119,10 +119,11 @@ def p_values(engine, s, spec, prompt):
         chi_square_p(joint.ravel(), want_j.numpy().ravel())]
 
 
-@pytest.mark.parametrize("drafts,s", [(2, SETTINGS[0]), (2, SETTINGS[1]),
+@pytest.mark.parametrize("drafts,s", [pytest.param(2, SETTINGS[0], marks=pytest.mark.slow), (2, SETTINGS[1]),
                                       pytest.param(3, SETTINGS[0], marks=pytest.mark.slow),
                                       pytest.param(3, SETTINGS[1], marks=pytest.mark.slow)],
-                         ids=["K2-T1", "K2-T0.7-k4-p0.9", "K3-T1", "K3-T0.7-k4-p0.9"])   # K = 3: the slow tier
+                         ids=["K2-T1", "K2-T0.7-k4-p0.9", "K3-T1", "K3-T0.7-k4-p0.9"])
+# default tier: K = 2 with temperature, top-k and top-p (the Gumbel rule at K2-T1 stays in the default tier too)
 def test_speculative_sampling_equals_plain_sampling(cfg, s, drafts):
     engine = MarkovEngine(cfg, drafts)
     ps = p_values(engine, s, True, [2])
