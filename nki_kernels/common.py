@@ -1,5 +1,6 @@
 """What every kernel shares (traced code, written in the NKI Python subset): the trn2 tile sizes as Python ints,
-"which core am I", raising checks, and the element offsets of stacked per-layer tensors.
+"which core am I", raising checks, the element offsets of stacked per-layer tensors, and identities a kernel may
+address by raw access patterns (:func:`own_identity`).
 
 Tile sizes. They are the values of ``nl.tile_size`` on trn2 (SDK ``nki.language.tile_size``; nkisim.hw), written
 as plain ints because the real front end does not always give a Python int for ``nl.tile_size.pmax`` where one is
@@ -65,3 +66,13 @@ def layer_of(t, layer):
 def _check_layer(t, layer):
     kernel_assert(0 <= layer and layer < t.shape[0], f"stacked tensor {list(t.shape)}: layer {layer} is outside "
                                                      f"0..{t.shape[0] - 1}")
+
+
+def own_identity(n: int, dtype, name: str):
+    """An n x n identity in an SBUF tile of the kernel's own (``nl.shared_identity_matrix(..., dst=)``: one constant
+    DMA, like the shared one). Use it where ``.ap()`` addresses the identity: the shared identity's storage may be a
+    larger one the compiler shares ("The compiler will reuse all the identity matrices of the same dtype in the
+    graph", SDK-NL), so nkisim refuses a raw access pattern on it."""
+    t = nl.ndarray((n, n), dtype, buffer=nl.sbuf, name=name)
+    nl.shared_identity_matrix(n=n, dtype=dtype, dst=t)
+    return t

@@ -87,7 +87,7 @@ import math
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, program_sharding
+from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, own_identity, program_sharding
 from nki_kernels.stacked import bank_block, broadcast_banks, check_stack, diagonal
 
 MAX_T = 4
@@ -361,10 +361,7 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.dma_copy(dst=gin[T:T + 1, 1, :], src=dt_bias[vh0:vh0 + hv_c])
     identA = nl.shared_identity_matrix(n=T if T > Km1 else Km1, dtype=adt)
     identF = nl.shared_identity_matrix(n=D, dtype=f32)
-    # the gates' one-hot stationaries address an identity by a raw access pattern: a [T+1, T+1] one of this body's
-    # own (the shared identity's storage may be the compiler's larger shared one, SDK-NL; nkisim refuses .ap() on it)
-    ident_g = nl.ndarray((T + 1, T + 1), f32, buffer=nl.sbuf, name="gate_ident")
-    nl.shared_identity_matrix(n=T + 1, dtype=f32, dst=ident_g)
+    ident_g = own_identity(T + 1, f32, "gate_ident")     # the gates' one-hot stationaries address it by .ap()
     onesF = nl.ndarray((D, D), f32, buffer=nl.sbuf, name="ones")
     nisa.memset(dst=onesF, value=1.0)
 

@@ -138,7 +138,7 @@ import math
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import INT32_MAX, P, PSUM_BANK, kernel_assert, program_sharding
+from nki_kernels.common import INT32_MAX, P, PSUM_BANK, kernel_assert, own_identity, program_sharding
 from nki_kernels.gdn import L2_EPS, core_split
 
 BLOCK = 64              # C: tokens per chunk of the delta rule
@@ -249,8 +249,9 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     """Constant tiles of one launch (built once per core)."""
     hv, D, NH, K, mdt, idt = g["hv"], g["D"], g["NH"], g["K"], g["mdt"], g["idt"]
     c = {}
-    c["I_f"] = nl.shared_identity_matrix(n=P, dtype=F32)
-    c["I_m"] = c["I_f"] if mdt == F32 else nl.shared_identity_matrix(n=P, dtype=mdt)
+    # identities of the kernel's own: the inverse addresses them by raw access patterns (_bview)
+    c["I_f"] = own_identity(P, F32, "gdn_pf_ident_f")
+    c["I_m"] = c["I_f"] if mdt == F32 else own_identity(P, mdt, "gdn_pf_ident_m")
     c["I_i"] = c["I_f"] if idt == F32 else c["I_m"]
     inverse_constants(c)
     u64 = _upper_block(BLOCK, True, "ub64")

@@ -125,7 +125,7 @@ import nki
 import nki.collectives as ncc
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import INT32_MAX, P, PSUM_BANK, program_sharding
+from nki_kernels.common import INT32_MAX, P, PSUM_BANK, own_identity, program_sharding
 from nki_kernels.moe import MAX8, block_width, geometry as _geometry, layers_per_table
 from nki_kernels.rmsnorm_prefill import broadcast_weight, norm_output, residual_norm_tile, token_group_ap
 
@@ -283,10 +283,7 @@ def _consts(g):
     nisa.iota(dst=j8, pattern=[[1, MAX8]], offset=0)
     c["j8"] = j8
     c["ident"] = nl.shared_identity_matrix(P, dtype=F32)
-    # an identity of the kernel's own: the combine addresses it by a raw access pattern (_combine_math), which the
-    # shared identity's storage does not allow (the compiler may back it with a larger shared one, SDK-NL)
-    c["ident_a"] = nl.ndarray((P, P), dtype=adt, buffer=nl.sbuf, name="moe_pf_ident_a")
-    nl.shared_identity_matrix(P, dtype=adt, dst=c["ident_a"])
+    c["ident_a"] = own_identity(P, adt, "moe_pf_ident_a")    # the combine addresses it by a raw access pattern
     # (jb0 + p % jc) of the gather-transpose index tiles: flat index m*128 + p is (row, h-block p % jc)
     if g["adt"] == nl.bfloat16:
         jt = nl.ndarray((P, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_jcol")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import nki.isa as nisa
 import nki.language as nl
 
-from nki_kernels.common import MOVING_MAX, P, kernel_assert
+from nki_kernels.common import MOVING_MAX, P, kernel_assert, own_identity
 
 
 def banks_for(hidden: int, want: int) -> int:
@@ -111,10 +111,7 @@ def stack_rows(x, S: int, name: str = "stacked_x"):
     W = H // S
     if W > MOVING_MAX:
         raise ValueError(f"stack_rows: bank width {W} exceeds one PSUM bank ({MOVING_MAX} fp32)")
-    # a [T, T] identity of its own: broadcast_banks addresses it by a raw access pattern, which the shared identity's
-    # storage (the compiler may back it with a larger one, SDK-NL) does not allow
-    ident = nl.ndarray((T, T), x.dtype, buffer=nl.sbuf, name="stack_ident")
-    nl.shared_identity_matrix(n=T, dtype=x.dtype, dst=ident)
+    ident = own_identity(T, x.dtype, "stack_ident")     # broadcast_banks addresses it by .ap()
     e = nl.ndarray((T, 1, S, S * T), x.dtype, buffer=nl.sbuf, name="stack_select")
     nisa.memset(dst=e, value=0.0, engine=nisa.engine.gpsimd)
     nisa.tensor_copy(dst=diagonal(e, S, T, 1), src=broadcast_banks(ident, T, 1, S), engine=nisa.engine.gpsimd)

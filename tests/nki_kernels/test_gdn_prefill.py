@@ -45,6 +45,7 @@ from model.tp.gdn import GdnDims, gather_windows, shard_gdn, split_window
 from model.tp.gdn_prefill import gdn_prefill_rank
 from nki_kernels import gdn as kg
 from nki_kernels import gdn_prefill as kp
+from nki_kernels.common import own_identity
 
 PREFIX = "model.layers.0"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -249,8 +250,8 @@ def inverse_kernel(zT, idt_name):
     idt = nl.float32 if idt_name == "float32" else nl.bfloat16
     out = nl.ndarray((kp.P, n, kp.P), nl.float32, buffer=nl.shared_hbm, name="x_out")
     g = {"hv": n, "D": 32, "NH": 1, "K": 4, "mdt": idt, "idt": idt, "core": 0, "super": 1, "vh0": 0}
-    c = {"I_f": nl.shared_identity_matrix(n=kp.P, dtype=nl.float32)}
-    c["I_i"] = c["I_f"] if idt == nl.float32 else nl.shared_identity_matrix(n=kp.P, dtype=idt)
+    c = {"I_f": own_identity(kp.P, nl.float32, "I_f")}
+    c["I_i"] = c["I_f"] if idt == nl.float32 else own_identity(kp.P, idt, "I_i")
     kp.inverse_constants(c)
     c["psum"] = kp.psum_pool()
     z = nl.ndarray((kp.P, n, kp.P), idt, buffer=nl.sbuf, name="zT")
@@ -267,8 +268,8 @@ def inverse_step0_kernel(zT, idt_name):
     n = zT.shape[1]
     idt = nl.float32 if idt_name == "float32" else nl.bfloat16
     out = nl.ndarray((3, kp.P, n, kp.P), nl.float32, buffer=nl.shared_hbm, name="step0_out")
-    c = {"I_f": nl.shared_identity_matrix(n=kp.P, dtype=nl.float32)}
-    c["I_i"] = c["I_f"] if idt == nl.float32 else nl.shared_identity_matrix(n=kp.P, dtype=idt)
+    c = {"I_f": own_identity(kp.P, nl.float32, "I_f")}
+    c["I_i"] = c["I_f"] if idt == nl.float32 else own_identity(kp.P, idt, "I_i")
     kp.inverse_constants(c)
     z = nl.ndarray((kp.P, n, kp.P), idt, buffer=nl.sbuf, name="zT")
     nisa.dma_copy(dst=z, src=zT)
