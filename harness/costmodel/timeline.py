@@ -19,8 +19,9 @@ DMA queues are scheduled in a round robin fashion"; the queue "is typically tied
 of descriptor generation"): a DMA's data phase starts when the data phase of the queue's previous DMA has ended, so
 only the head of each queue (SP, ACT, POOL per core) shares the engines and the HBM. This treats every DMA of a queue
 as occupying all the engines it could use (a narrow DMA followed by a wide one on the same queue: the wide one waits
-for it entirely, pessimistic). A band end without a trigger queue (``dma_trigger_queue`` "none") has no order: all
-its DMAs share. Then the completion latency.
+for it entirely, pessimistic). A band end without a default trigger queue (``dma_trigger_queue`` "none") orders
+only the DMAs whose queue the kernel names (``engine=``, software DGE); all others share. Then the completion
+latency.
 
 An instruction starts when its stream lets it and every instruction it depends on (RAW/WAR/WAW from ``deps``,
 RAW on registers) has finished plus the hand-off: a consumer on another engine waits ``handoff_ns`` after its
@@ -455,8 +456,7 @@ def simulate(P: Program, params: costs.Params) -> Timeline:
         push(t1, EV_ISSUED, i)
 
     def enter_pipe(i, now):
-        nb, hb, engines, run, _, _ = P.dma[i]
-        if nb <= 0:
+        if P.dma[i][0] <= 0:
             push(now + C.DMA_COMPLETION_NS, EV_FINISH, i)
             return
         s = stream[i]
