@@ -364,6 +364,15 @@ class LayerwiseEngine(HostEngine):
              layer.moe, index, eps) for w in W])
         return self._add(x, outs)
 
+    def _kv_rows(self, plan, layer, x, pos, cos, sin):
+        """The K / V rows of an attention layer on its input x [T, H] (``megakernel.layerwise.kv_rows_stage``)."""
+        from megakernel import layerwise as lw
+        for g in range(layer.groups):
+            self._launch(lw.kv_rows_stage[self.lnc], [
+                (x, w["norms"], layer.in_norm, w["attn_wqg"], w["attn_wk"], w["attn_wv"], w["attn_wo"],
+                 w["attn_norm_w"], cos, sin, st["attn_k"], st["attn_v"], pos, layer.mixer * layer.groups + g,
+                 plan.eps) for w, st in zip(self.weights, self.states)])
+
     def _head(self, plan, x, row: int, draft: bool = False, noise=None):
         """(greedy token ids [T], post-norm hidden [T, H]) with the lowest global index winning ties; ``draft`` with
         an FR-Spec draft vocabulary: over the draft head's rows, mapped to their token ids. ``noise``: per rank the
@@ -398,9 +407,10 @@ class LayerwiseEngine(HostEngine):
             (e, h, w["norms"], rows.mtp_emb, rows.mtp_hidden, w["mtp_fc"], plan.eps) for w in self.weights])
         x = torch.cat([torch.as_tensor(o[c]) for o in outs for c in range(self.lnc)], dim=-1).to(self.dtype)
         pos, cos, sin = _stage_inputs(stage, inputs)
-        x = self._layer(plan, stage.layers[0], x, pos, cos, sin, inputs["read_slot"])
-        if not with_head:
+        if not with_head:       # the replay: the MTP KV rows only (what the megakernel's D2 runs)
+            self._kv_rows(plan, stage.layers[0], x, pos, cos, sin)
             return None
+        x = self._layer(plan, stage.layers[0], x, pos, cos, sin, inputs["read_slot"])
         ids, hm = self._head(plan, x, rows.mtp_final, draft=True, noise=noise)
         return ids[0], hm
 

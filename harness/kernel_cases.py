@@ -184,7 +184,7 @@ def kernel_parameters(case: KernelCase) -> dict:
 
 
 # ---- the layerwise variant's launches ---------------------------------------------------------------
-STAGES = ("gdn", "attention", "moe", "head", "mtp_fc")
+STAGES = ("gdn", "attention", "kv_rows", "moe", "head", "mtp_fc")
 
 
 def stage_case(cfg, stage: str, tokens: int, context: int = 2048, routing: Routing | None = None,
@@ -192,8 +192,8 @@ def stage_case(cfg, stage: str, tokens: int, context: int = 2048, routing: Routi
                dtype: str = "bfloat16") -> KernelCase:
     """One launch of a ``megakernel.layerwise`` stage kernel on rank 0 with the arguments the layerwise variant
     passes it (``harness.engines.LayerwiseEngine``) for the first layer of its kind in the round plan (or the MTP
-    layer with ``mtp``). stage: gdn | attention | moe | head | mtp_fc. attention attends at ``context`` (the MTP
-    draft's D1 launch passes context - 1); moe routes with ``routing`` (``distinct`` fixes the distinct-expert
+    layer with ``mtp``). stage: gdn | attention | kv_rows | moe | head | mtp_fc. attention attends at ``context``
+    (the MTP draft's D1 launch passes context - 1), kv_rows (the replay's K / V rows) writes there; moe routes with ``routing`` (``distinct`` fixes the distinct-expert
     count of a multi-token call)."""
     import nkisim
 
@@ -221,13 +221,14 @@ def stage_case(cfg, stage: str, tokens: int, context: int = 2048, routing: Routi
                 w["gdn_norm_w"], w["gdn_w_out"], w["gdn_window"], w["gdn_state"], np.array([[0]], np.int32), L.mixer,
                 eps)
         kernel = lw.gdn_stage
-    elif stage == "attention":
+    elif stage in ("attention", "kv_rows"):
         L = first(rp.ATTENTION)
         cos, sin = rp.rope_rows(cfg, context, tokens)
         args = (x, w["norms"], L.in_norm, w["attn_wqg"], w["attn_wk"], w["attn_wv"], w["attn_wo"], w["attn_norm_w"],
                 cos, sin, w["attn_k"], w["attn_v"], np.array([[context]], np.int32), L.mixer * L.groups, eps)
-        kernel = lw.attention_stage
-        provider = AttentionRegisters(context, tokens, lnc)
+        kernel = lw.attention_stage if stage == "attention" else lw.kv_rows_stage
+        if stage == "attention":
+            provider = AttentionRegisters(context, tokens, lnc)
     elif stage == "moe":
         L = rp.mtp_layer(cfg, tp, lnc) if mtp else trunk[0]
         table, index = L.experts

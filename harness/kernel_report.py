@@ -19,7 +19,6 @@ from pathlib import Path
 
 import nkisim
 
-STAGES = ("gdn", "attention", "moe", "head", "mtp_fc")
 ENGINES = ("PE", "ACT", "DVE", "POOL", "DMA", "SP")
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -33,7 +32,7 @@ def trace_case(case) -> dict:
 def cases(cfg, tokens: int, dtype: str) -> dict:
     from harness import kernel_cases as kc
     out = {"embedding": kc.embedding_case(cfg, tokens, dtype=dtype)}
-    for st in STAGES:
+    for st in kc.STAGES:
         T = 1 if st == "mtp_fc" else tokens
         out[st] = kc.stage_case(cfg, st, T, dtype=dtype)
     return out

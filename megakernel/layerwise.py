@@ -14,7 +14,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from nki_kernels.attention import attention_body
+from nki_kernels.attention import attention_body, attention_kv_rows
 from nki_kernels.common import program_sharding
 from nki_kernels.gdn import gdn_body
 from nki_kernels.linear import columns_body, token_major
@@ -59,6 +59,17 @@ def attention_stage(x, norms, norm_row, wqg, wk, wv, wo, norm_w, cos, sin, k_cac
                        layer=layer)
     nisa.dma_copy(dst=out[c], src=y)
     return out, k_cache, v_cache
+
+
+@nki.jit
+def kv_rows_stage(x, norms, norm_row, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, layer, eps):
+    """x [T, H] (the MTP layer's input) -> (k_cache, v_cache): input norm + only the K / V rows of attention entry
+    ``layer`` at the positions of ``pos`` (``attention_kv_rows``: the MTP replay, which reads nothing else)."""
+    n, c = program_sharding()
+    xT = rmsnorm_body(_load(x), norms[norm_row], eps)
+    attention_kv_rows(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=eps, core=c, n_cores=n,
+                      layer=layer)
+    return k_cache, v_cache
 
 
 @nki.jit

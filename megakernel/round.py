@@ -14,8 +14,9 @@ x_{t+1} at position p and h_t the trunk's post-norm hidden at position t:
   and every partial); after every mixer and every MoE the core partials are all-reduced over the TP x LNC cores;
   KV rows are written in place; every GDN layer writes its per-token checkpoints; final norm; LM head and argmax
   for every position -> targets; the post-norm hidden goes back to the host.
-* D2 (:func:`replay`): the MTP layer on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1: writes
-  the MTP KV rows the next round needs for the accepted drafts; no LM head.
+* D2 (:func:`replay`): the MTP head's K / V rows on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1,
+  which the next round needs for the accepted drafts: the head's input, its input norm and the K / V projections
+  only (nothing reads the rest of the layer); no LM head.
 
 Parameters (hand-written, fixed): the plan (compile time), the stacked per-rank weights and decode state of
 ``megakernel.plan`` (``WEIGHTS``, ``STATE``, experts tables ``moe_experts_0..4``, unused tables None) and the
@@ -44,7 +45,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
-from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_ring
+from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_kv_rows, attention_ring
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
 from nki_kernels.common import kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
@@ -358,9 +359,19 @@ def verify(plan, stage, t, ids, rg, regs, core):
 
 
 def replay(plan, stage, t, ids, h, rg, regs, core):
-    """D2: the MTP head on (drafts ids SBUF [K, 1], trunk hiddens h SBUF [K, H] of positions p .. p + K - 1) at
-    positions p .. p + K - 1: writes its KV rows; no LM head."""
-    mtp_head(plan, stage, t, ids, h, rg, regs, core)
+    """D2: the MTP head's KV rows on (drafts ids SBUF [K, 1], trunk hiddens h SBUF [K, H] of positions p .. p + K - 1)
+    at positions p .. p + K - 1 -- the only part of the MTP layer anything reads later (the next rounds' drafts
+    attend to them): the head's input (:func:`mtp_input`), its input norm and the K / V projections
+    (``attention_kv_rows``); no query, attention, o_proj, MoE or LM head (bench/decode_speed.md lever 26)."""
+    layer = stage.layers[0]
+    xe = mtp_input(plan, t, ids, h, rg, core)
+    xT = rmsnorm_body(xe, _sbuf_copy(t.norms[layer.in_norm], "in_norm_w"), plan.eps)
+    pos, cos, sin = _stage_inputs(stage, t)
+    a = t.attn
+    for g in range(layer.groups):
+        attention_kv_rows(xT, a[0], a[1], a[2], a[3], a[4], cos, sin, t.attn_k, t.attn_v, pos, eps=plan.eps,
+                          core=core, n_cores=plan.lnc, layer=layer.mixer * layer.groups + g,
+                          reg=regs.attention[0])
 
 
 # ---- layers --------------------------------------------------------------------------------------------------
@@ -437,10 +448,10 @@ def _first_gdn(plan, stage):
     return None
 
 
-def mtp_head(plan, stage, t, ids, h, rg, regs, core):
-    """The MTP head up to its final norm on T = ``stage.tokens`` positions q: ids SBUF [T, 1] int32 (token q+1), h
-    SBUF [T, H] (hidden at q) -> (feature-major ``mtp.norm`` output [P, J, T] (None for D2, which reads no output),
-    the layer's last residual). Writes the MTP KV rows of the stage's positions."""
+def mtp_input(plan, t, ids, h, rg, core):
+    """The MTP layer's input on T positions q: ids SBUF [T, 1] int32 (token q+1), h SBUF [T, H] (hidden at q) ->
+    token-major SBUF [T, H]: embed(ids) and h, each RMS-normed, concatenated and projected by ``mtp_fc`` (columns
+    split over the cores, gathered)."""
     rows = plan.norms
     e = embedding_body(t.embed, ids)
     eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
@@ -452,13 +463,19 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     fc = allgather_cores(columns_body(uT, t.mtp_fc[core]), rg, plan.tp)
     xe = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
     nisa.tensor_copy(dst=xe, src=fc)
+    return xe
+
+
+def mtp_head(plan, stage, t, ids, h, rg, regs, core):
+    """The MTP head up to its final norm on T = ``stage.tokens`` positions q (arguments as :func:`mtp_input`) ->
+    (feature-major ``mtp.norm`` output [P, J, T], the layer's last residual). Writes the MTP KV rows of the stage's
+    positions."""
+    xe = mtp_input(plan, t, ids, h, rg, core)
     x = stack_rows(xe, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
     x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False,
                       xe)
-    if stage.kind == REPLAY:        # D2 needs only the KV rows it wrote: no final norm (it ends the launch)
-        return None, x
-    return rmsnorm_body(x, t.norms[rows.mtp_final], plan.eps, stack=t.stack), x
+    return rmsnorm_body(x, t.norms[plan.norms.mtp_final], plan.eps, stack=t.stack), x
 
 
 def _stage_inputs(stage, t):

@@ -291,6 +291,59 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     return _o_proj(g, og, w["wo"], ident)
 
 
+def attention_kv_rows(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6, core=0, n_cores=1,
+                      kv_tile=KV_TILE, layer=None, reg=None):
+    """Only the T new K/V rows of :func:`attention_body`: for a caller that reads nothing else of the layer (the
+    round's MTP replay, which exists to leave the MTP KV rows of the verified positions; issue 15). No query, no
+    cache read, no o_proj: core 0 streams wk (1 MiB per rank at the real shapes) and writes the K rows, the last
+    core streams wv and writes the V rows, at rows p..p+T-1 of the caches.
+
+    The rows equal the body's bit for bit: the same matmuls on the same operands (the key rows at partition KP of
+    a zero-padded [P, KP + T] stationary, accumulated over the input tiles in order), the same eviction, and the
+    body's own :func:`_norm_rope` on the same q|k tile (its query rows are zero here; every step is per row).
+    Arguments as for the body (wqg / wo only for the shape checks); ``reg``: a VirtualRegister to reuse for p
+    (else allocated). Returns nothing: the caches are written in place."""
+    offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
+               layer_offset(norm_w, layer), layer_offset(k_cache, layer))
+    if layer != None:
+        wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
+        norm_w = layer_of(norm_w, layer)
+        k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]   # [1, L, D] views
+    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core, offsets)
+    act, T, KT, D, nr = g.act, g.T, g.KT, g.D, g.nr
+    pos_sb = _one("kv_rows_pos")
+    nisa.dma_copy(dst=pos_sb, src=pos.ap(pattern=[[0, 1], [1, 1]], offset=0))
+    p_reg = nisa.register_alloc() if reg == None else reg
+    nisa.register_load(p_reg, pos_sb)
+    rows = [[D, T], [1, D]]
+    w = {"wk": wk, "wv": wv}
+    if g.do_k:
+        wk_sb = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name="kv_rows_wk")
+        nisa.dma_copy(dst=wk_sb, src=wk.ap(pattern=[[D, P], [P * D, KT], [1, D]], offset=g.wk_off))
+        _load_tables(g, w, norm_w, cos, sin)
+        xk = nl.ndarray((P, KT, nr), act, buffer=nl.sbuf, name="kv_rows_xk")
+        nisa.memset(dst=xk, value=0.0, engine=POOL_ENG)
+        nisa.tensor_copy(dst=xk[:, :, KP:nr], src=xT, engine=POOL_ENG)
+        ps = nl.ndarray((nr, D), F32, buffer=nl.psum, name="kv_rows_k_psum")
+        for j in range(KT):
+            nisa.nc_matmul(dst=ps, stationary=xk[:, j, :], moving=wk_sb[:, j, :], accumulate=j > 0)
+        qg = nl.ndarray((nr, 1, D), act, buffer=nl.sbuf, name="kv_rows_k")
+        nisa.tensor_copy(dst=qg[:, 0, :], src=ps, engine=ACT_ENG)
+        qk = _norm_rope(g, qg, w, eps)
+        nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=g.cache_off, scalar_offset=p_reg, indirect_dim=1),
+                      src=qk[KP:nr, :])
+    if g.do_v:
+        wv_sb = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name="kv_rows_wv")
+        nisa.dma_copy(dst=wv_sb, src=wv.ap(pattern=[[D, P], [P * D, KT], [1, D]], offset=g.wv_off))
+        vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="kv_rows_v_psum")
+        for j in range(KT):
+            nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=wv_sb[:, j, :], accumulate=j > 0)
+        vnew = nl.ndarray((T, D), act, buffer=nl.sbuf, name="kv_rows_v")
+        nisa.tensor_copy(dst=vnew, src=vps, engine=DVE_ENG)
+        nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=g.cache_off, scalar_offset=p_reg, indirect_dim=1),
+                      src=vnew)
+
+
 # ---- stages --------------------------------------------------------------------------------------
 def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted

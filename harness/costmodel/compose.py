@@ -2,12 +2,12 @@
 variant (its stage kernels, one trace per distinct launch, composed as the one XLA graph a layerwise round is)
 and an HBM roofline beside each, from that variant's own bytes. Every figure is a band (low / central / high).
 
-A round (DESIGN.md §1) = D1 draft (MTP, T=1) + V verify (40-layer trunk, T=2) + D2 replay (MTP, T=1).
+A round (DESIGN.md §1) = D1 draft (MTP, T=1) + V verify (40-layer trunk, T=2) + D2 replay (the MTP head's K / V rows, T=1).
 
 **Layerwise.** ``harness.engines.LayerwiseEngine`` walks the round plan (``megakernel.plan``) and launches, per
 round: D1 = embedding, MTP fc stage, attention stage (at p - 1), MoE stage, head stage; V = embedding, per layer a
-mixer stage (GDN or attention, per KV-head group) and a MoE stage, head stage; D2 = embedding, MTP fc, attention
-(at p), MoE (:func:`layerwise_plan` lists them from the same plan). On a device these are NKI custom
+mixer stage (GDN or attention, per KV-head group) and a MoE stage, head stage; D2 = embedding, MTP fc, the K / V
+rows at p (:func:`layerwise_plan` lists them from the same plan). On a device these are NKI custom
 calls inside ONE XLA graph: the graph compiler assembles the kernels into one executable (SDK
 nki/deep-dives/nki-compiler.rst "How the NKI Compiler Works with the Graph Compiler"), so the round pays one
 NEFF start (``LAUNCH_OVERHEAD_NS``), not one per kernel. Each kernel runs on its own (its trace starts and ends
@@ -161,6 +161,9 @@ def layerwise_plan(cfg, context, routing, tp=C.TP_RANKS, lnc=C.LNC):
             out.append(Launch(stage.name, ("mtp_fc", 1, p, True, None), 1, "all_gather_fc"))
             at = p - 1 if stage.inputs == "d1" else p
             for layer in stage.layers:
+                if stage.kind == rp.REPLAY:     # the MTP KV rows only (LayerwiseEngine._kv_rows)
+                    out.append(Launch(stage.name, ("kv_rows", T, at, True, None), layer.groups, ""))
+                    continue
                 out.append(Launch(stage.name, ("attention", T, at, True, None), layer.groups, "all_reduce"))
                 out.append(Launch(stage.name, ("moe", T, p, True, None), 1, "all_reduce"))
             if stage.kind == rp.DRAFT:

@@ -163,7 +163,7 @@ def test_predict_contract_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     assert {b["name"] for b in d["assumptions"]["bands"]} >= {"handoff_ns", "pe_floor_ns", "hbm_bw_per_rank",
                                                                "all_reduce_ns", "pe_throttle"}
     assert all(b["source"] for b in d["assumptions"]["bands"])
-    assert d["layers"] and {"D1 MTP", "L0", "D2 MTP"} <= {r["layer"] for r in d["layers"]}
+    assert d["layers"] and {"D1 MTP", "L0", "D2 K/V rows"} <= {r["layer"] for r in d["layers"]}
     assert json.loads((tmp_path / "costmodel_predict.json").read_text())["round_us"] == d["round_us"]
     for png in ("costmodel_stages.png", "costmodel_timeline.png", "costmodel_layers.png"):
         assert (tmp_path / png).stat().st_size > 10_000

@@ -441,3 +441,47 @@ def test_early_ring_same_bits(slots, lnc):
     assert torch.isfinite(a).all() and (a != 0).any()
     assert torch.equal(a, b) and torch.equal(ka.view(torch.int16), kb.view(torch.int16)) \
         and torch.equal(va.view(torch.int16), vb.view(torch.int16))
+
+
+def _kv_rows_kernel():
+    """An @nki.jit wrapper of attention_kv_rows: HBM in (the attention_kernel arguments), the caches out."""
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+    from nki_kernels.common import program_sharding
+
+    @nki.jit
+    def kv_rows(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps):
+        n_cores, core = program_sharding()
+        xs = nl.ndarray(xT.shape, xT.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xs, src=xT)
+        att.attention_kv_rows(xs, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=eps, core=core,
+                              n_cores=n_cores)
+        return k_cache, v_cache
+    return kv_rows
+
+
+@pytest.mark.parametrize("name,dtype,T,p,lnc", [(TINY, torch.float32, 2, 130, 1), (TINY, torch.bfloat16, 3, 600, 2),
+                                                (REAL, torch.bfloat16, 2, 300, 2), (REAL, torch.bfloat16, 1, 0, 1)])
+def test_kv_rows_equal_the_body_rows(name, dtype, T, p, lnc):
+    """attention_kv_rows (the round's MTP replay) writes exactly the K / V rows attention_body writes, bit for bit,
+    and nothing else of the caches."""
+    cfg, sh = _shard(name, dtype, 1)
+    lay = att.attention_layout(sh)
+    g = torch.Generator().manual_seed(11)
+    L, D = max(lnc * att.KV_TILE, 1024), cfg.head_dim
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(dtype)
+    k0 = torch.randn(1, L, D, generator=g).to(dtype)
+    v0 = torch.randn(1, L, D, generator=g).to(dtype)
+    full, rows = att.attention_kernel if lnc == 1 else att.attention_kernel[lnc], _kv_rows_kernel()
+    rows = rows if lnc == 1 else rows[lnc]
+    kb, vb = k0.clone(), v0.clone()
+    full(*att.kernel_args(lay, x, kb, vb, p, cfg))
+    kr, vr = k0.clone(), v0.clone()
+    rows(*att.kernel_args(lay, x, kr, vr, p, cfg)[:12])
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for want, got, before in ((kb, kr, k0), (vb, vr, v0)):
+        new = got[:, p:p + T].float()
+        assert torch.isfinite(new).all() and (new != 0).any()
+        assert not torch.equal(got[:, p:p + T], before[:, p:p + T])
+        assert torch.equal(got.view(bits), want.view(bits))
