@@ -16,7 +16,9 @@ x_{t+1} at position p and h_t the trunk's post-norm hidden at position t:
   for every position -> targets; the post-norm hidden goes back to the host.
 * D2 (:func:`replay`): the MTP head's K / V rows on ([d_1 .. d_K], [h_{t+1} .. h_{t+K}]) at positions p .. p + K - 1,
   which the next round needs for the accepted drafts: the head's input, its input norm and the K / V projections
-  only (nothing reads the rest of the layer); no LM head.
+  only (nothing reads the rest of the layer); no LM head. It needs the verify's hiddens, not its targets, so it is
+  emitted inside the verify's LM head (:class:`ReplayInHead`), where it runs on the engines the weight stream
+  leaves idle.
 
 Parameters (hand-written, fixed): the plan (compile time), the stacked per-rank weights and decode state of
 ``megakernel.plan`` (``WEIGHTS``, ``STATE``, experts tables ``moe_experts_0..4``, unused tables None) and the
@@ -45,12 +47,13 @@ import nki.isa as nisa
 import nki.language as nl
 
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
-from nki_kernels.attention import ATTENTION_REGISTERS, attention_body, attention_kv_rows, attention_ring
+from nki_kernels.attention import (ATTENTION_REGISTERS, attention_body, attention_ring, kv_rows_inputs,
+                                   kv_rows_project, kv_rows_write)
 from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
-from nki_kernels.common import kernel_assert, program_sharding
+from nki_kernels.common import P, kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
-from nki_kernels.linear import columns_body, token_major
+from nki_kernels.linear import columns_body, columns_weight, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body, moe_weights
 from nki_kernels.rmsnorm import rmsnorm_body
@@ -61,6 +64,10 @@ from nki_kernels.stacked import banks_for, stack_rows
 # add are DVE ops of H/S columns and the norm transposes H/S/128 tiles. S = 4: one PSUM bank (512 fp32) per
 # partial. A hidden size that does not split into banks of a multiple of 128 columns stays token-major.
 RESIDUAL_BANKS = 4
+# The verify LM-head vocab blocks after which D2's phases 1, 2, 3 are emitted (phase 0 runs before the final norm;
+# ReplayInHead; bench/decode_speed.md lever 27)
+REPLAY_PHASES = (2, 7, 9)
+REPLAY_QUEUE = nisa.engine.scalar   # phase 0's weight DMAs: not in the default queue ahead of the LM head's blocks
 
 
 class LaunchTensors(nl.NKIObject):
@@ -189,12 +196,11 @@ def run_plan(plan, t):
             nisa.dma_copy(dst=proposed[i:i + 1, :], src=chain_ids)
             nisa.dma_copy(dst=ids[i + 1:i + 2, :], src=chain_ids)
         elif stage.kind == VERIFY:
-            targets, hidden = verify(plan, stage, t, ids, rg, regs, core)
+            targets, hidden = verify(plan, stage, t, ids, proposed, rg, regs, core)
             if plan.device_commit:      # right after the verify: it runs beside D2, which reads no control state
                 emitted = commit(plan, t, proposed, targets, hidden, pos_sb, core)
-        else:
+        else:       # D2 ran inside the verify's LM head (ReplayInHead)
             kernel_assert(stage.kind == REPLAY, f"megakernel: unknown stage kind {stage.kind}")
-            replay(plan, stage, t, proposed, hidden[0:K, :], rg, regs, core)
     if core == 0:  # every core holds the same values; one writes them
         nisa.dma_copy(dst=targets_out, src=targets)
         nisa.dma_copy(dst=hidden_out, src=hidden)
@@ -345,8 +351,10 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     return d, (token_major(hm) if i + 1 < plan.drafts else None)
 
 
-def verify(plan, stage, t, ids, rg, regs, core):
-    """V: the trunk on ids SBUF [T, 1] at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H])."""
+def verify(plan, stage, t, ids, proposed, rg, regs, core):
+    """V: the trunk on ids SBUF [T, 1] at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H]). A round's D2
+    (on the drafts ``proposed`` SBUF [K, 1] and the first K hiddens) is emitted inside the LM head
+    (:class:`ReplayInHead`)."""
     e = embedding_body(t.embed, ids)
     x = stack_rows(e, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
@@ -354,24 +362,75 @@ def verify(plan, stage, t, ids, rg, regs, core):
     for i in range(len(layers)):
         x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True,
                           e if i == 0 else None)
-    xT = rmsnorm_body(x, t.norms[plan.norms.final], plan.eps, stack=t.stack)
-    return token_ids_from_best(_greedy(plan, t, xT, rg, core)), token_major(xT)
+    w_final = _sbuf_copy(t.norms[plan.norms.final], "final_norm_w")
+    side = None
+    for s in plan.stages:
+        if s.kind == REPLAY:    # D2's loads first: they stream under the last all-reduce and the final norm
+            side = ReplayInHead(plan, s, t, proposed, rg, regs, core)
+            replay(side, 0)
+    xT = rmsnorm_body(x, w_final, plan.eps, stack=t.stack)
+    hidden = token_major(xT)
+    if side != None:
+        side.h = hidden[0:plan.drafts, :]
+    return token_ids_from_best(_greedy(plan, t, xT, rg, core, side)), hidden
 
 
-def replay(plan, stage, t, ids, h, rg, regs, core):
-    """D2: the MTP head's KV rows on (drafts ids SBUF [K, 1], trunk hiddens h SBUF [K, H] of positions p .. p + K - 1)
-    at positions p .. p + K - 1 -- the only part of the MTP layer anything reads later (the next rounds' drafts
-    attend to them): the head's input (:func:`mtp_input`), its input norm and the K / V projections
-    (``attention_kv_rows``); no query, attention, o_proj, MoE or LM head (bench/decode_speed.md lever 26)."""
-    layer = stage.layers[0]
-    xe = mtp_input(plan, t, ids, h, rg, core)
-    xT = rmsnorm_body(xe, _sbuf_copy(t.norms[layer.in_norm], "in_norm_w"), plan.eps)
-    pos, cos, sin = _stage_inputs(stage, t)
-    a = t.attn
-    for g in range(layer.groups):
-        attention_kv_rows(xT, a[0], a[1], a[2], a[3], a[4], cos, sin, t.attn_k, t.attn_v, pos, eps=plan.eps,
-                          core=core, n_cores=plan.lnc, layer=layer.mixer * layer.groups + g,
-                          reg=regs.attention[0])
+class ReplayInHead(nl.NKIObject):
+    """D2 emitted inside the verify's LM head (``lm_head_argmax_body(between=)``): D2 needs only the drafts and the
+    verify's hiddens, not its targets, so its short chain runs while the head streams its weight, on the engines
+    the DMA-bound head leaves idle, instead of after it (bench/decode_speed.md lever 27). Each engine runs its
+    instructions in program order, so a D2 instruction still waiting for its inputs would hold back the head's
+    next ones on that engine (PE, ScalarE, the DMA queue): :func:`replay`'s phases are emitted after the vocab
+    blocks :data:`REPLAY_PHASES` (or the last block), each once the previous phase's results are in."""
+
+    def __init__(self, plan, stage, t, ids, rg, regs, core):
+        self.plan, self.stage, self.t, self.ids = plan, stage, t, ids
+        self.rg, self.regs, self.core = rg, regs, core
+        self.h = None           # the verify's hiddens [K, H], set once computed (phase 0 does not read them)
+        self.e = self.w_norm = self.w_fc = self.kin = self.xe = self.rows = None
+
+    def step(self, b, n):
+        """Called by the LM head after vocab block b of n: the phases 1.. due there (phase 0 ran before the head)."""
+        for phase in range(1, len(REPLAY_PHASES) + 1):
+            if b == min(REPLAY_PHASES[phase - 1], n - 1):
+                replay(self, phase)
+
+
+def replay(r, phase):
+    """D2, phase ``phase`` of :data:`REPLAY_PHASES` (``r``: the :class:`ReplayInHead` of the round): the MTP head's
+    KV rows on (drafts ids SBUF [K, 1], trunk hiddens h SBUF [K, H] of positions p .. p + K - 1) at positions p ..
+    p + K - 1 -- the only part of the MTP layer anything reads later (the next rounds' drafts attend to them): the
+    head's input (:func:`mtp_input`), its input norm and the K / V projections (``attention_kv_rows``' steps); no
+    query, attention, o_proj, MoE or LM head (bench/decode_speed.md lever 26).
+    Phase 0: every DMA that needs nothing computed (the embedding rows, the norm weight, the fc columns, the K / V
+    weights and tables); 1: the head's input up to the fc all-gather; 2: the input norm and the K / V rows; 3: their
+    writes."""
+    plan, t, layer = r.plan, r.t, r.stage.layers[0]
+    if phase == 0:
+        r.e = embedding_body(t.embed, r.ids)
+        r.w_norm = _sbuf_copy(t.norms[layer.in_norm], "in_norm_w")
+        r.w_fc = columns_weight(t.mtp_fc[r.core], REPLAY_QUEUE)
+        pos, cos, sin = _stage_inputs(r.stage, t)
+        a = t.attn
+        T, H = plan.drafts, t.embed.shape[1]
+        kin = []
+        for g in range(layer.groups):
+            kin.append(kv_rows_inputs((P, H // P, T), t.embed.dtype, a[0], a[1], a[2], a[3], a[4], cos,
+                                      sin, t.attn_k, t.attn_v, pos, r.core, plan.lnc,
+                                      layer=layer.mixer * layer.groups + g, reg=r.regs.attention[g],
+                                      engine=REPLAY_QUEUE))
+        r.kin = kin
+    elif phase == 1:
+        r.xe = mtp_input(plan, t, r.ids, r.h, r.rg, r.core, r.e, r.w_fc)
+    elif phase == 2:
+        xT = rmsnorm_body(r.xe, r.w_norm, plan.eps)
+        rows = []
+        for kin in r.kin:
+            rows.append(kv_rows_project(xT, kin, plan.eps))
+        r.rows = rows
+    else:
+        for g in range(len(r.kin)):
+            kv_rows_write(r.kin[g], r.rows[g])
 
 
 # ---- layers --------------------------------------------------------------------------------------------------
@@ -448,19 +507,21 @@ def _first_gdn(plan, stage):
     return None
 
 
-def mtp_input(plan, t, ids, h, rg, core):
+def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None):
     """The MTP layer's input on T positions q: ids SBUF [T, 1] int32 (token q+1), h SBUF [T, H] (hidden at q) ->
     token-major SBUF [T, H]: embed(ids) and h, each RMS-normed, concatenated and projected by ``mtp_fc`` (columns
-    split over the cores, gathered)."""
+    split over the cores, gathered). ``e`` / ``w_fc``: the embedding rows and this core's fc columns
+    (``columns_weight``) if the caller loaded them, else loaded here."""
     rows = plan.norms
-    e = embedding_body(t.embed, ids)
+    if e == None:
+        e = embedding_body(t.embed, ids)
     eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
     hT = rmsnorm_body(h, t.norms[rows.mtp_hidden], plan.eps)
-    P, J, T = eT.shape
+    _, J, T = eT.shape
     uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
-    fc = allgather_cores(columns_body(uT, t.mtp_fc[core]), rg, plan.tp)
+    fc = allgather_cores(columns_body(uT, t.mtp_fc[core], w_fc), rg, plan.tp)
     xe = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
     nisa.tensor_copy(dst=xe, src=fc)
     return xe
@@ -544,21 +605,22 @@ def _add_into(x, y):
     return out
 
 
-def _greedy(plan, t, xT, rg, core):
+def _greedy(plan, t, xT, rg, core, between=None):
     """The verify's (step's) global argmax over the vocabulary: SBUF [T, 2] float32 (value, index); in a sampled
     launch the Gumbel-max sample with the verify's noise ``t.noise_v`` (a device-committed round: its window
-    entry)."""
+    entry). ``between``: work emitted inside the LM head (:class:`ReplayInHead`), or None."""
     noise = None
     if t.noise_v != None:
         slot = _noise_slot(t)
         noise = t.noise_v[core] if slot == None else _window_entry(t.noise_v, core, 0, slot)
-    return _vocab_argmax(plan, t, xT, rg, core, noise)
+    return _vocab_argmax(plan, t, xT, rg, core, noise, between)
 
 
-def _vocab_argmax(plan, t, xT, rg, core, noise):
+def _vocab_argmax(plan, t, xT, rg, core, noise, between=None):
     """Global argmax over the vocabulary (split over every core) of the logits (+ ``noise``, this core's
     [P, Cp*T] float32, or None): SBUF [T, 2] float32 (value, index)."""
-    return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core], noise=noise), plan.vocab_per_core, rg, plan.tp)
+    return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core], noise=noise, between=between), plan.vocab_per_core,
+                          rg, plan.tp)
 
 
 def _draft_greedy(plan, t, xT, rg, core, i):

@@ -165,9 +165,11 @@ class AttentionGeometry(nl.NKIObject):
         self.cache_off = cache_off
 
 
-def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core, offsets):
-    """Validate the arguments (the layer's views of stacked tensors); return the :class:`AttentionGeometry`."""
-    Pp, KT, T = xT.shape
+def _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
+              offsets):
+    """Validate the arguments (the layer's views of stacked tensors; ``xshape`` / ``act``: the shape and dtype of
+    the input xT); return the :class:`AttentionGeometry`."""
+    Pp, KT, T = xshape
     if Pp != P:
         raise ValueError(f"attention: xT has {Pp} partitions, expected {P} (feature-major [P, H/P, T])")
     if not 1 <= T <= 4:
@@ -203,7 +205,6 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_co
                              f"per rank)")
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         raise ValueError(f"attention: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
-    act = xT.dtype
     for nm, t in (("wqg", wqg), ("wk", wk), ("wv", wv), ("wo", wo), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != act:
             raise TypeError(f"attention: {nm} dtype {t.dtype} differs from the activation dtype {act}")
@@ -252,7 +253,8 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
         wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
         norm_w = layer_of(norm_w, layer)
         k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]   # [1, L, D] views
-    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core, offsets)
+    g = _geometry(xT.shape, xT.dtype, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
+                  offsets)
     act, T, nq, nr, D = g.act, g.T, g.nq, g.nr, g.D
 
     # ScalarE runs only exp (and table-free copies) in this kernel: load the exp table now, while the weights
@@ -302,45 +304,92 @@ def attention_kv_rows(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, p
     a zero-padded [P, KP + T] stationary, accumulated over the input tiles in order), the same eviction, and the
     body's own :func:`_norm_rope` on the same q|k tile (its query rows are zero here; every step is per row).
     Arguments as for the body (wqg / wo only for the shape checks); ``reg``: a VirtualRegister to reuse for p
-    (else allocated). Returns nothing: the caches are written in place."""
+    (else allocated). Returns nothing: the caches are written in place. In three steps for a caller that spreads
+    them out (the round's D2 inside the verify's LM head): :func:`kv_rows_inputs` (the DMAs of everything but
+    xT), :func:`kv_rows_project`, :func:`kv_rows_write`."""
+    kin = kv_rows_inputs(xT.shape, xT.dtype, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, core, n_cores,
+                         kv_tile, layer, reg)
+    kv_rows_write(kin, kv_rows_project(xT, kin, eps))
+
+
+class KVRowsInputs(nl.NKIObject):
+    """What :func:`kv_rows_project` / :func:`kv_rows_write` use: the geometry ``g``, the SBUF weights and tables
+    ``w`` (wk / wv as [P, KT, D] where this core projects them), p in a register, the layer's cache views."""
+
+    def __init__(self, g, w, p_reg, k_cache, v_cache):
+        self.g, self.w, self.p_reg, self.k_cache, self.v_cache = g, w, p_reg, k_cache, v_cache
+
+
+def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, core=0, n_cores=1,
+                   kv_tile=KV_TILE, layer=None, reg=None, engine=None):
+    """Step 1 of :func:`attention_kv_rows` for an input xT of shape ``xshape`` and dtype ``act``: validate, issue the
+    DMAs of this core's K or V weight, the norm / RoPE tables and p (into ``reg`` or a new register) ->
+    :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are triggered from (None: the
+    default queue)."""
     offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
                layer_offset(norm_w, layer), layer_offset(k_cache, layer))
     if layer != None:
         wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
         norm_w = layer_of(norm_w, layer)
         k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]   # [1, L, D] views
-    g = _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core, offsets)
-    act, T, KT, D, nr = g.act, g.T, g.KT, g.D, g.nr
+    g = _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
+                  offsets)
     pos_sb = _one("kv_rows_pos")
-    nisa.dma_copy(dst=pos_sb, src=pos.ap(pattern=[[0, 1], [1, 1]], offset=0))
+    _queued_dma(pos_sb, pos.ap(pattern=[[0, 1], [1, 1]], offset=0), engine)
     p_reg = nisa.register_alloc() if reg == None else reg
     nisa.register_load(p_reg, pos_sb)
-    rows = [[D, T], [1, D]]
     w = {"wk": wk, "wv": wv}
+    for nm, on, off in (("wk", g.do_k, g.wk_off), ("wv", g.do_v, g.wv_off)):
+        if on:
+            w[nm + "_sb"] = nl.ndarray((P, g.KT, g.D), act, buffer=nl.sbuf, name=f"kv_rows_{nm}")
+            _queued_dma(w[nm + "_sb"], w[nm].ap(pattern=[[g.D, P], [P * g.D, g.KT], [1, g.D]], offset=off), engine)
     if g.do_k:
-        wk_sb = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name="kv_rows_wk")
-        nisa.dma_copy(dst=wk_sb, src=wk.ap(pattern=[[D, P], [P * D, KT], [1, D]], offset=g.wk_off))
         _load_tables(g, w, norm_w, cos, sin)
+    return KVRowsInputs(g, w, p_reg, k_cache, v_cache)
+
+
+def _queued_dma(dst, src, engine):
+    if engine == None:
+        nisa.dma_copy(dst=dst, src=src)
+    else:
+        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+
+
+def kv_rows_project(xT, kin, eps=1e-6):
+    """Step 2 of :func:`attention_kv_rows`: xT SBUF ``[P, KT, T]`` -> (the q|k tile [KP + T, D] act with the normed,
+    rotated key rows at KP (None on a core without K), the value rows [T, D] act (None on a core without V))."""
+    g, w = kin.g, kin.w
+    act, T, KT, D, nr = g.act, g.T, g.KT, g.D, g.nr
+    qk = vnew = None
+    if g.do_k:
         xk = nl.ndarray((P, KT, nr), act, buffer=nl.sbuf, name="kv_rows_xk")
         nisa.memset(dst=xk, value=0.0, engine=POOL_ENG)
         nisa.tensor_copy(dst=xk[:, :, KP:nr], src=xT, engine=POOL_ENG)
         ps = nl.ndarray((nr, D), F32, buffer=nl.psum, name="kv_rows_k_psum")
         for j in range(KT):
-            nisa.nc_matmul(dst=ps, stationary=xk[:, j, :], moving=wk_sb[:, j, :], accumulate=j > 0)
+            nisa.nc_matmul(dst=ps, stationary=xk[:, j, :], moving=w["wk_sb"][:, j, :], accumulate=j > 0)
         qg = nl.ndarray((nr, 1, D), act, buffer=nl.sbuf, name="kv_rows_k")
         nisa.tensor_copy(dst=qg[:, 0, :], src=ps, engine=ACT_ENG)
         qk = _norm_rope(g, qg, w, eps)
-        nisa.dma_copy(dst=k_cache.ap(pattern=rows, offset=g.cache_off, scalar_offset=p_reg, indirect_dim=1),
-                      src=qk[KP:nr, :])
     if g.do_v:
-        wv_sb = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name="kv_rows_wv")
-        nisa.dma_copy(dst=wv_sb, src=wv.ap(pattern=[[D, P], [P * D, KT], [1, D]], offset=g.wv_off))
         vps = nl.ndarray((T, D), F32, buffer=nl.psum, name="kv_rows_v_psum")
         for j in range(KT):
-            nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=wv_sb[:, j, :], accumulate=j > 0)
+            nisa.nc_matmul(dst=vps, stationary=xT[:, j, :], moving=w["wv_sb"][:, j, :], accumulate=j > 0)
         vnew = nl.ndarray((T, D), act, buffer=nl.sbuf, name="kv_rows_v")
         nisa.tensor_copy(dst=vnew, src=vps, engine=DVE_ENG)
-        nisa.dma_copy(dst=v_cache.ap(pattern=rows, offset=g.cache_off, scalar_offset=p_reg, indirect_dim=1),
+    return qk, vnew
+
+
+def kv_rows_write(kin, rows):
+    """Step 3 of :func:`attention_kv_rows`: write ``rows`` (:func:`kv_rows_project`) at cache rows p..p+T-1."""
+    g = kin.g
+    qk, vnew = rows
+    pattern = [[g.D, g.T], [1, g.D]]
+    if g.do_k:
+        nisa.dma_copy(dst=kin.k_cache.ap(pattern=pattern, offset=g.cache_off, scalar_offset=kin.p_reg, indirect_dim=1),
+                      src=qk[KP:g.nr, :])
+    if g.do_v:
+        nisa.dma_copy(dst=kin.v_cache.ap(pattern=pattern, offset=g.cache_off, scalar_offset=kin.p_reg, indirect_dim=1),
                       src=vnew)
 
 

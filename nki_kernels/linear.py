@@ -23,19 +23,31 @@ from nki_kernels.common import MOVING_MAX, P, program_sharding
 from nki_kernels.host import as_torch
 
 
-def columns_body(xT, w):
+def columns_weight(w, engine=None):
+    """The SBUF copy ``[P, J, Nc]`` of a :func:`column_layout` weight (one DMA, issued here): for a caller that loads
+    it ahead of :func:`columns_body` (``w_sb=``). ``engine``: the hardware-DGE queue to trigger it from (e.g.
+    ``nisa.engine.scalar``, so it does not sit in the default queue ahead of other DMAs), None: the default."""
+    w_sb = nl.ndarray(tuple(w.shape), w.dtype, buffer=nl.sbuf, name="lin_w")
+    if engine == None:
+        nisa.dma_copy(dst=w_sb, src=w)
+    else:
+        nisa.dma_copy(dst=w_sb, src=w, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    return w_sb
+
+
+def columns_body(xT, w, w_sb=None):
     """y [T, Nc] float32 SBUF = x W_c^T for this core's Nc output columns.
 
     xT: SBUF ``[P, J, T]`` activation dtype; w: HBM ``[P, J, Nc]`` (:func:`column_layout`), same dtype.
     Weights are the moving operand, accumulated over the J contraction tiles in one PSUM bank per
-    512-column chunk; one weight DMA.
+    512-column chunk; one weight DMA (``w_sb``: its :func:`columns_weight`, loaded by the caller, else issued here).
     """
     _, J, T = xT.shape
     wp, wj, nc = w.shape
     if wp != P or wj != J:
         raise ValueError(f"columns_body: weight is {list(w.shape)}, expected [{P}, {J}, Nc]")
-    w_sb = nl.ndarray((P, J, nc), w.dtype, buffer=nl.sbuf, name="lin_w")
-    nisa.dma_copy(dst=w_sb, src=w)
+    if w_sb == None:
+        w_sb = columns_weight(w)
     y = nl.ndarray((T, nc), nl.float32, buffer=nl.sbuf, name="lin_y")
     for n0 in range(0, nc, MOVING_MAX):
         n1 = min(nc, n0 + MOVING_MAX)

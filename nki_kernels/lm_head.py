@@ -114,7 +114,7 @@ def select_max_lowest_index(out, vals, idx):
 
 
 # ---- body -----------------------------------------------------------------------------------------
-def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None):
+def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None, between=None):
     """Body: greedy (value, index) of this core's vocabulary shard for each of T tokens.
 
     xT: SBUF ``[P, KT, T]`` activation dtype (normed hidden, feature-major). w: HBM ``[P, KT*Vc]``
@@ -125,6 +125,9 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None)
     (:func:`noise_layout`: entry ``(p, c*T + t)`` = the noise of local vocab ``c*P + p`` for token t, 0 in
     the padding): sampling by Gumbel-max (``harness.sampling``); the scan then runs on ``lt + noise``
     (ONE DVE add, fp32, into SBUF) and ``best`` holds the noisy score. None: greedy, no extra instruction.
+    between: None, or an object whose ``step(b, n)`` the body calls after vocab block b of n: other work emitted
+    between the blocks in program order, so that it runs on the engines the weight stream leaves idle (the round's
+    MTP replay, ``megakernel.round.ReplayInHead``).
     Returns ``best`` SBUF ``[T, 2]`` float32 (value, index).
     """
     Pp, KT, T = xT.shape
@@ -166,7 +169,8 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None)
     wring = []
     for i in range(nbuf):
         wring.append(nl.ndarray((P, KT, min(NB, vc)), act, buffer=nl.sbuf, name=f"lm_head_w{i}"))
-    for bi, (b0, nb) in enumerate(vocab_blocks(vc)):
+    blocks = vocab_blocks(vc)
+    for bi, (b0, nb) in enumerate(blocks):
         wt = wring[bi % nbuf][:, :, 0:nb]
         nisa.dma_copy(dst=wt, src=w[:, KT * b0:KT * (b0 + nb)])
         if noise != None and bi == 0:     # behind the first weight block: hidden under the stream
@@ -194,6 +198,8 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None)
                 if logits_out != None:
                     nisa.dma_copy(dst=logits_out[:, b0 + q0:b0 + q0 + wc], src=lgc)
                 nisa.nc_transpose(dst=dst, data=lgc, engine=nisa.engine.tensor)
+        if between != None:
+            between.step(bi, len(blocks))
 
     scores, stride = lt, S
     if noise_sb != None:    # Gumbel-max: logits + noise, fp32 (padding: -FLT_MAX + 0 stays the minimum);

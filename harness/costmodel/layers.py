@@ -17,7 +17,9 @@ from .predict import CATEGORIES, category
 
 LAYER_FUNCTION = "decoder_layer"
 # innermost kernel-body function on the stack -> the part of a layer it is
-PARTS = {"gdn_body": "mixer", "attention_body": "mixer", "attention_kv_rows": "K/V rows", "moe_tkg_body": "MoE", "allreduce_partials": "all-reduce",
+PARTS = {"gdn_body": "mixer", "attention_body": "mixer", "attention_kv_rows": "K/V rows",
+         "kv_rows_inputs": "K/V rows", "kv_rows_project": "K/V rows", "kv_rows_write": "K/V rows",
+         "moe_tkg_body": "MoE", "allreduce_partials": "all-reduce",
          "rmsnorm_body": "norms", "columns_body": "MTP fc", "allgather_cores": "MTP fc", "embedding_body": "embedding",
          "lm_head_argmax_body": "LM head", "argmax_combine": "argmax", "token_ids_from_best": "argmax",
          "_add_into": "residual add"}
@@ -46,14 +48,14 @@ class StageTagger:
         self.verify = [s.name for s in plan.stages if s.kind == VERIFY][0]
 
     def __call__(self, rec) -> str:
-        stage = "other"
+        stage, part = "other", None     # the innermost stage function names the stage (D2 runs inside V's LM head)
         for frame in reversed(rec.get("stack") or []):
             fn = frame.rsplit(":", 1)[-1]
             if fn in self.functions:
-                stage = self.functions[fn]
-            elif stage == self.verify and fn in V_PARTS:
-                return f"{stage} {V_PARTS[fn]}"
-        return stage
+                stage, part = self.functions[fn], None
+            elif stage == self.verify and part is None and fn in V_PARTS:
+                part = V_PARTS[fn]
+        return f"{stage} {part}" if part else stage
 
 
 def stage_tagger(plan) -> StageTagger:
@@ -77,7 +79,9 @@ def label_layers(recs, plan):
             if fn in functions:
                 stage = functions[fn]
         part = "other"
-        for fn, _ in fr:
+        for fn, _ in fr:        # innermost first, within the innermost stage function
+            if fn in functions:
+                break
             if fn in PARTS:
                 part = PARTS[fn]
                 break
