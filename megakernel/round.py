@@ -451,7 +451,7 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
         if regs.gdn_layer != layer.mixer:   # layer of the stage, else issued here, before the norm
-            gdn_weights(g[0], g[5], layer.mixer, _gdn_arena(regs, g))
+            gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], layer.mixer, _gdn_arena(regs, g))
         wg = regs.gdn
         regs.gdn_layer = -1
     w_norm = _sbuf_copy(t.norms[layer.in_norm], "in_norm_w")
@@ -470,7 +470,7 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
                      layer=layer.mixer, weights=wg, stack=t.stack)
     wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
-        gdn_weights(g[0], g[5], next_gdn.mixer, _gdn_arena(regs, g))
+        gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, _gdn_arena(regs, g))
         regs.gdn_layer = next_gdn.mixer
     x = _add_into(x, allreduce_partials(y, rg))
     xT = rmsnorm_body(x, w_post, plan.eps, stack=t.stack)
@@ -480,7 +480,7 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
 def _gdn_arena(regs, g):
     """The launch's GDN weight arena (``gdn_weight_tiles``), allocated on first use."""
     if regs.gdn == None:
-        regs.gdn = gdn_weight_tiles(g[0], g[5])
+        regs.gdn = gdn_weight_tiles(g[0], g[1], g[5])
     return regs.gdn
 
 

@@ -223,21 +223,27 @@ def _warm_act(op):
 
 
 class GdnWeights(nl.NKIObject):
-    """A core's big GDN weights in SBUF: ``w_in_tiles`` (in_proj groups of ``jg`` hidden tiles, each ``[P, jg, N]``;
-    empty when they do not fit ``WEIGHT_PREFETCH_BYTES`` per partition and :func:`gdn_body` streams them) and ``wo``
-    ``[D, Hv_c, H]`` (out_proj)."""
+    """A core's GDN weights in SBUF: ``w_in_tiles`` (in_proj groups of ``jg`` hidden tiles, each ``[P, jg, N]``;
+    empty when they do not fit ``WEIGHT_PREFETCH_BYTES`` per partition and :func:`gdn_body` streams them), ``wo``
+    ``[D, Hv_c, H]`` (out_proj), the small per-layer parameters ``wc`` ``[D, NH, K]`` (conv taps), ``wn`` ``[D, 1]``
+    float32 (gated-norm weight), ``ab`` ``[1, 2, Hv_c]`` float32 (A_log ‖ dt_bias of the core's value heads), and the
+    gates' one-hot source ``ident_g``, a ``[MAX_T + 1, MAX_T + 1]`` float32 identity (a constant: loaded when the
+    tiles are allocated)."""
 
-    def __init__(self, w_in_tiles, jg, wo):
+    def __init__(self, w_in_tiles, jg, wo, wc, wn, ab, ident_g):
         self.w_in_tiles, self.jg, self.wo = w_in_tiles, jg, wo
+        self.wc, self.wn, self.ab, self.ident_g = wc, wn, ab, ident_g
 
 
-def gdn_weight_tiles(w_in, w_out):
-    """Allocate (no DMA) the SBUF tiles of :class:`GdnWeights` for one layer of ``w_in`` / ``w_out`` (HBM, host
-    layout, stacked or not: only the trailing shapes matter). A caller that keeps them for the whole launch has an
-    arena: every layer's weights land at the same addresses, so a layer's weight DMA waits only for the previous
-    GDN layer's reads of them, not for whatever transient tile last held those addresses (first-fit reuse)."""
+def gdn_weight_tiles(w_in, conv_w, w_out):
+    """Allocate the SBUF tiles of :class:`GdnWeights` for one layer of ``w_in`` / ``conv_w`` / ``w_out`` (HBM, host
+    layout, stacked or not: only the trailing shapes matter); no weight DMA (only the constant identity's). A caller
+    that keeps them for the whole launch has an arena: every layer's weights land at the same addresses, so a layer's
+    weight DMA waits only for the previous GDN layer's reads of them, not for whatever transient tile last held those
+    addresses (first-fit reuse)."""
     J, N = w_in.shape[-2], w_in.shape[-1]
     D, hv_c, H = w_out.shape[-3], w_out.shape[-2], w_out.shape[-1]
+    NH, K = conv_w.shape[-2], conv_w.shape[-1]
     adt = w_in.dtype
     isz = 2 if adt == nl.bfloat16 else 4
     n_groups = (J * N * isz + WEIGHT_GROUP_BYTES - 1) // WEIGHT_GROUP_BYTES
@@ -249,19 +255,33 @@ def gdn_weight_tiles(w_in, w_out):
             j0 = gi * jg
             tiles.append(nl.ndarray((P, min(J, j0 + jg) - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}"))
     wo = nl.ndarray((D, hv_c, H), adt, buffer=nl.sbuf, name="w_out")
-    return GdnWeights(tuple(tiles), jg, wo)
+    wc = nl.ndarray((D, NH, K), conv_w.dtype, buffer=nl.sbuf, name="conv_taps")
+    wn = nl.ndarray((D, 1), nl.float32, buffer=nl.sbuf, name="norm_w")
+    ab = nl.ndarray((1, 2, hv_c), nl.float32, buffer=nl.sbuf, name="A_log_dt_bias")
+    ident_g = own_identity(MAX_T + 1, nl.float32, "gate_ident")    # the gates' one-hot stationaries: .ap() on it
+    return GdnWeights(tuple(tiles), jg, wo, wc, wn, ab, ident_g)
 
 
-def gdn_weights(w_in, w_out, layer=None, arena=None):
-    """Issue the DMAs of this core's in_proj weight groups and out_proj weight of layer ``layer`` (HBM, host layout;
-    None: unstacked tensors) into ``arena`` (:func:`gdn_weight_tiles`) or fresh tiles -> :class:`GdnWeights`, to
-    pass to :func:`gdn_body` (a caller may issue them early: prefetch). They are triggered from ScalarE's DMA queue:
-    the DMAs of one queue move in order (SDK nki-dma-overview.rst "DMA Queues"), so this 8 MiB stream must not sit in
-    the queue of the small DMAs the next steps wait for (norm weights, router, the routed experts), which the
-    compiler's default queue carries (bench/decode_speed.md lever 23)."""
-    w_in, w_out = layer_of(w_in, layer), layer_of(w_out, layer)
+def gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out, layer=None, arena=None):
+    """Issue the DMAs of this core's weights of layer ``layer`` (HBM, host layout; None: unstacked tensors) into
+    ``arena`` (:func:`gdn_weight_tiles`) or fresh tiles -> :class:`GdnWeights`, to pass to :func:`gdn_body` (a
+    caller may issue them early: prefetch). They are triggered from ScalarE's DMA queue: the DMAs of one queue move
+    in order (SDK nki-dma-overview.rst "DMA Queues"), so this 8 MiB stream must not sit in the queue of the small
+    DMAs the next steps wait for (norm weights, router, the routed experts), which the compiler's default queue
+    carries (bench/decode_speed.md lever 23); the layer's small parameters go first in it (the projections need
+    the big ones only group by group; bench/decode_speed.md lever 29)."""
+    w_in, w_out, conv_w = layer_of(w_in, layer), layer_of(w_out, layer), layer_of(conv_w, layer)
+    A_log, dt_bias, norm_w = layer_of(A_log, layer), layer_of(dt_bias, layer), layer_of(norm_w, layer)
     _, core = program_sharding()
-    wts = arena if arena != None else gdn_weight_tiles(w_in, w_out)
+    wts = arena if arena != None else gdn_weight_tiles(w_in, conv_w, w_out)
+    hv_c = wts.ab.shape[2]
+    v0 = core * hv_c                # the core's first value head (core_split)
+    act = nisa.engine.scalar
+    hw = nisa.dge_mode.hwdge
+    nisa.dma_copy(dst=wts.wc, src=conv_w[core], dge_mode=hw, engine=act)
+    nisa.dma_copy(dst=wts.wn, src=norm_w, dge_mode=hw, engine=act)
+    nisa.dma_copy(dst=wts.ab[:, 0, :], src=A_log[v0:v0 + hv_c], dge_mode=hw, engine=act)
+    nisa.dma_copy(dst=wts.ab[:, 1, :], src=dt_bias[v0:v0 + hv_c], dge_mode=hw, engine=act)
     for gi in range(len(wts.w_in_tiles)):
         j0 = gi * wts.jg
         wt = wts.w_in_tiles[gi]
@@ -269,6 +289,31 @@ def gdn_weights(w_in, w_out, layer=None, arena=None):
                       engine=nisa.engine.scalar)
     nisa.dma_copy(dst=wts.wo, src=w_out[core], dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
     return wts
+
+
+def _project_chunk(accs, xT, tiles, jg, k, N):
+    """in_proj output chunk k (columns k*512 ..) into its PSUM accumulator ``accs[k]``: one matmul per input tile j
+    (the group tiles ``tiles`` of jg input tiles each), accumulated in j order."""
+    c0 = k * MOVING_MAX
+    c1 = min(N, c0 + MOVING_MAX)
+    J = xT.shape[1]
+    for j in range(J):
+        nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=tiles[j // jg][:, j % jg, c0:c1],
+                       accumulate=j > 0)
+
+
+def _evict_chunk(proj, accs, k, N, table_free=False):
+    """Chunk k of the projections, rounded to the activation dtype into ``proj`` (odd chunks on ScalarE, even ones
+    on VectorE, so neighbouring evictions run on both). ``table_free``: ScalarE's copy as a ``tensor_copy``, which
+    needs no activation table (the evictions after the gates would otherwise switch ScalarE's exp table away)."""
+    c0 = k * MOVING_MAX
+    c1 = min(N, c0 + MOVING_MAX)
+    if k % 2 == 1 and table_free:
+        nisa.tensor_copy(dst=proj[:, c0:c1], src=accs[k], engine=nisa.engine.scalar)
+    elif k % 2 == 1:
+        nisa.activation(dst=proj[:, c0:c1], op=nl.copy, data=accs[k])
+    else:
+        nisa.tensor_copy(dst=proj[:, c0:c1], src=accs[k])
 
 
 def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, read_slot, eps, layer=None,
@@ -350,58 +395,53 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         # both cores read a shared key head's window columns; only its owner writes them
         nisa.core_barrier(data=window, cores=(0, 1))
 
-    # ---- small parameters and constants --------------------------------------------------------
-    wc = nl.ndarray((D, NH, K), conv_w.dtype, buffer=nl.sbuf, name="conv_taps")
-    nisa.dma_copy(dst=wc, src=conv_w[core])
-    wn = nl.ndarray((D, 1), f32, buffer=nl.sbuf, name="norm_w")
-    nisa.dma_copy(dst=wn, src=norm_w)
-    # gate inputs: rows t < T get (b_t, a_t) after the projections; row T holds (A_log, dt_bias) once
-    gin = nl.ndarray((T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in")
-    nisa.dma_copy(dst=gin[T:T + 1, 0, :], src=A_log[vh0:vh0 + hv_c])
-    nisa.dma_copy(dst=gin[T:T + 1, 1, :], src=dt_bias[vh0:vh0 + hv_c])
+    # ---- weights: in_proj groups (prefetched when they fit), out_proj and the small parameters (gdn_weights) ----
+    wts = weights if weights != None else gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out)   # layer views
+    jg, w_tiles, wo, wc, wn, ident_g = wts.jg, wts.w_in_tiles, wts.wo, wts.wc, wts.wn, wts.ident_g
+    # gate inputs: row t gets (b_t, a_t) after the projections; (A_log, dt_bias) are wts.ab
+    gin = nl.ndarray((T, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in")
+    ab = wts.ab
+    ones_row = nl.ndarray((1, D), f32, buffer=nl.sbuf, name="ones_row")     # broadcasts ab over the D partitions
+    nisa.memset(dst=ones_row, value=1.0)
+    wts = None          # the tiles loaded here are freed after the projections (w_tiles = None below)
+    G = ident_g.shape[0]
     identA = nl.shared_identity_matrix(n=T if T > Km1 else Km1, dtype=adt)
     identF = nl.shared_identity_matrix(n=D, dtype=f32)
-    ident_g = own_identity(T + 1, f32, "gate_ident")     # the gates' one-hot stationaries address it by .ap()
     onesF = nl.ndarray((D, D), f32, buffer=nl.sbuf, name="ones")
     nisa.memset(dst=onesF, value=1.0)
-
-    # ---- weights: in_proj groups (prefetched when they fit) and out_proj (gdn_weights) ---------
-    wts = weights if weights != None else gdn_weights(w_in, w_out)    # w_in / w_out: this layer's views already
-    jg, w_tiles, wo = wts.jg, wts.w_in_tiles, wts.wo
-    wts = None          # the tiles loaded here are freed after the projections (w_tiles = None below)
     n_groups = (J + jg - 1) // jg
     prefetch = len(w_tiles) > 0
 
-    # ---- 2. projections ------------------------------------------------------------------------
+    # ---- 2. projections. With the weights resident (``weights``: the megakernel's arena), the gate chunk (the
+    # last one: it ends with the b, a columns) first: the gates' broadcast and fp32 chain (3.) need only it, so the
+    # other chunks' matmuls run on the PE while VectorE / ScalarE work the gates, and are evicted after them (each
+    # engine runs in program order; bench/decode_speed.md lever 28). Loaded here, group by group (they may not all
+    # fit at once), every chunk accumulates under each group. Either way each chunk accumulates over the input
+    # tiles in j order: the same bits.
     n_chunks = (N + MOVING_MAX - 1) // MOVING_MAX
     accs = []
     for k in range(n_chunks):
         accs.append(nl.ndarray((T, min(N, (k + 1) * MOVING_MAX) - k * MOVING_MAX), f32, buffer=nl.psum,
                                name=f"proj_ps{k}"))
-    for gi in range(n_groups):
-        j0 = gi * jg
-        j1 = min(J, j0 + jg)
-        if prefetch:
-            wt = w_tiles[gi]
-        else:
+    proj = nl.ndarray((T, N), adt, buffer=nl.sbuf, name="proj")
+    deferred = 0                    # chunks 0 .. deferred - 1 are projected and evicted after the gates
+    if prefetch:
+        _project_chunk(accs, xT, w_tiles, jg, n_chunks - 1, N)
+        deferred = n_chunks - 1
+    else:
+        for gi in range(n_groups):
+            j0 = gi * jg
+            j1 = min(J, j0 + jg)
             wt = nl.ndarray((P, j1 - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}")
             nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j1, :])
-        for j in range(j0, j1):
-            for k in range(n_chunks):
-                c0 = k * MOVING_MAX
-                c1 = min(N, c0 + MOVING_MAX)
-                nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=wt[:, j - j0, c0:c1], accumulate=j > 0)
-    w_tiles = wt = None
-    proj = nl.ndarray((T, N), adt, buffer=nl.sbuf, name="proj")
-    for kr in range(n_chunks):                  # the gate columns (last chunk) first; alternate DVE / ACT
-        k = n_chunks - 1 - kr
-        c0 = k * MOVING_MAX
-        c1 = min(N, c0 + MOVING_MAX)
-        if k % 2 == 1:
-            nisa.activation(dst=proj[:, c0:c1], op=nl.copy, data=accs[k])
-        else:
-            nisa.tensor_copy(dst=proj[:, c0:c1], src=accs[k])
-    accs = None
+            for j in range(j0, j1):
+                for k in range(n_chunks):
+                    c0 = k * MOVING_MAX
+                    c1 = min(N, c0 + MOVING_MAX)
+                    nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=wt[:, j - j0, c0:c1], accumulate=j > 0)
+        wt = None
+    for kr in range(n_chunks - deferred):       # the gate columns (last chunk) first
+        _evict_chunk(proj, accs, n_chunks - 1 - kr, N)
     # warm ScalarE's softplus table while the gate inputs are broadcast (PE) and biased (DVE); see _warm_act
     _warm_act(nl.softplus)
 
@@ -413,11 +453,15 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                        moving=identA[0:Km1, 0:Km1], accumulate=False)
 
     # ---- 3. gates: (b, a | A_log, dt_bias) broadcast over the D partitions, then fp32 math -------
-    nisa.tensor_copy(dst=gin[0:T, :, :], src=proj[:, cb:cb + 2 * hv_c])      # proj holds b ‖ a
+    nisa.tensor_copy(dst=gin, src=proj[:, cb:cb + 2 * hv_c])      # proj holds b ‖ a
     gr_ps = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.psum, name="gate_in_ps")
-    for t in range(T + 1):          # one-hot stationary (column t of an identity, repeated D times)
-        nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=ident_g.ap(pattern=[[T + 1, T + 1], [0, D]], offset=t),
+    for t in range(T):              # one-hot stationary (column t of an identity, repeated D times)
+        nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=ident_g.ap(pattern=[[G, T], [0, D]], offset=t),
                        moving=gin, accumulate=False)
+    nisa.nc_matmul(dst=gr_ps[:, T, :, :], stationary=ones_row, moving=ab, accumulate=False)    # row T: A_log, dt_bias
+    for k in range(deferred):       # the conv and z chunks (2. above), under the gates' chain
+        _project_chunk(accs, xT, w_tiles, jg, k, N)
+    w_tiles = None
     gr = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in_b")
     nisa.tensor_copy(dst=gr, src=gr_ps)
     gr_ps = None
@@ -440,6 +484,9 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.reciprocal(dst=gb[:, :, 1, :], data=eb)
     nisa.tensor_tensor(dst=gb[:, :, 2, :], data1=gb[:, :, 0, :], data2=gb[:, :, 1, :], op=nl.multiply)
     gr = x1 = sp = ea = gl = eb = None
+    for kr in range(deferred):      # their evictions, after the gates'
+        _evict_chunk(proj, accs, deferred - 1 - kr, N, table_free=True)
+    accs = None
 
     # ---- 4b. channel-major u and z, conv + SiLU --------------------------------------------------
     zT_ps = nl.ndarray((D, hv_c, T), f32, buffer=nl.psum, name="z_ps")
