@@ -143,6 +143,9 @@ def cmd_predict(a):
         bar.close()
         return _predict_device_commit(a, mk, routing, t0)
     mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab)
+    if a.draft_vocab:
+        bar.close()
+        return _predict_draft_vocab(a, cfg, mk, routing, t0)
     t_mk = time.time() - t0
     lw = compose.layerwise_round(cfg, a.context, routing, a.tp, 2, progress=progress)
     bar.close()
@@ -152,8 +155,7 @@ def cmd_predict(a):
         "command": "python -m harness.bench predict " + " ".join(a.argv),
         "model": a.model, "tp": a.tp, "lnc": 2, "tokens_verified": 2, "dtype": "bfloat16",
         "context": a.context, "routing": routing.describe(), "measured_commit": _git_head(),
-        "draft_vocab": a.draft_vocab or None,
-        "round_us": mks["round_us"], "stages_us": mks["stages_us"], "layer_us": _layer_kinds(mk, cfg),
+        "draft_vocab": None, "round_us": mks["round_us"], "stages_us": mks["stages_us"], "layer_us": _layer_kinds(mk, cfg),
         "distinct_experts": mk.notes["distinct_experts"], "kernel_parameters": mk.notes["kernel_parameters"],
         "tokens_per_s": mks["tokens_per_s"], "acceptance": acc,
         "end_to_end_round_us": mks["end_to_end_round_us"], "end_to_end_tokens_per_s": mks["end_to_end_tokens_per_s"],
@@ -204,15 +206,13 @@ def cmd_predict(a):
     return 0
 
 
-def _predict_fp8_experts(a, cfg, mk, routing, t0):
-    """``predict --fp8-experts``: the round with the opt-in fp8 experts tables (``nki_kernels.moe`` "fp8 experts")
-    -> bench/costmodel_predict_fp8_experts.json. It changes the model's output: an experiment, never the target's
-    figure (the headline JSON and plots stay the bf16 round's)."""
+def _megakernel_variant(a, cfg, mk, routing, t0, **fields):
+    """The JSON of a megakernel-only predict variant (``fields`` first, then the round's figures)."""
     s = mk.summary(a.acceptance)
-    out = {
-        "command": "python -m harness.bench predict " + " ".join(a.argv),
-        "model": a.model, "tp": a.tp, "lnc": 2, "dtype": "bfloat16", "experts_dtype": "float8_e4m3",
-        "numerics": "changes the model's output (fp8 routed experts): does not count toward the target",
+    out = {"command": "python -m harness.bench predict " + " ".join(a.argv),
+           "model": a.model, "tp": a.tp, "lnc": 2, "dtype": "bfloat16"}
+    out.update(fields)
+    out.update({
         "context": a.context, "routing": routing.describe(), "measured_commit": _git_head(),
         "draft_vocab": a.draft_vocab or None, "label": mk.label, "acceptance": a.acceptance,
         "round_us": s["round_us"], "stages_us": s["stages_us"], "layer_us": _layer_kinds(mk, cfg),
@@ -221,7 +221,31 @@ def _predict_fp8_experts(a, cfg, mk, routing, t0):
         "critical_by_category_us": s["critical_by_category_us"], "band_anomalies_us": s["band_anomalies_us"],
         "instructions": s["instructions"], "kernel_parameters": s["kernel_parameters"],
         "bottlenecks": s["bottlenecks"], "elapsed_s": {"total_wall": round(time.time() - t0, 1)},
-    }
+    })
+    return out
+
+
+def _predict_draft_vocab(a, cfg, mk, routing, t0):
+    """``predict --draft-vocab N``: the round whose drafts use an FR-Spec draft head of N ids ->
+    bench/costmodel_predict_draft_vocab.json, megakernel only (the layerwise variant keeps the full head; the
+    headline JSON and plots stay the default round's). Output unchanged; the acceptance it keeps is not modelled."""
+    out = _megakernel_variant(a, cfg, mk, routing, t0,
+                              numerics="tokens unchanged (the verify keeps the full vocabulary); the drafts' "
+                                       "acceptance with the subset is not modelled (acceptance below is assumed)")
+    return _write_variant(a, out, BENCH / "costmodel_predict_draft_vocab.json", (
+        f"megakernel round, FR-Spec draft head of {a.draft_vocab} ids ({a.model}, TP={a.tp} x LNC=2, context "
+        f"{a.context}, routing {a.routing}, commit {out['measured_commit']})",
+        f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+        f"acceptance {a.acceptance} (assumed)"))
+
+
+def _predict_fp8_experts(a, cfg, mk, routing, t0):
+    """``predict --fp8-experts``: the round with the opt-in fp8 experts tables (``nki_kernels.moe`` "fp8 experts")
+    -> bench/costmodel_predict_fp8_experts.json. It changes the model's output: an experiment, never the target's
+    figure (the headline JSON and plots stay the bf16 round's)."""
+    out = _megakernel_variant(a, cfg, mk, routing, t0, experts_dtype="float8_e4m3",
+                              numerics="changes the model's output (fp8 routed experts): does not count toward "
+                                       "the target")
     return _write_variant(a, out, BENCH / "costmodel_predict_fp8_experts.json", (
         f"megakernel round, fp8 experts -- changes the output, not the target's figure ({a.model}, TP={a.tp} x "
         f"LNC=2, context {a.context}, routing {a.routing}, commit {out['measured_commit']})",
@@ -441,8 +465,9 @@ def main(argv=None):
     p.add_argument("--acceptance", type=float, default=0.75,
                    help="probability the draft token is accepted (tokens/round = 1 + acceptance)")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="the megakernel's MTP draft argmaxes over an FR-Spec draft head of N ids (model.draft_vocab; "
-                        "the verify keeps the full vocabulary); the layerwise figure keeps the full head. Default off")
+                   help="predict the megakernel round whose MTP drafts argmax over an FR-Spec draft head of N ids "
+                        "(model.draft_vocab; the verify keeps the full vocabulary); writes "
+                        "bench/costmodel_predict_draft_vocab.json only (no layerwise, no plots). Default off")
     p.add_argument("--device-commit", action="store_true",
                    help="predict the opt-in device-committed round (accept and commit on device, rounds launched back "
                         "to back) and its end-to-end band (host enqueue hidden .. the measured host-driven gap); "

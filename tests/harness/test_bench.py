@@ -190,6 +190,24 @@ def test_predict_fp8_experts_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     assert d["hbm_MB_per_rank"] < bf16.hbm_bytes_per_rank / 1e6
 
 
+@pytest.mark.slow       # ~20 s: a tiny-model round trace
+def test_predict_draft_vocab_writes_its_own_json(tmp_path, monkeypatch, capsys):
+    """``predict --draft-vocab N``: its own JSON (the headline JSON and plots are the default round's), with a band
+    and fewer HBM bytes per rank than the full-vocabulary round (the draft head streams N rows, not the vocabulary)."""
+    from harness.costmodel import compose
+    from model.config import preset
+    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    code, out, err = run(capsys, "predict", "--model", "tiny", "--context", "600", "--draft-vocab", "64", "--json",
+                         "--quiet")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["draft_vocab"] == 64 and d["round_us"]["low"] <= d["round_us"]["central"] <= d["round_us"]["high"]
+    assert json.loads((tmp_path / "costmodel_predict_draft_vocab.json").read_text())["round_us"] == d["round_us"]
+    assert not (tmp_path / "costmodel_predict.json").exists() and not (tmp_path / "costmodel_stages.png").exists()
+    full = compose.megakernel_round(preset("tiny"), 600)
+    assert d["hbm_MB_per_rank"] < full.hbm_bytes_per_rank / 1e6
+
+
 def test_predict_on_a_saved_trace_and_calibrate(tmp_path, monkeypatch, capsys):
     from harness.costmodel import microkernels as mk
     monkeypatch.setattr(bench, "BENCH", tmp_path)
