@@ -154,6 +154,10 @@ class NkiTensor:
         return v
 
     def _new(self, shape, bstrides, boffset, dtype=None):
+        if len(shape) > hw.VIEW_MAX_DIMS and self.storage.onchip:     # reshape / expand_dim / rearrange
+            raise NkiValidationError(f"view: an on-chip view has at most {hw.VIEW_MAX_DIMS} dims (SDK-LG 'Tensor "
+                                     f"Values': 'a strided access pattern with up to 5 dimensions'); "
+                                     f"{self.describe()} would become {list(shape)}")
         v = NkiTensor._fast(self.storage, dtype or self.dtype, tuple(int(x) for x in shape),
                             tuple(int(x) for x in bstrides), int(boffset))
         v._check_bounds("indexing")

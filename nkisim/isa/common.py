@@ -344,8 +344,9 @@ def _free_limits(op, eng, reads, writes):
 # instructions only support 1D/2D/3D in the free dimension due to instruction length limitations"); SDK-ARCH
 # "Accessing SBUF/PSUM tensors using compute engines" ("up to four-dimensional tensorized access pattern", "a stride
 # expressed in int16, measured in data elements"). DMA instructions are not limited here: their patterns become DMA
-# descriptors, and the docs give no dimension limit for those (SDK-ISA dma_copy; SDK-DGE). A raw .ap() pattern is
-# limited to four free pairs whatever consumes it (tensor.py).
+# descriptors, and the docs give no dimension limit for those (SDK-ISA dma_copy; SDK-DGE). The hardware's four free
+# dims bound every on-chip view whatever consumes it: at most hw.VIEW_MAX_DIMS dims (nl.ndarray, reshape, ...) and
+# four free [step, num] pairs in a raw .ap() pattern (tensor.py).
 AP_ENGINES = ("PE", "ACT", "DVE", "POOL")
 # (instruction, operand) pairs documented to take four free dims: tensor_reduce's data (SDK-NL sum / max / ...: "axis
 # ... can only be the last contiguous dim(s) of the tile: [1], [1,2], [1,2,3], [1,2,3,4]", and the SDK average_pool2d
@@ -372,7 +373,8 @@ def engine_free_pattern(t, split=None):
 
 
 def _ap_limits(op, reads, writes, split):
-    """hw.AP_MAX_FREE_DIMS / AP_COMMON_FREE_DIMS / AP_MAX_STRIDE for every operand of a compute-engine instruction."""
+    """hw.AP_COMMON_FREE_DIMS / AP_MAX_STRIDE for every operand of a compute-engine instruction (more than
+    AP_MAX_FREE_DIMS cannot arrive: on-chip views have at most hw.VIEW_MAX_DIMS dims, tensor.py / runtime.py)."""
     for lst in (reads, writes):
         for nm, t in lst:
             if type(t) is not NkiTensor or not t.storage.onchip:
@@ -387,18 +389,14 @@ def _ap_limits(op, reads, writes, split):
                 if abs(s) > hw.AP_MAX_STRIDE:
                     raise NkiValidationError(
                         f"{where}: step {s} does not fit the int16 stride of an engine access pattern (|step| <= "
-                        f"{hw.AP_MAX_STRIDE} elements; SDK-ARCH 'Accessing SBUF/PSUM tensors using compute engines', ref "
-                        f"§3.3): split the instruction along that dim or re-lay the tile")
-            if len(pat) > hw.AP_MAX_FREE_DIMS:
-                raise NkiValidationError(
-                    f"{where}: {len(pat)} free dims; engine access patterns have at most {hw.AP_MAX_FREE_DIMS} (SDK-AP "
-                    f"'Hardware Capability', SDK-ARCH, ref §3.3): split the instruction along an outer dim")
+                        f"{hw.AP_MAX_STRIDE} elements; SDK-ARCH 'Accessing SBUF/PSUM tensors using compute "
+                        f"engines', ref §3.3): split the instruction along that dim or re-lay the tile")
             if len(pat) > hw.AP_COMMON_FREE_DIMS and (op, nm) not in _AP_FOUR_FREE and hw.AP_FOUR_FREE_DIMS != "off":
                 site = call_site()
                 msg = (f"{where} at {site}: {len(pat)} free dims; \"most instructions only support 1D/2D/3D in the "
-                       f"free dimension due to instruction length limitations\" (SDK-AP nki-aps.rst 'Hardware Capability', "
-                       f"ref §3.3; the docs give four only to tensor_reduce's data): split the instruction along an "
-                       f"outer dim (switch: nkisim.hw.AP_FOUR_FREE_DIMS)")
+                       f"free dimension due to instruction length limitations\" (SDK-AP nki-aps.rst 'Hardware "
+                       f"Capability', ref §3.3; the docs give four only to tensor_reduce's data): split the "
+                       f"instruction along an outer dim (switch: nkisim.hw.AP_FOUR_FREE_DIMS)")
                 if hw.AP_FOUR_FREE_DIMS == "error":
                     raise NkiValidationError(msg)
                 key = (site, op, nm)
