@@ -37,6 +37,18 @@ MAX8_MAX_ELEMS = 16384
 AP_MAX_FREE_DIMS = 4                         # engine access patterns: <= 4 free dims (SDK-ARCH, SDK-AP)
 AP_MAX_DIM_SIZE = 65535                      # per-dim size is uint16 (SDK-ARCH)
 AP_MAX_STRIDE = 32767                        # per-dim stride is int16, in elements (SDK-ARCH)
+# Free dims of a compute-engine (PE / ACT / DVE / POOL) operand, counted after merging (isa/common.engine_free_pattern):
+# SDK-AP "Hardware Capability": "the tensor read/write logic on the NeuronCore supports accessing elements from up to
+# four-dimensional arrays, though most instructions only support 1D/2D/3D in the free dimension due to instruction
+# length limitations"; SDK-ARCH: "up to four-dimensional tensorized access pattern". More than AP_MAX_FREE_DIMS cannot
+# arrive (VIEW_MAX_DIMS below); more than AP_COMMON_FREE_DIMS is AP_FOUR_FREE_DIMS ("error", "warn" or "off") unless the
+# instruction is documented to take four (isa/common._AP_FOUR_FREE). The docs do not name the "most" instructions,
+# hence a switch.
+AP_COMMON_FREE_DIMS = 3
+AP_FOUR_FREE_DIMS = "warn"
+# Dims of an on-chip view (nl.ndarray, reshape, expand_dim, rearrange): SDK-LG "Tensor Values", a view is "a strided
+# access pattern with up to 5 dimensions" (partition + AP_MAX_FREE_DIMS).
+VIEW_MAX_DIMS = 5
 # Free elements per partition one VectorE / ScalarE / GpSimd instruction may access: "up to 64K elements for SBUF or
 # 4K elements for PSUM" (SDK nki/guides/architecture/trainium_inferentia2_arch.rst, VectorE and ScalarE "Layout &
 # Tile Size"; GpSimd ASSUMED the same). The SDK tiling overview's Tile-Size Constraint #2 (PSUM tiles F <= 512) reads

@@ -317,6 +317,10 @@ class Instance:
             if new:
                 self._trace_alloc(st)
             return NkiTensor.whole(st)
+        if len(shape) > hw.VIEW_MAX_DIMS and (buffer is SBUF or buffer is PSUM):
+            raise NkiValidationError(f"{op}: an on-chip tensor has at most {hw.VIEW_MAX_DIMS} dims (partition + "
+                                     f"{hw.AP_MAX_FREE_DIMS} free; SDK-LG 'Tensor Values': a view is 'a strided access "
+                                     f"pattern with up to 5 dimensions'), got {list(shape)}: merge free dims")
         st = Storage(buffer, shape, dtype, name, not self.shape_only, self.pid)
         st.named = explicit
         if not explicit:

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import dtypes, hw, int32
 from .errors import NkiValidationError, OutOfBoundsError, UninitializedReadError
-from .memory import ON_CHIP, HBM, PSUM, materialize, written_array
+from .memory import ON_CHIP, HBM, PSUM, SBUF, materialize, written_array
 
 
 def ds(start, size):
@@ -154,6 +154,10 @@ class NkiTensor:
         return v
 
     def _new(self, shape, bstrides, boffset, dtype=None):
+        if len(shape) > hw.VIEW_MAX_DIMS and self.storage.onchip:     # reshape / expand_dim / rearrange
+            raise NkiValidationError(f"view: an on-chip view has at most {hw.VIEW_MAX_DIMS} dims (SDK-LG 'Tensor "
+                                     f"Values': 'a strided access pattern with up to 5 dimensions'); "
+                                     f"{self.describe()} would become {list(shape)}")
         v = NkiTensor._fast(self.storage, dtype or self.dtype, tuple(int(x) for x in shape),
                             tuple(int(x) for x in bstrides), int(boffset))
         v._check_bounds("indexing")
@@ -343,7 +347,7 @@ class NkiTensor:
         dim = dim % self.ndim
         if self.on_chip and dim == 0:
             raise NkiValidationError(f"{op}: a dynamic select on an on-chip tensor cannot target the partition dim 0")
-        if index.size != 1 or index.storage.kind not in ON_CHIP or not dtypes.is_int(index.dtype):
+        if index.size != 1 or index.storage.kind != SBUF or not dtypes.is_int(index.dtype):   # SDK-AP: "in SBUF"
             raise NkiValidationError(f"{op}: a tensor index must be a (1, 1) integer SBUF tensor, got {index.describe()}")
         keep = [i for i in range(self.ndim) if i != dim]
         if self.on_chip and len(keep) < 2:
@@ -364,8 +368,8 @@ class NkiTensor:
             raise NkiValidationError(f"{op}: vector_select is for HBM tensors, got {self.describe()}")
         if self.indirect is not None:
             raise NkiValidationError(f"{op}: {self.describe()} already has a dynamic access")
-        if not isinstance(index, NkiTensor) or index.storage.kind not in ON_CHIP or index.ndim != 2 or \
-                index.shape[1] != 1 or not dtypes.is_int(index.dtype):
+        if not isinstance(index, NkiTensor) or index.storage.kind != SBUF or index.ndim != 2 or \
+                index.shape[1] != 1 or not dtypes.is_int(index.dtype):        # SDK-AP: "offsets in SBUF"
             raise NkiValidationError(f"{op}: index must be an integer (P, 1) SBUF tensor, got {index!r}")
         v = NkiTensor._fast(self.storage, self.dtype, (index.shape[0],) + self.shape[1:], (0,) + self.bstrides[1:],
                             self.boffset)
@@ -596,7 +600,7 @@ class NkiTensor:
         if vector_offset is not None:
             if indirect_dim != 0:
                 raise NkiValidationError(f"{op}: vector_offset supports only indirect_dim=0, got {indirect_dim}")
-            if not isinstance(vector_offset, NkiTensor) or vector_offset.storage.kind not in ON_CHIP:
+            if not isinstance(vector_offset, NkiTensor) or vector_offset.storage.kind != SBUF:   # SDK-AP: SBUF
                 raise NkiValidationError(f"{op}: vector_offset must be an SBUF tensor (P, 1), got {vector_offset!r}")
             # shape rules depend on the consumer: dma_copy needs (rows, 1), dma_transpose (16..128, n)
             if not dtypes.is_int(vector_offset.dtype):
@@ -606,7 +610,7 @@ class NkiTensor:
         elif scalar_offset is not None:
             from .registers import VirtualRegister
             if isinstance(scalar_offset, NkiTensor):
-                if scalar_offset.size != 1 or scalar_offset.storage.kind not in ON_CHIP:
+                if scalar_offset.size != 1 or scalar_offset.storage.kind != SBUF:    # SDK-AP: SBUF (1, 1)
                     raise NkiValidationError(f"{op}: scalar_offset tensor must be a (1, 1) SBUF tensor, got "
                                              f"{scalar_offset.describe()}")
             elif not isinstance(scalar_offset, VirtualRegister):

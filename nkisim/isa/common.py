@@ -333,12 +333,88 @@ def _free_limits(op, eng, reads, writes):
                         f"'Layout & Tile Size')")
 
 
+# ---- engine access patterns: free dims and steps (hw.AP_*) ------------------------------------------
+# An engine operand's free-dim pattern is the view's [step, num] pairs after the merges that change neither which
+# elements are visited nor their order: size-1 dims are dropped (they add nothing to the address), and an outer dim
+# whose step equals inner step * inner num is folded into the inner one (the two walk one arithmetic run; stride-0
+# broadcast dims fold into each other). Dims are never reordered. That the compiler makes these merges is nkisim's
+# assumption (the docs do not say it; a view has up to 5 dims, SDK-LG "Tensor Values", so a contiguous [P, a, b, c, d]
+# tile would otherwise be a four-free-dim pattern for every instruction that reads it whole). The counts and steps
+# that remain are what the instruction must encode: SDK-AP "Hardware Capability" (up to four free dims, "most
+# instructions only support 1D/2D/3D in the free dimension due to instruction length limitations"); SDK-ARCH
+# "Accessing SBUF/PSUM tensors using compute engines" ("up to four-dimensional tensorized access pattern", "a stride
+# expressed in int16, measured in data elements"). DMA instructions are not limited here: their patterns become DMA
+# descriptors, and the docs give no dimension limit for those (SDK-ISA dma_copy; SDK-DGE). The hardware's four free
+# dims bound every on-chip view whatever consumes it: at most hw.VIEW_MAX_DIMS dims (nl.ndarray, reshape, ...) and
+# four free [step, num] pairs in a raw .ap() pattern (tensor.py).
+AP_ENGINES = ("PE", "ACT", "DVE", "POOL")
+# (instruction, operand) pairs documented to take four free dims: tensor_reduce's data (SDK-NL sum / max / ...: "axis
+# ... can only be the last contiguous dim(s) of the tile: [1], [1,2], [1,2,3], [1,2,3,4]", and the SDK average_pool2d
+# tutorial reduces a [P, H/2, W/2, 2, 2] view: "requires a 4D memory access pattern in the F dimension").
+_AP_FOUR_FREE = frozenset({("tensor_reduce", "data")})
+_ap_warned = set()
+
+
+def engine_free_pattern(t, split=None):
+    """[[step, num], ...] (elements, outermost first) of on-chip view t's free dims after the merges above; ``split``
+    (a dim index of t) keeps the dims before it and from it on apart (tensor_reduce: kept vs reduced axes)."""
+    isz = t.itemsize
+    out = []
+    for d in range(1, len(t.shape)):
+        n = t.shape[d]
+        if n == 1:
+            continue
+        s = t.bstrides[d] // isz
+        if out and out[-1][0] == s * n and not (split is not None and out[-1][2] < split <= d):
+            out[-1] = [s, out[-1][1] * n, out[-1][2]]
+        else:
+            out.append([s, n, d])
+    return [[s, n] for s, n, _ in out]
+
+
+def _ap_limits(op, reads, writes, split):
+    """hw.AP_COMMON_FREE_DIMS / AP_MAX_STRIDE for every operand of a compute-engine instruction (more than
+    AP_MAX_FREE_DIMS cannot arrive: on-chip views have at most hw.VIEW_MAX_DIMS dims, tensor.py / runtime.py)."""
+    for lst in (reads, writes):
+        for nm, t in lst:
+            if type(t) is not NkiTensor or not t.storage.onchip:
+                continue
+            # cheap filter: <= 3 free dims, and a partition row too short for a step beyond int16
+            if len(t.shape) <= 1 + hw.AP_COMMON_FREE_DIMS and t.storage.row_bytes <= hw.AP_MAX_STRIDE * t.itemsize:
+                continue
+            pat = engine_free_pattern(t, split if op == "tensor_reduce" and nm == "data" else None)
+            where = (f"{op}: {nm} {t.describe()} has the free-dim access pattern {pat} ([step, num] in {t.dtype} "
+                     f"elements, after dropping size-1 dims and merging dims that walk one contiguous run)")
+            for s, n in pat:
+                if abs(s) > hw.AP_MAX_STRIDE:
+                    raise NkiValidationError(
+                        f"{where}: step {s} does not fit the int16 stride of an engine access pattern (|step| <= "
+                        f"{hw.AP_MAX_STRIDE} elements; SDK-ARCH 'Accessing SBUF/PSUM tensors using compute "
+                        f"engines', ref §3.3): split the instruction along that dim or re-lay the tile")
+            if len(pat) > hw.AP_COMMON_FREE_DIMS and (op, nm) not in _AP_FOUR_FREE and hw.AP_FOUR_FREE_DIMS != "off":
+                site = call_site()
+                msg = (f"{where} at {site}: {len(pat)} free dims; \"most instructions only support 1D/2D/3D in the "
+                       f"free dimension due to instruction length limitations\" (SDK-AP nki-aps.rst 'Hardware "
+                       f"Capability', ref §3.3; the docs give four only to tensor_reduce's data): split the "
+                       f"instruction along an outer dim (switch: nkisim.hw.AP_FOUR_FREE_DIMS)")
+                if hw.AP_FOUR_FREE_DIMS == "error":
+                    raise NkiValidationError(msg)
+                key = (site, op, nm)
+                if key not in _ap_warned:
+                    _ap_warned.add(key)
+                    import warnings
+                    from ..errors import NkiFidelityWarning
+                    warnings.warn(msg, NkiFidelityWarning, stacklevel=4)
+
+
 def record(op, eng, reads=(), writes=(), reg_reads=(), reg_writes=(), **extra):
     """Check the launch is alive and, when tracing, append one instruction record (see trace.py / README)."""
     inst = current(op)
     launch = inst.launch
     if eng in _FREE_LIMITED:
         _free_limits(op, eng, reads, writes)
+    if eng in AP_ENGINES:
+        _ap_limits(op, reads, writes, extra["axis"][0] if op == "tensor_reduce" else None)
     if launch.world.aborted is not None:
         from ..errors import LaunchAborted
         raise LaunchAborted(f"{op}: the launch was aborted by another instance")

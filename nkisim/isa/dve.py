@@ -477,17 +477,23 @@ def _top8_src(w, src):
     return P, F
 
 
-def _out8(w, nm, t, P):
+def _out8(w, nm, t, P, max_ndim=None):
+    """An operand of 8 elements per partition; ``max_ndim``: its documented rank limit (SDK-ISA max8 "the output
+    tile is always 2-dimensional", ":param dst: a 2D tile ... [par_dim, 8]"; nc_find_index8 dst "a 2D tile", "the
+    vals tensor must be up to 3-dimensional")."""
     tensor(w, nm, t, ON_CHIP, "DVE")
     geom(w, nm, t)
     if t.shape[0] != P or t.size != P * 8:
         raise NkiValidationError(f"{w}: {nm} has shape {list(t.shape)}, expected ({P}, 8)")
+    if max_ndim is not None and t.ndim > max_ndim:
+        raise NkiValidationError(f"{w}: {nm} has shape {list(t.shape)}; it may have at most {max_ndim} dims (SDK-ISA "
+                                 f"{w})")
 
 
 def max8(dst, src, name=None):
     w = "max8"
     P, F = _top8_src(w, src)
-    _out8(w, "dst", dst, P)
+    _out8(w, "dst", dst, P, 2)
     inst = record(w, "DVE", reads=[("src", src)], writes=[("dst", dst)])
     if inst.shape_only:
         return Instruction(w)
@@ -522,8 +528,8 @@ def nc_find_index8(dst, data, vals, name=None):
     that). nkisim follows the release note."""
     w = "nc_find_index8"
     P, F = _top8_src(w, data)
-    _out8(w, "vals", vals, P)
-    _out8(w, "dst", dst, P)
+    _out8(w, "vals", vals, P, 3)
+    _out8(w, "dst", dst, P, 2)
     if dst.dtype not in ("uint32", "uint16"):
         raise NkiValidationError(f"{w}: dst must be uint32 or uint16, got {dst.dtype}")
     inst = record(w, "DVE", reads=[("data", data), ("vals", vals)], writes=[("dst", dst)])

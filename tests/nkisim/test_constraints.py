@@ -1,4 +1,6 @@
 """Documented constraints are refused with messages naming op, argument, expectation and value."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -237,6 +239,151 @@ def test_ap_partition_step_rule():
         t.ap(pattern=[[128, 64], [1, 64]])            # every other partition
     with pytest.raises(NkiValidationError, match="partition step .* must equal the free size"):
         run_body(k)
+
+
+# ---- free dims of compute-engine operands (isa/common._ap_limits, hw.AP_*) -------------------------------------
+def _free_dims_kernel(view, engine_op=True):
+    """Copy x [4, 120] through an SBUF tile [4, 2, 3, 4, 5], reading it back through ``view(tile)`` with tensor_copy
+    (engine_op) or an SBUF -> SBUF dma_copy; returns the kernel."""
+    @nki.jit
+    def k(x):
+        t = nl.ndarray((4, 2, 3, 4, 5), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x.reshape((4, 2, 3, 4, 5)))
+        d = nl.ndarray((4, 120), nl.float32, buffer=nl.sbuf)
+        if engine_op:
+            nisa.tensor_copy(dst=d, src=view(t))
+        else:
+            nisa.dma_copy(dst=d, src=view(t))
+        out = nl.ndarray((4, 120), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=d)
+        return out
+    return k
+
+
+def _whole(t):
+    return t
+
+
+def _reversed(t):
+    return t.permute((0, 4, 3, 2, 1))               # free pattern [[1, 5], [5, 4], [20, 3], [60, 2]]: no merge
+
+
+def _inner_swapped(t):
+    return t.permute((0, 1, 2, 4, 3))               # [[60, 2], [20, 3], [1, 5], [5, 4]] -> [[20, 6], [1, 5], [5, 4]]
+
+
+_X120 = np.arange(4 * 120, dtype=F32).reshape(4, 120)
+_REVERSED = np.ascontiguousarray(_X120.reshape(4, 2, 3, 4, 5).transpose(0, 4, 3, 2, 1)).reshape(4, 120)
+
+
+def test_four_free_dims_that_do_not_merge_are_warned_or_refused(monkeypatch):
+    """SDK nki-aps.rst: "most instructions only support 1D/2D/3D in the free dimension": a compute operand whose four
+    free dims cannot merge is warned (refused with the switch at "error"); the data still moves as the view says."""
+    with pytest.warns(nkisim.NkiFidelityWarning, match=r"tensor_copy: src .*\[\[1, 5\], \[5, 4\], \[20, 3\], "
+                                                          r"\[60, 2\]\].* 4 free dims; \"most instructions"):
+        y = _free_dims_kernel(_reversed)(_X120)
+    np.testing.assert_array_equal(y, _REVERSED)
+    monkeypatch.setattr(nkisim.hw, "AP_FOUR_FREE_DIMS", "error")
+    with pytest.raises(NkiValidationError, match=r"tensor_copy: src .* 4 free dims; \"most instructions"):
+        _free_dims_kernel(_reversed)(_X120)
+
+
+def test_four_free_dims_that_merge_and_dma_operands_are_accepted():
+    """A [4, 2, 3, 4, 5] tile read whole merges to one free dim, and a view keeping the two outer and the two inner
+    dims together ([[60, 2], [20, 3]] -> [[20, 6]]) to three; a DMA may take the unmerged four-dim view (the docs limit
+    engine access patterns, not DMA descriptors)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nkisim.NkiFidelityWarning)
+        y = _free_dims_kernel(_whole)(_X120)
+        np.testing.assert_array_equal(y, _X120)
+        y = _free_dims_kernel(_inner_swapped)(_X120)
+        ref = np.ascontiguousarray(_X120.reshape(4, 2, 3, 4, 5).transpose(0, 1, 2, 4, 3)).reshape(4, 120)
+        np.testing.assert_array_equal(y, ref)
+        y = _free_dims_kernel(_reversed, engine_op=False)(_X120)
+        np.testing.assert_array_equal(y, _REVERSED)
+
+
+def test_tensor_reduce_takes_four_free_dims_and_views_have_at_most_five():
+    """tensor_reduce's data is documented with four free dims (SDK-NL sum axis [1,2,3,4]; the average_pool2d tutorial's
+    [P, H/2, W/2, 2, 2] view): no warning. An on-chip view has at most 5 dims (SDK-LG "Tensor Values"), so no engine
+    operand has more than the hardware's four free dims: a 6-D tile or reshape is refused."""
+    x = np.arange(2 * 36, dtype=F32).reshape(2, 36)
+
+    @nki.jit
+    def pool(x):
+        t = nl.ndarray((2, 36), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        v = t.ap([[36, 2], [12, 3], [2, 3], [6, 2], [1, 2]])        # 6x6 image, 2x2 windows
+        s = nl.ndarray((2, 3, 3), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=s, op=nl.add, data=v, axis=(3, 4))
+        out = nl.ndarray((2, 3, 3), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=s)
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nkisim.NkiFidelityWarning)
+        y = pool(x)
+    np.testing.assert_array_equal(y, x.reshape(2, 3, 2, 3, 2).sum(axis=(2, 4)))
+
+    def six_d_tile(x):
+        _sb((4, 2, 2, 2, 2, 2))
+    with pytest.raises(NkiValidationError, match=r"nl.ndarray: an on-chip tensor has at most 5 dims"):
+        run_body(six_d_tile)
+
+    def six_d_view(x):
+        _sb((4, 32)).reshape((4, 2, 2, 2, 2, 2))
+    with pytest.raises(NkiValidationError, match=r"view: an on-chip view has at most 5 dims"):
+        run_body(six_d_view)
+
+
+def test_engine_step_beyond_int16_is_refused():
+    """SDK trainium_inferentia2_arch.rst: an engine AP's free-dim stride is an int16 in elements. Every other 40,000th
+    bf16 element (a [1, 2, 40000] tile read at [:, :, 0]) cannot be encoded; a run inside one row of it can."""
+    def k(x):
+        t = _sb((1, 2, 40000), nl.bfloat16)
+        nisa.memset(dst=t[:, 0, :], value=1.0)
+        nisa.memset(dst=t[:, 1, :], value=2.0)
+        d = _sb((1, 2), nl.bfloat16)
+        nisa.tensor_copy(dst=d, src=t[:, :, 0:1])
+    with pytest.raises(NkiValidationError, match=r"tensor_copy: src .* step 40000 does not fit the int16 stride"):
+        run_body(k)
+
+    def ok(x):
+        t = _sb((1, 2, 40000), nl.bfloat16)
+        nisa.memset(dst=t[:, 0, :], value=1.0)
+        nisa.memset(dst=t[:, 1, :], value=2.0)
+        d = _sb((1, 1000), nl.bfloat16)
+        nisa.tensor_copy(dst=d, src=t[:, 1, 39000:40000])
+    run_body(ok)
+
+
+def test_top8_output_ranks():
+    """SDK-ISA max8: "the output tile is always 2-dimensional"; nc_find_index8: dst "a 2D tile", vals "up to
+    3-dimensional". A (P, 1, 8) dst is refused; the same tile viewed as (P, 8) runs."""
+    def k(x):
+        src = _sb((2, 16))
+        nisa.iota(dst=src, pattern=[[1, 16]], offset=0, channel_multiplier=16)
+        d = _sb((2, 1, 8))
+        nisa.max8(dst=d, src=src)
+    with pytest.raises(NkiValidationError, match=r"max8: dst has shape \[2, 1, 8\]; it may have at most 2 dims"):
+        run_body(k)
+
+    def k_vals(x):
+        src = _sb((2, 16))
+        nisa.iota(dst=src, pattern=[[1, 16]], offset=0, channel_multiplier=16)
+        v = _sb((2, 2, 2, 2))
+        nisa.memset(dst=v, value=1.0)
+        nisa.nc_find_index8(dst=_sb((2, 8), nl.uint32), data=src, vals=v)
+    with pytest.raises(NkiValidationError, match=r"nc_find_index8: vals has shape \[2, 2, 2, 2\]; it may have at "
+                                                 r"most 3 dims"):
+        run_body(k_vals)
+
+    def ok(x):
+        src = _sb((2, 16))
+        nisa.iota(dst=src, pattern=[[1, 16]], offset=0, channel_multiplier=16)
+        d = _sb((2, 1, 8))
+        nisa.max8(dst=d[:, 0, :], src=src)
+        nisa.nc_find_index8(dst=_sb((2, 8), nl.uint32), data=src, vals=d.reshape((2, 2, 4)))
+    run_body(ok)
 
 
 def test_install_idempotent_and_api_surface():

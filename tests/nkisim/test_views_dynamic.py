@@ -248,6 +248,29 @@ def test_tensor_valued_select_and_vector_select(rng):
         onchip_dim0(np.zeros((2, 2), np.float32))
 
 
+def test_dynamic_offsets_come_from_sbuf():
+    """SDK-AP: scalar_offset is "an SBUF tensor of shape (1, 1)" (or a register), vector_offset "an SBUF tensor", and
+    select / vector_select take their indices "in SBUF": the same index tiles in PSUM are refused."""
+    def make(kind):
+        @nki.jit
+        def k(x):
+            i = nl.ndarray((1, 1), nl.int32, buffer=nl.psum)
+            r = nl.ndarray((2, 1), nl.int32, buffer=nl.psum)
+            if kind == "scalar_offset":
+                x.ap([[4, 2], [1, 4]], offset=0, scalar_offset=i, indirect_dim=0)
+            elif kind == "vector_offset":
+                x.ap([[4, 2], [1, 4]], offset=0, vector_offset=r, indirect_dim=0)
+            elif kind == "select":
+                x.select(0, i)
+            else:
+                x.vector_select(0, r)
+            return x
+        return k
+    for kind in ("scalar_offset", "vector_offset", "select", "vector_select"):
+        with pytest.raises(nkisim.NkiValidationError, match="SBUF tensor"):
+            make(kind)(np.zeros((4, 4), np.float32))
+
+
 def test_rearrange(rng):
     x = rng.standard_normal((6, 4 * 8)).astype(np.float32)
 
