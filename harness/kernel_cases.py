@@ -153,7 +153,9 @@ def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, 
     plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab, device_commit=device_commit)
     run = _runtime(cfg, context, dtype, mode, device_commit)
     nd = draft_vocab if plan.draft_vocab_per_core else 0
-    per_rank = [{"plan": plan, **t, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype, nd, fp8_experts)]
+    skip = set(rp.WEIGHTS) - set(rp.kernel_weights(mode))       # a step takes no MTP weights
+    per_rank = [{"plan": plan, **{k: v for k, v in t.items() if k not in skip}, **run}
+                for t in rank_tensors(cfg, tp, lnc, context, dtype, nd, fp8_experts)]
     case = KernelCase(f"{mode} megakernel", KERNELS[mode], per_rank, tp, lnc,
                       RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
                       notes={"shipped": "max_context=None (runtime loops)" if max_context is None else

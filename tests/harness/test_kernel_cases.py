@@ -147,6 +147,19 @@ def test_round_case_is_the_shipped_kernel_with_real_inputs(tiny_round):
     assert params["count"] <= params["declared"] == 45
 
 
+@pytest.mark.slow       # ~8 s: a tiny-model step trace
+def test_step_case_is_the_shipped_step_kernel():
+    """The plain-decode step kernel traces as shipped: the trunk only (no MTP weights among its parameters), its
+    one verify stage on one token at the real position."""
+    case = kc.step_case(TINY, 600)
+    assert "mtp_fc" not in case.per_rank[0] and case.plan.mode == "step" and case.plan.tokens == 1
+    assert int(case.per_rank[0]["pos"][0, 0]) == 600
+    tr = case.trace()
+    assert tr.instructions and any(r["op"] == "nc_matmul" for r in tr.instructions)
+    params = kc.kernel_parameters(case)
+    assert params["count"] == len(case.per_rank[0]) - 1 <= params["declared"]
+
+
 def test_layer_labels_and_breakdown_cover_the_round(tiny_round):
     case, tr = tiny_round
     labels = layers.label_layers(tr.instructions, case.plan)
