@@ -507,16 +507,18 @@ def _first_gdn(plan, stage):
     return None
 
 
-def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None):
+def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None, w_norms=None):
     """The MTP layer's input on T positions q: ids SBUF [T, 1] int32 (token q+1), h SBUF [T, H] (hidden at q) ->
     token-major SBUF [T, H]: embed(ids) and h, each RMS-normed, concatenated and projected by ``mtp_fc`` (columns
-    split over the cores, gathered). ``e`` / ``w_fc``: the embedding rows and this core's fc columns
-    (``columns_weight``) if the caller loaded them, else loaded here."""
+    split over the cores, gathered). ``e`` / ``w_fc`` / ``w_norms``: the embedding rows, this core's fc columns
+    (``columns_weight``) and the two norm weights (SBUF) if the caller loaded them, else loaded here."""
     rows = plan.norms
     if e == None:
         e = embedding_body(t.embed, ids)
-    eT = rmsnorm_body(e, t.norms[rows.mtp_emb], plan.eps)
-    hT = rmsnorm_body(h, t.norms[rows.mtp_hidden], plan.eps)
+    if w_norms == None:
+        w_norms = (t.norms[rows.mtp_emb], t.norms[rows.mtp_hidden])
+    eT = rmsnorm_body(e, w_norms[0], plan.eps)
+    hT = rmsnorm_body(h, w_norms[1], plan.eps)
     _, J, T = eT.shape
     uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
@@ -530,12 +532,20 @@ def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None):
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     """The MTP head up to its final norm on T = ``stage.tokens`` positions q (arguments as :func:`mtp_input`) ->
     (feature-major ``mtp.norm`` output [P, J, T], the layer's last residual). Writes the MTP KV rows of the stage's
-    positions."""
-    xe = mtp_input(plan, t, ids, h, rg, core)
+    positions. The launch's first draft issues its input's weights first (the two norm weights, then the fc columns
+    on ScalarE's DMA queue), so the fc columns stream while the head's input is gathered and normed instead of
+    behind the norms' small DMAs (bench/decode_speed.md lever 30)."""
+    layer = stage.layers[0]
+    w_fc = w_norms = None
+    if stage.draft == 0:
+        rows = plan.norms
+        w_norms = (_sbuf_copy(t.norms[rows.mtp_emb], "mtp_emb_norm_w"),
+                   _sbuf_copy(t.norms[rows.mtp_hidden], "mtp_hidden_norm_w"))
+        w_fc = columns_weight(t.mtp_fc[core], nisa.engine.scalar)
+    xe = mtp_input(plan, t, ids, h, rg, core, None, w_fc, w_norms)
     x = stack_rows(xe, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
-    x = decoder_layer(plan, stage.layers[0], t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False,
-                      xe)
+    x = decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False, xe)
     return rmsnorm_body(x, t.norms[plan.norms.mtp_final], plan.eps, stack=t.stack), x
 
 

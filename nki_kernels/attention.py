@@ -314,17 +314,18 @@ def attention_kv_rows(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, p
 
 class KVRowsInputs(nl.NKIObject):
     """What :func:`kv_rows_project` / :func:`kv_rows_write` use: the geometry ``g``, the SBUF weights and tables
-    ``w`` (wk / wv as [P, KT, D] where this core projects them), p in a register, the layer's cache views."""
+    ``w`` (wk / wv as [P, KT, D] where this core projects them), p (SBUF [1, 1] int32) and the register the writes
+    load it into, the layer's cache views."""
 
-    def __init__(self, g, w, p_reg, k_cache, v_cache):
-        self.g, self.w, self.p_reg, self.k_cache, self.v_cache = g, w, p_reg, k_cache, v_cache
+    def __init__(self, g, w, pos_sb, p_reg, k_cache, v_cache):
+        self.g, self.w, self.pos_sb, self.p_reg, self.k_cache, self.v_cache = g, w, pos_sb, p_reg, k_cache, v_cache
 
 
 def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, core=0, n_cores=1,
                    kv_tile=KV_TILE, layer=None, reg=None, engine=None):
     """Step 1 of :func:`attention_kv_rows` for an input xT of shape ``xshape`` and dtype ``act``: validate, issue the
-    DMAs of this core's K or V weight, the norm / RoPE tables and p (into ``reg`` or a new register) ->
-    :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are triggered from (None: the
+    DMAs of this core's K or V weight, the norm / RoPE tables and p (loaded into ``reg`` or a new register by
+    :func:`kv_rows_write`) -> :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are triggered from (None: the
     default queue)."""
     offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
                layer_offset(norm_w, layer), layer_offset(k_cache, layer))
@@ -336,8 +337,6 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
                   offsets)
     pos_sb = _one("kv_rows_pos")
     _queued_dma(pos_sb, pos.ap(pattern=[[0, 1], [1, 1]], offset=0), engine)
-    p_reg = nisa.register_alloc() if reg == None else reg
-    nisa.register_load(p_reg, pos_sb)
     w = {"wk": wk, "wv": wv}
     for nm, on, off in (("wk", g.do_k, g.wk_off), ("wv", g.do_v, g.wv_off)):
         if on:
@@ -345,7 +344,7 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
             _queued_dma(w[nm + "_sb"], w[nm].ap(pattern=[[g.D, P], [P * g.D, g.KT], [1, g.D]], offset=off), engine)
     if g.do_k:
         _load_tables(g, w, norm_w, cos, sin)
-    return KVRowsInputs(g, w, p_reg, k_cache, v_cache)
+    return KVRowsInputs(g, w, pos_sb, nisa.register_alloc() if reg == None else reg, k_cache, v_cache)
 
 
 def _queued_dma(dst, src, engine):
@@ -381,9 +380,11 @@ def kv_rows_project(xT, kin, eps=1e-6):
 
 
 def kv_rows_write(kin, rows):
-    """Step 3 of :func:`attention_kv_rows`: write ``rows`` (:func:`kv_rows_project`) at cache rows p..p+T-1."""
+    """Step 3 of :func:`attention_kv_rows`: write ``rows`` (:func:`kv_rows_project`) at cache rows p..p+T-1 (p loaded
+    into the register here: the register load waits for p's DMA on its engine, so not in step 1)."""
     g = kin.g
     qk, vnew = rows
+    nisa.register_load(kin.p_reg, kin.pos_sb)
     pattern = [[g.D, g.T], [1, g.D]]
     if g.do_k:
         nisa.dma_copy(dst=kin.k_cache.ap(pattern=pattern, offset=g.cache_off, scalar_offset=kin.p_reg, indirect_dim=1),
