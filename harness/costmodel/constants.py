@@ -72,7 +72,9 @@ ACT_FIXED_NS = 150.0          # ASSUMPTION: no ACT instruction was measured; DVE
 ACT_TABLE_LOAD_NS = 1283.0    # costs/measured "ACT_TABLE_LOAD 1,283 ns each, constant (also under throttling)"
 # costs/measured "ACT table groups": t0 = {COPY, SQUARE, RSQRT}, t1 = SIGMOID, t2 = SILU, t3 = EXP, t4 = SOFTPLUS;
 # any switch between groups costs one load. Functions not listed there are ASSUMED to live in a group of
-# their own (a switch to or from them costs a load). Keys are nkisim's `func` names (nkisim/ops.py).
+# their own (a switch to or from them costs a load). Keys are nkisim's `func` names (nkisim/ops.py). ASSUMPTION:
+# a ScalarE instruction without an activation function (tensor_copy, memset on ScalarE) loads no table -- no document
+# says either way (the GDN projections' late evictions and the attention evictions rely on it).
 ACT_TABLE_GROUPS = {
     "copy": "t0", "identity": "t0", "square": "t0", "rsqrt": "t0",
     "sigmoid": "t1",
