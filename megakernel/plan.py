@@ -131,8 +131,11 @@ class NormRows(nl.NKIObject):
 
     def __init__(self, layers: int, mtp: bool):
         self.final = 2 * layers
-        self.mtp_emb, self.mtp_hidden = 2 * layers + 1, 2 * layers + 2
-        self.mtp_in, self.mtp_post, self.mtp_final = 2 * layers + 3, 2 * layers + 4, 2 * layers + 5
+        self.mtp_emb = 2 * layers + 1
+        self.mtp_hidden = 2 * layers + 2
+        self.mtp_in = 2 * layers + 3
+        self.mtp_post = 2 * layers + 4
+        self.mtp_final = 2 * layers + 5
         self.count = 2 * layers + (6 if mtp else 1)
 
 
@@ -144,8 +147,14 @@ class Layer(nl.NKIObject):
 
     def __init__(self, name: str, kind: str, mixer: int, groups: int, in_norm: int, post_norm: int, moe: int,
                  experts: tuple):
-        self.name, self.kind, self.mixer, self.groups = name, kind, mixer, groups
-        self.in_norm, self.post_norm, self.moe, self.experts = in_norm, post_norm, moe, experts
+        self.name = name
+        self.kind = kind
+        self.mixer = mixer
+        self.groups = groups
+        self.in_norm = in_norm
+        self.post_norm = post_norm
+        self.moe = moe
+        self.experts = experts
 
 
 class Stage(nl.NKIObject):
@@ -157,8 +166,13 @@ class Stage(nl.NKIObject):
 
     def __init__(self, name: str, kind: str, tokens: int, layers: tuple, inputs: str, rope_row: int = 0,
                  draft: int = 0):
-        self.name, self.kind, self.tokens, self.layers = name, kind, tokens, layers
-        self.inputs, self.rope_row, self.draft = inputs, rope_row, draft
+        self.name = name
+        self.kind = kind
+        self.tokens = tokens
+        self.layers = layers
+        self.inputs = inputs
+        self.rope_row = rope_row
+        self.draft = draft
 
 
 class Plan(nl.NKIObject):
@@ -169,8 +183,13 @@ class Plan(nl.NKIObject):
 
     def __init__(self, mode: str, stages: tuple, tp: int, lnc: int, eps: float, top_k: int, vocab_per_core: int,
                  norms: NormRows, max_context=None, draft_vocab_per_core: int = 0, device_commit: bool = False):
-        self.mode, self.stages = mode, stages
-        self.tp, self.lnc, self.eps, self.top_k, self.vocab_per_core = tp, lnc, float(eps), top_k, vocab_per_core
+        self.mode = mode
+        self.stages = stages
+        self.tp = tp
+        self.lnc = lnc
+        self.eps = float(eps)
+        self.top_k = top_k
+        self.vocab_per_core = vocab_per_core
         self.norms = norms
         self.max_context = max_context      # attention loops unrolled for a context (shape-only costing), or None
         self.tokens = stages[len(stages) - 1].tokens if mode == "step" else _verify_tokens(stages)

@@ -76,19 +76,40 @@ class LaunchTensors(nl.NKIObject):
     def __init__(self, embed, lm_head, norms, mtp_fc, gdn, attn, moe_router, moe_shared, experts, gdn_window,
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1):
-        self.embed, self.lm_head, self.norms, self.mtp_fc = embed, lm_head, norms, mtp_fc
+        self.embed = embed
+        self.lm_head = lm_head
+        self.norms = norms
+        self.mtp_fc = mtp_fc
         self.gdn = gdn              # (w_in, conv_w, A_log, dt_bias, norm_w, w_out), each stacked [G, ...]
         self.attn = attn            # (wqg, wk, wv, wo, norm_w), each stacked [A, ...]
-        self.moe_router, self.moe_shared, self.experts = moe_router, moe_shared, experts
-        self.gdn_window, self.gdn_state, self.attn_k, self.attn_v = gdn_window, gdn_state, attn_k, attn_v
-        self.pending, self.read_slot, self.pos, self.cos_v, self.sin_v = pending, read_slot, pos, cos_v, sin_v
-        self.hidden, self.force, self.pos_d1, self.cos_d1, self.sin_d1 = hidden, force, pos_d1, cos_d1, sin_d1
-        self.draft_head = self.draft_ids = None     # the FR-Spec draft head and its token ids (round, optional)
-        self.noise_v = self.noise_d1 = None         # a sampled launch's Gumbel noise (plan.noise_specs, optional)
-        self.control = self.control_hidden = None   # a device-committed round's control state (plan.control_specs)
-        self.rope_cos = self.rope_sin = None        # ... and its RoPE tables (plan.rope_table)
+        self.moe_router = moe_router
+        self.moe_shared = moe_shared
+        self.experts = experts
+        self.gdn_window = gdn_window
+        self.gdn_state = gdn_state
+        self.attn_k = attn_k
+        self.attn_v = attn_v
+        self.pending = pending
+        self.read_slot = read_slot
+        self.pos = pos
+        self.cos_v = cos_v
+        self.sin_v = sin_v
+        self.hidden = hidden
+        self.force = force
+        self.pos_d1 = pos_d1
+        self.cos_d1 = cos_d1
+        self.sin_d1 = sin_d1
+        self.draft_head = None                      # the FR-Spec draft head and its token ids (round, optional)
+        self.draft_ids = None
+        self.noise_v = None                         # a sampled launch's Gumbel noise (plan.noise_specs, optional)
+        self.noise_d1 = None
+        self.control = None                         # a device-committed round's control state (plan.control_specs)
+        self.control_hidden = None
+        self.rope_cos = None                        # ... and its RoPE tables (plan.rope_table)
+        self.rope_sin = None
         self.pos_sb = None                          # ... and its position in SBUF (control_inputs)
-        self.noise_entry = self.noise_slot = None   # ... and, sampled, its noise window entry (SBUF, a register)
+        self.noise_entry = None                     # ... and, sampled, its noise window entry (SBUF, a register)
+        self.noise_slot = None
         self.moe_scales = None                      # the opt-in fp8 experts' scales [M, ...] (moe_scales)
         self.stack = banks_for(embed.shape[1], RESIDUAL_BANKS)     # the residual's banks S (1: token-major)
 
@@ -129,9 +150,14 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                       (moe_experts_0, moe_experts_1, moe_experts_2, moe_experts_3, moe_experts_4),
                       gdn_window, gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force,
                       pos_d1, cos_d1, sin_d1)
-    t.draft_head, t.draft_ids = draft_head, draft_ids
-    t.noise_v, t.noise_d1 = noise_v, noise_d1
-    t.control, t.control_hidden, t.rope_cos, t.rope_sin = control, control_hidden, rope_cos, rope_sin
+    t.draft_head = draft_head
+    t.draft_ids = draft_ids
+    t.noise_v = noise_v
+    t.noise_d1 = noise_d1
+    t.control = control
+    t.control_hidden = control_hidden
+    t.rope_cos = rope_cos
+    t.rope_sin = rope_sin
     t.moe_scales = moe_scales
     return run_plan(plan, t)
 
@@ -384,10 +410,20 @@ class ReplayInHead(nl.NKIObject):
     blocks :data:`REPLAY_PHASES` (or the last block), each once the previous phase's results are in."""
 
     def __init__(self, plan, stage, t, ids, rg, regs, core):
-        self.plan, self.stage, self.t, self.ids = plan, stage, t, ids
-        self.rg, self.regs, self.core = rg, regs, core
+        self.plan = plan
+        self.stage = stage
+        self.t = t
+        self.ids = ids
+        self.rg = rg
+        self.regs = regs
+        self.core = core
         self.h = None           # the verify's hiddens [K, H], set once computed (phase 0 does not read them)
-        self.e = self.w_norm = self.w_fc = self.kin = self.xe = self.rows = None
+        self.e = None
+        self.w_norm = None
+        self.w_fc = None
+        self.kin = None
+        self.xe = None
+        self.rows = None
 
     def step(self, b, n):
         """Called by the LM head after vocab block b of n: the phases 1.. due there (phase 0 ran before the head)."""
@@ -554,7 +590,10 @@ def _stage_inputs(stage, t):
     if t.control != None and stage.inputs == "d1":      # a device-committed round: built when first needed
         return _control_rows(stage, t)
     if t.control != None and t.pos == None:
-        t.pos, t.cos_v, t.sin_v = _control_rows(stage, t)
+        rows = _control_rows(stage, t)
+        t.pos = rows[0]
+        t.cos_v = rows[1]
+        t.sin_v = rows[2]
     if stage.inputs == "d1":
         if t.pos_d1.shape[0] == 1:
             return t.pos_d1, t.cos_d1, t.sin_d1
@@ -674,7 +713,8 @@ class Registers(nl.NKIObject):
     every GDN layer so its weight DMA waits only for the previous GDN layer's reads)."""
 
     def __init__(self, moe, attention):
-        self.moe, self.attention = moe, attention
+        self.moe = moe
+        self.attention = attention
         self.gdn = None
         self.gdn_layer = -1         # the GDN layer whose weight DMAs into the arena are issued and not yet used
 

@@ -216,7 +216,8 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_
                          f"head in one PSUM bank)")
     if n_cores not in (1, 2) or Hq % n_cores:
         raise ValueError(f"{nm}: {Hq} query heads do not split over {n_cores} cores")
-    for nmw, t in (("wk", wk), ("wv", wv)):
+    for nmw_t in (("wk", wk), ("wv", wv)):
+        nmw, t = nmw_t
         if tuple(t.shape) != (H, D):
             raise ValueError(f"{nm}: {nmw} has shape {list(t.shape)}, expected [H={H}, D={D}]")
     if tuple(wo.shape) != (Hq * D, H):
@@ -227,13 +228,15 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_
     if len(cos.shape) != 2:
         raise ValueError(f"{nm}: cos has shape {list(cos.shape)}, expected [N={N}, R]")
     R = cos.shape[1]
-    for nmt, t in (("cos", cos), ("sin", sin)):
+    for nmt_t in (("cos", cos), ("sin", sin)):
+        nmt, t = nmt_t
         if tuple(t.shape) != (N, R) or t.dtype != F32:
             raise ValueError(f"{nm}: {nmt} must be float32 [N={N}, R] (rope tables by position), got "
                              f"{t.dtype}{list(t.shape)}")
     if R % 2 or not 0 < R <= D:
         raise ValueError(f"{nm}: rotary dims {R} must be even and <= head dim {D}")
-    for nmc, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for nmc_c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        nmc, c = nmc_c
         if len(c.shape) != 3 or c.shape[0] != 1 or c.shape[2] != D:
             raise ValueError(f"{nm}: {nmc} has shape {list(c.shape)}, expected [1, L, D={D}] (one KV head per rank)")
     if tuple(k_cache.shape) != tuple(v_cache.shape):
@@ -241,7 +244,8 @@ def _geometry(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, start, n_
     act = xT.dtype
     if act not in (nl.bfloat16, F32):
         raise TypeError(f"{nm}: activation dtype must be bfloat16 or float32, got {act}")
-    for nmt, t in (("wqg", wqg), ("wk", wk), ("wv", wv), ("wo", wo), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for nmt_t in (("wqg", wqg), ("wk", wk), ("wv", wv), ("wo", wo), ("k_cache", k_cache), ("v_cache", v_cache)):
+        nmt, t = nmt_t
         if t.dtype != act:
             raise TypeError(f"{nm}: {nmt} dtype {t.dtype} differs from the activation dtype {act}")
     if tuple(start.shape) not in ((1, 1), (1,)) or start.dtype != I32:
@@ -318,8 +322,10 @@ def attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cac
     if fuse == None and (tuple(out.shape) != (g["N"], g["H"]) or out.dtype != F32):
         raise ValueError(f"attention_prefill: out must be float32 [N={g['N']}, H={g['H']}], got "
                          f"{out.dtype}{list(out.shape)}")
-    g["core"], g["n_cores"] = core, n_cores
-    g["do_k"], g["do_v"] = core == 0, core == n_cores - 1
+    g["core"] = core
+    g["n_cores"] = n_cores
+    g["do_k"] = core == 0
+    g["do_v"] = core == n_cores - 1
     act = g["act"]
 
     # ScalarE runs only exp and table-free copies here: load the exp table while the weights stream
@@ -329,7 +335,8 @@ def attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cac
     ident = nl.shared_identity_matrix(P, dtype=act)
     rt = _runtime_scalars(g, start, regs)
     st = _resident_state(g)
-    st["ident"] = g["ident"] = ident
+    st["ident"] = ident
+    g["ident"] = ident
     _project_tiles(g, st, xT, wqg, wk, wv, norm_w, cos, sin, k_cache, v_cache, rt, eps)
     _softmax_state(g, st)
     wo_sb = _load_wo(g, wo, "own")
@@ -337,7 +344,10 @@ def attention_prefill_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cac
     stats = nl.ndarray((1, 3), F32, buffer=nl.sbuf, name="pf_stats")
     _replay_if_needed(g, st, k_cache, v_cache, rt, stats, static_start)
     # the attention work tiles and the chunk's q^T / K^T / V are dead: their SBUF goes to the o_proj phase
-    st["ring"], st["qT"], st["kT"], st["v"] = None, None, None, None
+    st["ring"] = None
+    st["qT"] = None
+    st["kT"] = None
+    st["v"] = None
     if fuse == None:
         _finish(g, st, wo_sb, out, stats)
     else:
@@ -370,7 +380,8 @@ def _runtime_scalars(g, start, regs):
         raise ValueError(f"attention_prefill: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
     rt = {"rem_f": rem_f, "nctx": nctx}
     vals = {"start": s_i[0:1, :], "rem": rem_i[0:1, :], "head": head_i}
-    for i, k in enumerate(REGISTER_NAMES):
+    for i in range(len(REGISTER_NAMES)):
+        k = REGISTER_NAMES[i]
         rt[k] = nisa.register_alloc() if regs == None else regs[i]
         if k in vals:
             nisa.register_load(rt[k], vals[k])
@@ -427,14 +438,16 @@ def _project_tiles(g, st, xT, wqg, wk, wv, norm_w, cos, sin, k_cache, v_cache, r
     w = {}
     w["q"] = nl.ndarray((P, KT, 2, Hc, D), act, buffer=nl.sbuf, name="pf_wqg")
     kv = []
-    for nmw, on, src in (("k", g["do_k"], wk), ("v", g["do_v"], wv)):
+    for nmw_on_src in (("k", g["do_k"], wk), ("v", g["do_v"], wv)):
+        nmw, on, src = nmw_on_src
         if on:
             w[nmw] = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name=f"pf_w{nmw}")
             kv.append((w[nmw], src))
     for j in range(KT):       # per input tile, in the order the matmuls consume them
         nisa.dma_copy(dst=w["q"][:, j], src=wqg.ap(pattern=[[row, P], [Hq * D, 2], [1, Hc * D]],
                                                     offset=j * P * row + h0 * D))
-        for dst, src in kv:
+        for dst_src in kv:
+            dst, src = dst_src
             nisa.dma_copy(dst=dst[:, j], src=src[j * P:(j + 1) * P, :])
     nh = Hc + (1 if g["do_k"] else 0)           # rows of the norm tile: this core's heads (+ k on core 0)
     nw = nl.ndarray((P, nh, D), F32, buffer=nl.sbuf, name="pf_norm_w")
@@ -482,7 +495,8 @@ def _project(g, w, x):
     for h in range(Hc):             # one bank each (2D <= 512 fp32 columns)
         bank = nl.ndarray((P, 2, PSUM_COLS // 2), F32, buffer=nl.psum, name=f"pf_qg_psum{h}")
         ps["qg"].append(bank[:, :, 0:D])
-    for nmw, on in (("k", g["do_k"]), ("v", g["do_v"])):
+    for nmw_on in (("k", g["do_k"]), ("v", g["do_v"])):
+        nmw, on = nmw_on
         if on:
             bank = nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"pf_{nmw}_psum")
             ps[nmw] = bank[:, 0:D]
@@ -708,7 +722,8 @@ def _context_block(g, st, buf, k_cache, v_cache, row0, reg, dead, mask, mode, b)
     the dead rows of a head block, transpose K on the PE, attend every unit; the replay counter advances."""
     D, NB, DT = g["D"], g["NB"], g["DT"]
     pattern = [[D, P], [P * D, NB], [1, D]]
-    for dst, cache in ((buf["k"], k_cache), (buf["v"][:, :, 0:D], v_cache)):
+    for dst_cache in ((buf["k"], k_cache), (buf["v"][:, :, 0:D], v_cache)):
+        dst, cache = dst_cache
         if reg == None:
             src = cache.ap(pattern=pattern, offset=row0 * D)
         else:
@@ -745,9 +760,10 @@ def _sbuf_ring(g):
     may live across runtime loops)."""
     act, D, KB, NB = g["act"], g["D"], g["KB"], g["NB"]
     r = {}
-    for nmr, shape, dt in (("p", (P, KB), act), ("pT", (P, NB, P), act),
-                           ("tmp", (P, D + 1), F32), ("ok", (P, 1), U32), ("mx", (P, 4), F32),
-                           ("nmx", (P, 1), F32), ("nmn", (P, 1), F32), ("alpha", (P, 1), F32)):
+    for nmr_shape_dt in (("p", (P, KB), act), ("pT", (P, NB, P), act),
+                         ("tmp", (P, D + 1), F32), ("ok", (P, 1), U32), ("mx", (P, 4), F32),
+                         ("nmx", (P, 1), F32), ("nmn", (P, 1), F32), ("alpha", (P, 1), F32)):
+        nmr, shape, dt = nmr_shape_dt
         r[nmr] = []
         for k in range(2):
             r[nmr].append(nl.ndarray(shape, dt, buffer=nl.sbuf, name=f"pf_{nmr}{k}"))
@@ -760,7 +776,8 @@ def _ring(st):
     PSUM must not carry state across runtime loops -- 3 score banks, 2 P^T (and K^T) banks, 2 PV banks, used
     round-robin; the counters restart with every region (every loop iteration traces the same code)."""
     ring = {"sb": st["ring"], "n": {"u": 0, "s": 0, "t": 0, "pv": 0}}
-    for nmr, k in (("s", 3), ("t", 2), ("pv", 2)):
+    for nmr_k in (("s", 3), ("t", 2), ("pv", 2)):
+        nmr, k = nmr_k
         ring[nmr] = []
         for i in range(k):
             ring[nmr].append(nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"pf_{nmr}_bank{i}"))
@@ -802,7 +819,8 @@ def _stage_a(g, st, ring, u, slot, mode):
     segs = u["segs"]
     p = sb["p"][slot]
     srcs = []
-    for col, w, m in segs:
+    for col_w_m in segs:
+        col, w, m = col_w_m
         s_ps = _next(ring, "s")[:, 0:w]
         for dt in range(DT):
             nisa.nc_matmul(dst=s_ps, stationary=st["qT"][:, i, dt, :],
@@ -838,7 +856,8 @@ def _stage_pT(st, ring, u, slot):
     carries the state updates)."""
     sb = ring["sb"]
     p, pT = sb["p"][slot], sb["pT"][slot]
-    for col, w, _ in u["segs"]:
+    for col_w in u["segs"]:
+        col, w, _ = col_w
         n = w // P
         tps = _next(ring, "t").reshape((P, 4, P))
         for c in range(n):
@@ -938,7 +957,8 @@ def _finish_tiles(g, st, og_depth):
     _transpose_psum(g, fr)
     for k in range(2):
         fr["y_ps"].append(nl.ndarray((P, PSUM_COLS), F32, buffer=nl.psum, name=f"pf_y_psum{k}"))
-    for nmr, dt, depth in (("o", act, 2), ("sg", F32, 2), ("og", act, og_depth)):
+    for nmr_dt_depth in (("o", act, 2), ("sg", F32, 2), ("og", act, og_depth)):
+        nmr, dt, depth = nmr_dt_depth
         fr[nmr] = []
         for k in range(depth):
             fr[nmr].append(nl.ndarray((P, Hc, D), dt, buffer=nl.sbuf, name=f"pf_{nmr}{k}"))
@@ -1326,16 +1346,19 @@ def kv_rows_body(xT, wk, wv, norm_w, cos, sin, k_cache, v_cache, start, eps, cor
     H = KT * P
     D = wk.shape[1]
     act = xT.dtype
-    for nmw, t in (("wk", wk), ("wv", wv)):
+    for nmw_t in (("wk", wk), ("wv", wv)):
+        nmw, t = nmw_t
         if tuple(t.shape) != (H, D) or t.dtype != act:
             raise ValueError(f"{nm}: {nmw} is {t.dtype}{list(t.shape)}, expected {act}[H={H}, D={D}]")
     if tuple(norm_w.shape) != (2, D) or norm_w.dtype != F32:
         raise ValueError(f"{nm}: norm_w must be float32 [2, D={D}], got {norm_w.dtype}{list(norm_w.shape)}")
     R = cos.shape[1]
-    for nmt, t in (("cos", cos), ("sin", sin)):
+    for nmt_t in (("cos", cos), ("sin", sin)):
+        nmt, t = nmt_t
         if tuple(t.shape) != (N, R) or t.dtype != F32:
             raise ValueError(f"{nm}: {nmt} must be float32 [N={N}, R], got {t.dtype}{list(t.shape)}")
-    for nmc, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for nmc_c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        nmc, c = nmc_c
         if len(c.shape) != 3 or c.shape[0] != 1 or c.shape[2] != D or c.dtype != act or c.shape[1] < N:
             raise ValueError(f"{nm}: {nmc} is {c.dtype}{list(c.shape)}, expected {act}[1, L >= {N}, D={D}]")
     if k_cache.shape[1] * D > INT32_MAX:
@@ -1351,12 +1374,14 @@ def kv_rows_body(xT, wk, wv, norm_w, cos, sin, k_cache, v_cache, start, eps, cor
     nisa.register_load(reg, s_i[0:1, :])
     w = {}
     kv = []
-    for nmw, on, src in (("k", do_k, wk), ("v", do_v, wv)):
+    for nmw_on_src in (("k", do_k, wk), ("v", do_v, wv)):
+        nmw, on, src = nmw_on_src
         if on:
             w[nmw] = nl.ndarray((P, KT, D), act, buffer=nl.sbuf, name=f"pf_kv_w{nmw}")
             kv.append((w[nmw], src))
     for j in range(KT):
-        for dst, src in kv:
+        for dst_src in kv:
+            dst, src = dst_src
             nisa.dma_copy(dst=dst[:, j], src=src[j * P:(j + 1) * P, :])
     if do_k:
         nw = nl.ndarray((P, 1, D), F32, buffer=nl.sbuf, name="pf_kv_norm_w")

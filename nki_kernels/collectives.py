@@ -199,7 +199,8 @@ def argmax_combine(best, vc: int, rg, tp: int, pipe_id: int = 0):
     # candidates, column c*tp + r = core g = r*lnc + c
     vals = nl.ndarray((T, n), nl.float32, buffer=nl.sbuf, name="am_vals")
     idx = nl.ndarray((T, n), nl.float32, buffer=nl.sbuf, name="am_idx")
-    for c, src in lanes:
+    for c_src in lanes:
+        c, src = c_src
         pairs = src.reshape((T, tp, 2))
         nisa.tensor_copy(dst=vals[:, c * tp:(c + 1) * tp], src=pairs[:, :, 0])
         nisa.tensor_copy(dst=idx[:, c * tp:(c + 1) * tp], src=pairs[:, :, 1])

@@ -231,8 +231,13 @@ class GdnWeights(nl.NKIObject):
     tiles are allocated)."""
 
     def __init__(self, w_in_tiles, jg, wo, wc, wn, ab, ident_g):
-        self.w_in_tiles, self.jg, self.wo = w_in_tiles, jg, wo
-        self.wc, self.wn, self.ab, self.ident_g = wc, wn, ab, ident_g
+        self.w_in_tiles = w_in_tiles
+        self.jg = jg
+        self.wo = wo
+        self.wc = wc
+        self.wn = wn
+        self.ab = ab
+        self.ident_g = ident_g
 
 
 def gdn_weight_tiles(w_in, conv_w, w_out):

@@ -262,7 +262,8 @@ def _constants(g, conv_w, A_log, dt_bias, norm_w):
     ma_s = nl.ndarray((P, P), F32, buffer=nl.sbuf, name="madd_strict")
     nisa.tensor_scalar(dst=ma_s, data=u64, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=-NEG)
     if mdt == F32:
-        c["madd_incl"], c["madd_strict"] = ma_i, ma_s
+        c["madd_incl"] = ma_i
+        c["madd_strict"] = ma_s
     else:
         c["madd_incl"] = nl.ndarray((P, P), mdt, buffer=nl.sbuf, name="madd_incl_mm")
         nisa.tensor_copy(dst=c["madd_incl"], src=ma_i, engine=POOL_ENG)
@@ -406,7 +407,9 @@ def _a_item(g, c, A, item, neg):
         gw = h if kind == "proj" else NH + hv
         c0, c1 = _w_cols(g, gw)
         if j == 0:
-            A["ps"], A["psb"] = _ps(c, c1 - c0, [W])
+            view_bank = _ps(c, c1 - c0, [W])
+            A["ps"] = view_bank[0]
+            A["psb"] = view_bank[1]
             k = 0
             for i in range(len(A["wseq"])):
                 if A["wseq"][i] == gw:
@@ -424,7 +427,8 @@ def _a_item(g, c, A, item, neg):
         ba = nl.ndarray((2 * hv, W), adt, buffer=nl.sbuf, name="b_a")
         nisa.tensor_copy(dst=ba, src=A["ps"], engine=DVE_ENG)
         _ps_free(c, A["psb"])
-        A["ba"], A["ps"] = ba, None
+        A["ba"] = ba
+        A["ps"] = None
     elif kind == "act_burst":
         # the conv and its SiLU (all heads; right after the SiLU of z: one table load)
         for hh in range(NH):
@@ -449,13 +453,16 @@ def _a_item(g, c, A, item, neg):
         A["decays"] = decays
         gam = nl.ndarray((hv, 1, W), F32, buffer=nl.sbuf, name="gamma_rows")       # exp(G): all the tiles need
         nisa.tensor_copy(dst=gam[:, 0, :], src=A["gr"][:, Q_GAM, :], engine=POOL_ENG)
-        A["gam_rows"], A["gr"] = gam, None
+        A["gam_rows"] = gam
+        A["gr"] = None
         A["q32"] = nl.ndarray((D, hk, W), F32, buffer=nl.sbuf, name="q")
         A["qkm"] = nl.ndarray((D, hk, 2, W), g["mdt"], buffer=nl.sbuf, name="qk_mm")
     elif kind == "silu_z":
         sz = nl.ndarray((D, hv, W), adt, buffer=nl.sbuf, name="silu_z")
         nisa.activation(dst=sz, op=nl.silu, data=A["zs"])
-        A["sz"], A["zs"], A["xs"] = sz, None, None
+        A["sz"] = sz
+        A["zs"] = None
+        A["xs"] = None
     elif kind == "l2norm":
         _l2norm_head(g, c, A, h, hk + h, A["qkm"][:, h, 0, :], 1.0)                  # k (matmul dtype)
         _l2norm_head(g, c, A, h, h, A["q32"][:, h, :], 1.0 / math.sqrt(D))          # q * Dk^-0.5 (fp32)
@@ -467,7 +474,9 @@ def _a_item(g, c, A, item, neg):
         # the raw u of the last K-1 tokens: the next super-tile's carried columns / the final window
         tail = nl.ndarray((D, NH, Km1), adt, buffer=nl.sbuf, name="u_tail")
         nisa.tensor_copy(dst=tail, src=A["ucat"][:, :, A["vs"]:A["vs"] + Km1], engine=POOL_ENG)
-        A["tail"], A["ucat"], A["cqk"] = tail, None, None
+        A["tail"] = tail
+        A["ucat"] = None
+        A["cqk"] = None
         A["complete"] = True
 
 
@@ -539,7 +548,8 @@ def _gates(g, c, A, neg):
     nisa.tensor_copy(dst=gt, src=gt_ps, engine=DVE_ENG)
     _ps_free(c, pb)
     A["gt"] = gt
-    A["gr"], A["ba"] = gr, None
+    A["gr"] = gr
+    A["ba"] = None
 
 
 def _l2norm_head(g, c, A, kh, h, dst, scale):
@@ -804,7 +814,9 @@ def _p1_item(g, c, T, item):
         kt = nl.ndarray((P, hk, D), F32, buffer=nl.sbuf, name="k_tok")
         nisa.activation(dst=kt, op=nl.copy, data=kt_ps)
         _ps_free(c, pb)
-        T["kkq"], T["kkb"], T["kt"] = kkq, kkb, kt
+        T["kkq"] = kkq
+        T["kkb"] = kkb
+        T["kt"] = kt
 
         return
     G = T["grp"][gi]
@@ -828,7 +840,8 @@ def _p1_item(g, c, T, item):
         if gi == len(T["grp"]) - 1:
             for pb in T["kkb"]:
                 _ps_free(c, pb)
-            T["kkq"], T["kkb"] = None, None
+            T["kkq"] = None
+            T["kkb"] = None
     elif kind == "inv":
         inverse_stage(c, G["inv"], k)
     elif kind == "tok":
@@ -853,7 +866,9 @@ def _p1_item(g, c, T, item):
             nisa.tensor_tensor(dst=ktl[:, i0:i1, :], data1=_bview(kt, P, [[0, m], [1, D]], kk * D),
                                data2=_bview(gt, P, [[1, m], [0, D]], gto + C_DEC * hv + h0 + i0), op=nl.multiply,
                                engine=DVE_ENG)
-        G["bv"], G["bgk"], G["ktl"] = bv, bgk, ktl
+        G["bv"] = bv
+        G["bgk"] = bgk
+        G["ktl"] = ktl
         if gi == len(T["grp"]) - 1:
             T["kt"] = None
     elif kind == "gamma":
@@ -871,7 +886,8 @@ def _p1_item(g, c, T, item):
         nisa.tensor_copy(dst=gam, src=c["psum"]["banks"][pb].ap(pattern=[[PSUM_COLS, D], [TILE, n], [BLOCK, 2]],
                                                                  offset=BLOCK - 1), engine=DVE_ENG)
         _ps_free(c, pb)
-        G["gam"], G["gq"] = gam, gq
+        G["gam"] = gam
+        G["gq"] = gq
     elif kind == "uw":
         # U = X^T (beta V) stays in PSUM (V_new accumulates onto it); -W^T = -(beta gamma K)^T X (fp32)
         x = G["inv"]["x"]
@@ -883,7 +899,12 @@ def _p1_item(g, c, T, item):
         nmw = nl.ndarray((D, n, TILE), F32, buffer=nl.sbuf, name="neg_w_t")
         nisa.activation(dst=nmw, op=nl.copy, data=wt_ps, scale=-1.0)
         _ps_free(c, pb)
-        G["vn_ps"], G["vnb"], G["nmw"], G["inv"], G["bv"], G["bgk"] = vn_ps, vnb, nmw, None, None, None
+        G["vn_ps"] = vn_ps
+        G["vnb"] = vnb
+        G["nmw"] = nmw
+        G["inv"] = None
+        G["bv"] = None
+        G["bgk"] = None
 
 
 def _chain_item(g, c, T, S, item):
@@ -922,7 +943,9 @@ def _chain_item(g, c, T, S, item):
             _ps_free(c, pb)
             S[gi] = s_new
             if r0 == BLOCK:
-                G["vn_ps"], G["nmw"], G["ktl"] = None, None, None
+                G["vn_ps"] = None
+                G["nmw"] = None
+                G["ktl"] = None
 
 
 def _p3_item(g, c, T, item, wo, y, eps):
@@ -962,7 +985,8 @@ def _p3_item(g, c, T, item, wo, y, eps):
         yg = nl.ndarray((D, n, TILE), adt, buffer=nl.sbuf, name="o_gated")
         nisa.scalar_tensor_tensor(dst=yg, data=yn, op0=nl.multiply, operand0=c["wn"], op1=nl.multiply,
                                   operand1=A["sz"][:, h0:h0 + n, c0:c0 + TILE])
-        G["yg"], G["oa"] = yg, None
+        G["yg"] = yg
+        G["oa"] = None
     elif kind == "yproj":
         k = gi
         nk = (H + PSUM_COLS - 1) // PSUM_COLS

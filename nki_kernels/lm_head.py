@@ -170,7 +170,8 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
     for i in range(nbuf):
         wring.append(nl.ndarray((P, KT, min(NB, vc)), act, buffer=nl.sbuf, name=f"lm_head_w{i}"))
     blocks = vocab_blocks(vc)
-    for bi, (b0, nb) in enumerate(blocks):
+    for bi in range(len(blocks)):
+        b0, nb = blocks[bi]
         wt = wring[bi % nbuf][:, :, 0:nb]
         nisa.dma_copy(dst=wt, src=w[:, KT * b0:KT * (b0 + nb)])
         if noise != None and bi == 0:     # behind the first weight block: hidden under the stream

@@ -316,7 +316,8 @@ def _load_x_chunk(g, x, xr, t0, n):
         nisa.dma_transpose(dst=xr[p0:p0 + npart, t0:t0 + n, :],
                            src=x.ap(pattern=[[P, jc], [J * P, n], [1, npart]], offset=(t0 * J + jb0) * P + p0))
     else:                           # float32: rows to SBUF, PE transposes
-        for s0, m in chunks(n, P):
+        for s0_m in chunks(n, P):
+            s0, m = s0_m
             for jj in range(jc):
                 rows = nl.ndarray((m, npart), dtype=adt, buffer=nl.sbuf, name="moe_pf_xrows")
                 nisa.dma_copy(dst=rows, src=x.ap(pattern=[[J * P, m], [1, npart]],
@@ -460,7 +461,8 @@ def _place(g, c, st, ti, sel, prior):
     n = g["tiles"][ti][1]
     rk_ps = nl.ndarray((n, E), dtype=F32, buffer=nl.psum, name="moe_pf_rank_ps")
     nisa.nc_matmul(dst=rk_ps, stationary=c["tri_a"][0:n, 0:n], moving=sel, accumulate=False)
-    for stat, mov in prior:
+    for stat_mov in prior:
+        stat, mov = stat_mov
         nisa.nc_matmul(dst=rk_ps, stationary=stat, moving=mov, accumulate=True)
     rk = nl.ndarray((n, E), dtype=F32, buffer=nl.sbuf, name="moe_pf_rank")
     nisa.tensor_copy(dst=rk, src=rk_ps)
@@ -540,7 +542,8 @@ def _placements(g, c, st, placed, tabs, final):
 def _own_prior(c, own, n):
     """Matmul terms of :func:`_place` summing the counts of the tiles in ``own`` [(tile, sel)] on n rows."""
     terms = []
-    for ti, sl in own:
+    for ti_sl in own:
+        ti, sl = ti_sl
         terms.append((c["ones_a"][0:sl.shape[0], 0:n], sl))
     return terms
 
@@ -654,7 +657,8 @@ def _route(g, c, xl, rr, st, tabs):
         n = tiles[ti][1]
         nisa.tensor_tensor(dst=run, data1=run, data2=_tile_counts(g, c, sel, n), op=nl.add)
         prior = []
-        for stat, mov in cnt0:
+        for stat_mov in cnt0:
+            stat, mov = stat_mov
             prior.append((stat[:, 0:n], mov))
         _place(g, c, st, ti, sel, prior)   # both cores: the compact swap does not carry it
         if pid == 0:                        # core 0 scatters it
@@ -680,7 +684,8 @@ def _swap_compact(g, st, Tp):
         for side in range(2):           # 0: pack this core's tiles 2i + pid; 1: unpack the other's 2i + 1 - pid
             tsel = pid if side == 0 else 1 - pid
             buf = pk if side == 0 else got
-            for q, key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+            for q_key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+                q, key = q_key
                 mine = st[key].ap(pattern=[[T * k, P], [2 * k, F], [1, k]], offset=tsel * k)
                 pack = buf.ap(pattern=[[F * W, P], [W, F], [1, k]], offset=q * k)
                 if side == 0:
@@ -700,7 +705,8 @@ def _swap_compact(g, st, Tp):
         n = tiles[ti][1]
         if n < P:
             nisa.memset(dst=pk, value=0.0)
-        for q, key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+        for q_key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+            q, key = q_key
             nisa.tensor_copy(dst=pk[0:n, q * k:(q + 1) * k], src=st[key].ap(pattern=[[T * k, n], [1, k]],
                                                                             offset=ti * k))
         nisa.tensor_copy(dst=pk[0:n, 3 * k:3 * k + 1], src=st["GATE"][0:n, ti:ti + 1])
@@ -708,7 +714,8 @@ def _swap_compact(g, st, Tp):
         nisa.sendrecv(src=pk, dst=got, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
         tp = 2 * i + 1 - pid
         n = tiles[tp][1]
-        for q, key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+        for q_key in ((0, "E8"), (1, "RK8"), (2, "W8")):
+            q, key = q_key
             nisa.tensor_copy(dst=st[key].ap(pattern=[[T * k, n], [1, k]], offset=tp * k),
                              src=got[0:n, q * k:(q + 1) * k])
         nisa.tensor_copy(dst=st["GATE"][0:n, tp:tp + 1], src=got[0:n, 3 * k:3 * k + 1])
@@ -754,7 +761,8 @@ def _group(g, c, run, ids_h, rows_h, hid):
     thr = nl.ndarray((P, nth), dtype=F32, buffer=nl.sbuf, name="moe_pf_win_thr")
     nisa.iota(dst=thr, pattern=[[WIN, nth]], offset=0)                  # 0, 128, 256, ...
     V = []
-    for e0, ec in echunks:
+    for e0_ec in echunks:
+        e0, ec = e0_ec
         cc_ps = nl.ndarray((ec, 1), dtype=F32, buffer=nl.psum, name="moe_pf_cnt_ps")
         nisa.nc_matmul(dst=cc_ps, stationary=run[0:1, e0:e0 + ec], moving=c["ones"][0:1, 0:1], accumulate=False)
         cnt = nl.ndarray((ec, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_cnt")
@@ -819,7 +827,8 @@ def _fill_rows(t, fill, rows):
     """t [rows, 1] HBM int32 <- the value held by ``fill`` [128, m] (e.g. a zeroed tile; DMAs of up to 128 x m
     rows)."""
     m = fill.shape[1]
-    for r0, nr in chunks(rows, P * m):
+    for r0_nr in chunks(rows, P * m):
+        r0, nr = r0_nr
         full = nr // m
         if full > 0:
             nisa.dma_copy(dst=t.ap(pattern=[[m, full], [1, m]], offset=r0), src=fill[0:full, :])
@@ -996,7 +1005,8 @@ def _merge_tables(g, tabs, tab, lo, hi):
 def _sum_rows(srcs, dst, lo, hi):
     """dst[lo:hi] = the sum of the tables ``srcs`` over those rows ([R, 1] int32 HBM; one dma_compute per 8,192
     rows)."""
-    for r0, nr in chunks(max(0, hi - lo), 8192):
+    for r0_nr in chunks(max(0, hi - lo), 8192):
+        r0, nr = r0_nr
         aps = []
         for t in srcs:
             aps.append(t.ap(pattern=[[1, nr]], offset=lo + r0))
@@ -1066,7 +1076,8 @@ def _up_issue(g, c, geo, wgu, xs, ncols, tag):
     I = L * ic
     row = L * jc * 2 * ic
     up = {"h": _tile(c, tag + "_h", (I, ncols), adt, UP_AHEAD + 1), "parts": []}
-    for k0, kw in chunks(ncols, BANK // 2):
+    for k0_kw in chunks(ncols, BANK // 2):
+        k0, kw = k0_kw
         acc = _ps(c, I, 2 * kw, tag + "_gu_ps")
         for half in range(2):          # 0: gate, 1: up
             for jj in range(jc):
@@ -1097,7 +1108,8 @@ def _up_act(g, c, up, tag):
             nisa.tensor_tensor(dst=gr, data1=acc, data2=theirs, op=nl.add)
         sg = _tile(c, tag + "_silu", (I, kw), F32, UP_AHEAD + 1)
         nisa.activation(dst=sg, op=nl.silu, data=gr[:, 0:kw])
-        part[4], part[5] = gr, sg
+        part[4] = gr
+        part[5] = sg
 
 
 def _up_mul(up):
@@ -1113,7 +1125,8 @@ def _down_rows(g, c, geo, wd, h, w0, wr, tag):
     """Rows w0..w0+wr-1 of the expert output on this core's columns: [wr, H/L], activation dtype."""
     I = g["L"] * geo["ic"]
     ya = _tile(c, tag + "_ya", (wr, g["HL"]), g["adt"], 2 * -(-g["cap"] // WIN) + 1)
-    for c0, cw in chunks(g["HL"], BANK):
+    for c0_cw in chunks(g["HL"], BANK):
+        c0, cw = c0_cw
         ps = _ps(c, wr, cw, tag + "_down_ps")
         nisa.nc_matmul(dst=ps, stationary=h[0:I, w0:w0 + wr], moving=wd[0:I, c0:c0 + cw], accumulate=False)
         nisa.tensor_copy(dst=ya[:, c0:c0 + cw], src=ps)
@@ -1144,7 +1157,8 @@ def _gather_x(g, c, x, tab, row0, rows, rreg, tag):
                                     vector_offset=idx.ap(pattern=[[m, P], [1, m]], offset=0, dtype=U32),
                                     indirect_dim=0))
         return xg
-    for w0, wr in chunks(rows, P):
+    for w0_wr in chunks(rows, P):
+        w0, wr = w0_wr
         col = nl.ndarray((wr, 1), dtype=I32, buffer=nl.sbuf, name=tag + "_rowidx")
         if rreg == None:
             src = tab.ap(pattern=[[1, wr], [1, 1]], offset=row0 + w0)
@@ -1183,7 +1197,8 @@ def _slot_compute(g, c, geo, buf, xs, rows, tag):
 def _slot_down(g, c, geo, buf, h, tag):
     """Stage E: the down projection of h^T per window of <= 128 rows -> [(first row, rows, ya)]."""
     out = []
-    for w0, wr in chunks(h.shape[1], WIN):
+    for w0_wr in chunks(h.shape[1], WIN):
+        w0, wr = w0_wr
         out.append((w0, wr, _down_rows(g, c, geo, buf[1], h, w0, wr, tag)))
     return out
 
@@ -1191,7 +1206,8 @@ def _slot_down(g, c, geo, buf, h, tag):
 def _slot_writes(g, scratch, row0, rows):
     """The output rows of a job to scratch rows row0.. (this core's columns)."""
     col0, HL = g["col0"], g["HL"]
-    for w0, wr, ya in rows:
+    for w0_wr_ya in rows:
+        w0, wr, ya = w0_wr_ya
         nisa.dma_copy(dst=scratch[row0 + w0:row0 + w0 + wr, col0:col0 + HL], src=ya)
 
 
@@ -1313,7 +1329,8 @@ def _regular_slots(g, geo, ids, w):
 def _shared_jobs(g, geo, shw, xr):
     """The shared expert as one job per 128-token tile, on the resident x^T, output rows SHB + t."""
     jobs = []
-    for t0, n in g["tiles"]:
+    for t0_n in g["tiles"]:
+        t0, n = t0_n
         jobs.append({"buf": shw, "rows": n, "row0": g["SHB"] + t0, "xs": _xsrc(g, xr, g["N"], t0), "gather": None,
                      "geo": geo, "slot": None})
     return jobs
@@ -1341,7 +1358,8 @@ def _heavy_rows(g):
     """HBM [NHW, 1] int32: first table row of heavy window i (HB + 128 i)."""
     NHW, HB = g["NHW"], g["HB"]
     t = nl.ndarray((NHW, 1), dtype=I32, buffer=nl.private_hbm, name="moe_pf_heavy_rows_hbm")
-    for r0, nr in chunks(NHW, P):
+    for r0_nr in chunks(NHW, P):
+        r0, nr = r0_nr
         v = nl.ndarray((nr, 1), dtype=I32, buffer=nl.sbuf, name="moe_pf_heavy_rows")
         nisa.iota(dst=v, pattern=[[0, 1]], offset=HB + WIN * r0, channel_multiplier=WIN)
         nisa.dma_copy(dst=t[r0:r0 + nr, :], src=v)
@@ -1403,7 +1421,8 @@ def _combine_math(g, c, st, ti, G, sh, yt, col):
     dg = _tile(c, "moe_pf_diag", (P, k, P), adt, 2)
     nisa.tensor_tensor(dst=dg[0:n, :, 0:n], data1=c["ident_a"].ap(pattern=[[P, n], [0, k], [1, n]], offset=0),
                        data2=st["W8"].ap(pattern=[[T * k, n], [1, k], [0, n]], offset=ti * k), op=nl.multiply)
-    for c0, cw in chunks(H, BANK):
+    for c0_cw in chunks(H, BANK):
+        c0, cw = c0_cw
         rp = _ps(c, n, cw, "moe_pf_routed_ps")
         for j in range(k):
             nisa.nc_matmul(dst=rp, stationary=dg[0:n, j, 0:n], moving=G[0:n, j, c0:c0 + cw], accumulate=j > 0)
@@ -1540,7 +1559,8 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
                          f"[{N}, {H}] (token_rows)")
     if adt not in (nl.bfloat16, nl.float32):
         raise ValueError(f"moe_prefill: activation dtype {adt} is not bfloat16 or float32")
-    for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
+    for nm_t in (("router", router), ("experts", experts), ("shared", shared)):
+        nm, t = nm_t
         if t.dtype != adt:
             raise ValueError(f"moe_prefill: {nm} is {t.dtype} but the activations are {adt}; weights must match")
     L, pid = program_sharding()
@@ -1614,7 +1634,9 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     run, placed, cnt0 = _route(g, c, xl, rr, st, mine)
     for t in st["clears"]:
         _clear(st, t)
-    st["clears"], st["keep"], st["zero"] = [], [], None
+    st["clears"] = []
+    st["keep"] = []
+    st["zero"] = None
     rr = None           # the router rows are dead
     xr = xl["xr"]
     fin = nl.ndarray((1, 1), dtype=F32, buffer=nl.sbuf, name="moe_pf_finite")
@@ -1658,7 +1680,8 @@ def moe_prefill_body(x, router, experts, shared, top_k, y, capacity=None, layer=
     # 5. combine (full rows; the other core wrote the other half of the columns); the routing and grouping
     # tables it does not read are released (SBUF for the fused epilogue's tiles)
     run, BB, ids, rows, nhw, hid, DH = None, None, None, None, None, None, None
-    st["E8"], st["RK8"] = None, None
+    st["E8"] = None
+    st["RK8"] = None
     c["rev"] = None
     c["rings"] = {}
     if fuse != None:

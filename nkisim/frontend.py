@@ -35,6 +35,11 @@ warnings (NkiFrontendWarning: only third-party evidence, or the docs leave it op
     now accepts "constructs the previous specialization did not support, such as generators");
   * inner ``def``\\ s other than runtime-loop bodies (trn2-costs.md; a ``def`` passed to ``nl.fori_loop`` /
     ``nl.while_loop`` is the documented 0.6 form and is fine);
+  * the forms the open-source KLR front end refuses (``klr_form``; switch ``nkisim.hw.KLR_FORMS``): a ``for`` target
+    that is not a single name, a tuple target holding an attribute / subscript, a chained assignment with more than
+    one attribute / subscript target, ``enumerate`` / ``zip``, ``for`` / ``while`` ... ``else``, a ``with`` other than
+    one argument-less call (leanprover/KLR KLR/NKI/Simplify.lean, KLR/Trace/Python.lean; nki-library's kernels use
+    none of them);
   * ``try`` statements, ``global`` / ``nonlocal`` statements, ``*args`` / ``**kwargs`` / keyword-only parameters of
     helpers (SDK-MIG 0.3.0 refuses them in kernel signatures; helpers are not named);
   * purity (SDK-LG "Kernel Caching": kernels "must be pure functions of their arguments"; SDK-RN 0.3.0 Known Issues:
@@ -59,7 +64,7 @@ import warnings
 
 import numpy as np
 
-from . import public_api
+from . import hw, public_api
 from .errors import NkiFidelityWarning, NkiValidationError
 
 HELPER_LINT = True        # lint the helpers a kernel runs
@@ -880,6 +885,10 @@ def lint_node(tree, fname, filename, line_offset, helper):
                                "NKI 0.3.0 refuses '*' in kernel signatures (update guide 'Language restrictions'); "
                                "helpers are not named there, keep them to plain parameters")
             continue
+        if hw.KLR_FORMS != "off":
+            form = klr_form(node)
+            if form is not None:
+                _klr_report(filename, line, form, kind, fname, where)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             if bodies is None:
                 bodies = _loop_bodies(tree)
@@ -902,6 +911,71 @@ def lint_node(tree, fname, filename, line_offset, helper):
             if isinstance(node, cls):
                 _warn_once(filename, line, what, kind, fname, where, _SUBSET)
                 break
+
+
+_KLR = "leanprover/KLR KLR/NKI/Simplify.lean"
+
+
+def klr_form(node):
+    """(what, evidence) if ``node`` is a Python form the KLR front end refuses (nkisim.hw.KLR_FORMS), else None."""
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        if not isinstance(node.target, ast.Name):
+            return (f"the for-loop target '{_src(node.target)}' (not a single name)",
+                    f"{_KLR}:372 (forLoop: simpleVar, 'expecting simple variable'): write 'for i in range(len(xs)):' "
+                    f"and unpack 'a, b = xs[i]' in the body")
+        if node.orelse:
+            return "a for ... else", f"{_KLR}:370 ('for-orelse is not supported in NKI')"
+    elif isinstance(node, ast.While):
+        if node.orelse:
+            return "a while ... else", f"{_KLR}:380 ('while-orelse is not supported in NKI')"
+    elif isinstance(node, ast.Assign):
+        for t in node.targets:
+            if isinstance(t, ast.List) or (isinstance(t, ast.Tuple) and not _plain_names(t)):
+                return (f"the assignment target '{_src(t)}' (a tuple / list target holding more than plain "
+                        f"names)", f"{_KLR}:299-316 (pattern: a tuple target holds plain names only, 'expecting "
+                        f"simple variable' / 'expecting pattern'): one assignment per attribute / subscript")
+        sets = [t for t in node.targets if not isinstance(t, (ast.Name, ast.Tuple))]
+        if len(sets) > 1:
+            return (f"the chained assignment '{' = '.join(_src(t) for t in node.targets)} = ...' (more than "
+                    f"one attribute / subscript target)", f"{_KLR}:310-316 (letSet: 'mutating assignments must be in "
+                    f"separate statements')")
+    elif isinstance(node, (ast.With, ast.AsyncWith)):
+        items = node.items
+        if (len(items) != 1 or items[0].optional_vars is not None or not isinstance(items[0].context_expr, ast.Call)
+                or items[0].context_expr.args or items[0].context_expr.keywords):
+            return (f"the with statement 'with {', '.join(ast.unparse(i) for i in items)}' (not one argument-less call "
+                    f"without 'as')", f"{_KLR}:382-393 ('NKI only supports with statements with a single, simple "
+                    f"function call as context', 'NKI does not support name bindings in with statements')")
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("enumerate", "zip"):
+        return (f"{node.func.id}()", "leanprover/KLR KLR/Trace/Python.lean:79-388 (the Python builtins KLR defines: "
+                "abs bool dict divmod float int isinstance len list max min print slice str tuple type; no "
+                "enumerate / zip, so the name is 'not found', KLR/Trace/NKI.lean:86-98): iterate 'for i in "
+                "range(len(xs)):' and index")
+    return None
+
+
+def _src(t):
+    """A target's source, a top-level tuple without its parentheses (as written: ``a, b``)."""
+    return ", ".join(ast.unparse(e) for e in t.elts) if isinstance(t, ast.Tuple) else ast.unparse(t)
+
+
+def _plain_names(t):
+    return all(isinstance(e, ast.Name) or (isinstance(e, ast.Tuple) and _plain_names(e)) for e in t.elts)
+
+
+def _klr_report(filename, line, form, kind, fname, where):
+    what, why = form
+    msg = (f"nki.jit: NKI Python subset: {kind} {fname} uses {what} at {where}:{line}; the NKI 0.6 front end "
+           f"probably rejects it: {why}; AWS's hardware-tested nki-library kernels never use it (switch: "
+           f"nkisim.hw.KLR_FORMS)")
+    if hw.KLR_FORMS == "error":
+        raise NkiValidationError(msg)
+    if hw.KLR_FORMS != "warn":
+        raise ValueError(f"nkisim.hw.KLR_FORMS = {hw.KLR_FORMS!r}: expected 'error', 'warn' or 'off'")
+    key = (filename, line, "klr:" + what)
+    if key not in _reported:
+        _reported.add(key)
+        warnings.warn(msg, NkiFrontendWarning, stacklevel=4)
 
 
 def _warn_once(filename, line, what, kind, fname, where, why):

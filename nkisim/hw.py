@@ -99,6 +99,19 @@ LOOP_PSUM_LIVE = "warn"
 # "error" (default) or "off".
 LNC_UNIFORM_CHECK = "error"
 
+# --- Python forms the NKI 0.6 front end (KLR) refuses (nkisim/frontend.py klr_forms) -----------------------------
+# In every traced function: a for-loop target that is not a single name (`for a, b in ...`), a tuple assignment target
+# holding an attribute / subscript (`self.a, self.b = x, y`), a chained assignment with more than one attribute /
+# subscript target (`self.a = self.b = None`), `enumerate(...)` / `zip(...)`, and `for` / `while` with an `else`.
+# Evidence: the open-source KLR front end (leanprover/KLR, KLR/NKI/Simplify.lean: forLoop l.372 simpleVar "expecting
+# simple variable", pattern / letSet l.299-316 "mutating assignments must be in separate statements", l.370 / l.380
+# "for-orelse" / "while-orelse is not supported in NKI"; KLR/Trace/Python.lean l.79-388, the builtin.python functions,
+# has no enumerate / zip) and AWS's hardware-tested nki-library, whose kernel code uses none of them. The SDK's
+# language guide iterates a dict as `for k in d.keys(): v = d[k]`, but its overview page (get-started/about/index.rst
+# l.427) writes `for k, v in d.items()`; KLR's public snapshot may predate 0.6. Third-party evidence: "warn"
+# (NkiFrontendWarning, once per site; default), "error" or "off".
+KLR_FORMS = "warn"
+
 # --- 32-bit integers (SDK language guide "NKI Values": "32-bit integer values"; nkisim/int32.py) ---------------
 INT32_MIN = -2 ** 31
 INT32_MAX = 2 ** 31 - 1
