@@ -277,6 +277,11 @@ def gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out, layer=None, arena=N
     the big ones only group by group; bench/decode_speed.md lever 29)."""
     w_in, w_out, conv_w = layer_of(w_in, layer), layer_of(w_out, layer), layer_of(conv_w, layer)
     A_log, dt_bias, norm_w = layer_of(A_log, layer), layer_of(dt_bias, layer), layer_of(norm_w, layer)
+    small = (("A_log", A_log), ("dt_bias", dt_bias), ("norm_w", norm_w))
+    for i in range(len(small)):
+        nm, t = small[i]
+        if t.dtype != nl.float32:      # hardware-DGE DMAs move raw bytes: no cast (SDK-MIG 0.3.0)
+            raise TypeError(f"gdn: {nm} must be float32 (loaded by a hardware-DGE DMA), got {t.dtype}")
     _, core = program_sharding()
     wts = arena if arena != None else gdn_weight_tiles(w_in, conv_w, w_out)
     hv_c = wts.ab.shape[2]

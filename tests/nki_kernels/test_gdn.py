@@ -322,3 +322,6 @@ def test_refusals():
     bad["norm"] = torch.ones(16)
     with pytest.raises(ValueError, match="in_proj_z"):
         kg.gdn_weight_layout(bad, lnc=2)
+    with pytest.raises(TypeError, match="A_log must be float32"):      # a hardware-DGE DMA cannot cast it
+        kg.gdn_kernel[2](x, L["w_in"], L["conv_w"], torch.as_tensor(L["A_log"]).to(torch.bfloat16), L["dt_bias"],
+                         L["norm_w"], L["w_out"], win, st, rs, 1e-6)
