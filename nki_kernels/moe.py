@@ -17,16 +17,18 @@ Design
 real shapes) and computes those logits, and the halves are swapped with ``sendrecv``; every later
 routing step runs on both cores on identical data, so both cores agree. The shared-expert gate
 weight rides as an extra column of each core's router block (one accumulation over the H/P
-contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype, and the
-softmax numerators ``p = exp(l - max)`` are fp32 (``exp`` with the per-token max as bias); the softmax
-denominator is not needed (same top-k set; it cancels in the renormalised weights). The top-k
-SET is exact with lower-index ties and needs nothing but ``max8`` values (documented: the 8 largest
-values, descending): with ``v`` = max8(p) and ``vk = v[k-1]``, every expert with ``p > vk`` is
-selected, and among the experts with ``p == vk`` the ``need = k - #{p > vk}`` lowest indices are:
-a key ``(p == vk) * (E - e)`` is unique per tied expert, ``max8`` of it lists them lowest index
-first, and its ``need``-th value is the key threshold. No instruction's handling of equal values
-is relied on (``nc_find_index8`` is not used: its docstring says "first occurrence" and leaves
-duplicated ``vals`` unspecified). The renormalised weights ``p_e / sum(v[:k])`` are rounded to the activation dtype like the twin's ``weights.to(x.dtype)``.
+contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype by one DVE pass that
+also reduces them to the negated max, which rides in the swapped tile (the softmax max is then one [T, 1] op
+after the swap, no pass over all E logits), and the softmax numerators ``p = exp(l - max)`` are fp32 (``exp``
+with the per-token max as bias); the softmax denominator is not needed (same top-k set; it cancels in the
+renormalised weights). The top-k SET is exact with lower-index ties and needs nothing but ``max8`` values
+(documented: the 8 largest values, descending): with ``vk`` = the k-th value of max8(p), the key
+``(p > vk) + (p >= vk) * (E - e) / 2^m`` (2^m >= E; exact) is unique per expert where non-zero and orders
+every ``p > vk`` above every tie ``p == vk``, the ties lowest index first; its k-th largest value (a second
+``max8``) is the threshold of the selection. No instruction's handling of equal values is relied on
+(``nc_find_index8`` is not used: its docstring says "first occurrence" and leaves duplicated ``vals``
+unspecified). The renormalised weights ``p_e / sum(v[:k])`` are rounded to the activation dtype like the twin's
+``weights.to(x.dtype)``.
 
 **Dedup of the T*k choices.** The union of the tokens' selections becomes a list of at most
 ``S = min(T*k, E)`` distinct expert slots: the first k are token 0's own experts (always valid: one
@@ -319,55 +321,55 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     E = Eh * lnc
     f32 = nl.float32
     k = top_k
-    ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)        # (a constant, set off the critical path)
+    # constants (set while the PE runs the router matmuls): rev[e] = E - e and the tie keys revs = rev / 2^m,
+    # 2^m >= E (exact: a power-of-two scale of small integers)
+    ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
     nisa.memset(dst=ones_t, value=1.0)
+    rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
+    nisa.iota(dst=rev, pattern=[[-1, E]], offset=E)
+    revs = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=revs, data=rev, op0=nl.multiply, operand0=1.0 / (1 << (E - 1).bit_length()))
+
+    # logits rounded to the activation dtype, each rounding pass also yielding -max of its logits (the max of the
+    # rounded values: rounding is monotone); the softmax max is the smaller of the halves' -max
     lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)        # [all E logits | gate logit]
     if lnc == 1:
-        nisa.tensor_copy(dst=lg, src=lg_ps)
+        nmx = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=lg[:, 0:E], data=lg_ps[:, 0:E], op0=nl.multiply, operand0=1.0,
+                                  reduce_op=nl.maximum, reduce_res=nmx, reduce_res_negate=True)
+        nisa.tensor_copy(dst=lg[:, E:E + 1], src=lg_ps[:, E:E + 1])
     else:                   # whole tiles through sendrecv (a strided part of a tile is not delivered)
-        mine = nl.ndarray((T, Eh), dtype=adt, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=mine, src=lg_ps[:, 0:Eh])
-        theirs = nl.ndarray((T, Eh), dtype=adt, buffer=nl.sbuf)
+        mine = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)      # [this core's logits | -(their max)]
+        nisa.tensor_scalar_reduce(dst=mine[:, 0:Eh], data=lg_ps[:, 0:Eh], op0=nl.multiply, operand0=1.0,
+                                  reduce_op=nl.maximum, reduce_res=mine[:, Eh:Eh + 1], reduce_res_negate=True)
+        theirs = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)
         nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
         nisa.tensor_copy(dst=lg[:, E:E + 1], src=lg_ps[:, Eh:Eh + 1])
-        nisa.tensor_copy(dst=lg[:, pid * Eh:(pid + 1) * Eh], src=mine)
-        nisa.tensor_copy(dst=lg[:, (1 - pid) * Eh:(2 - pid) * Eh], src=theirs)
+        nisa.tensor_copy(dst=lg[:, pid * Eh:(pid + 1) * Eh], src=mine[:, 0:Eh])
+        nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=nmx, data1=mine[:, Eh:Eh + 1], data2=theirs[:, Eh:Eh + 1], op=nl.minimum)
+        # on ScalarE, beside the DVE's nmx: the exp that follows is ScalarE's anyway (a bit-exact same-dtype copy)
+        nisa.tensor_copy(dst=lg[:, (1 - pid) * Eh:(2 - pid) * Eh], src=theirs[:, 0:Eh], engine=nisa.engine.scalar)
 
     # softmax numerators (fp32): p = exp(l - max). The top-k set of the softmax is that of p, and the renormalised
     # weights p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
-    nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=lg[:, 0:E], axis=1, negate=True)
     p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=p, op=nl.exp, data=lg[:, 0:E], bias=nmx)
 
-    # constants: rev[e] = E - e (keys), jj = 0..7
-    rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    nisa.iota(dst=rev, pattern=[[-1, E]], offset=E)
-    jj = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.iota(dst=jj, pattern=[[1, MAX8]], offset=0)
-
-    # exact top-k set, ties to the lower index
+    # exact top-k set, ties to the lower index: with vk the k-th largest p, the key comp = (p > vk) + (p >= vk) * revs
+    # is 1 + revs for p > vk, revs for p == vk, 0 below (unique per expert where non-zero: revs < 1 + revs' for all
+    # pairs); its k largest values are the selection (every p > vk, then the tied experts lowest index first), and
+    # ck = the k-th largest is the threshold: selected iff comp >= ck
     v8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
     nisa.max8(dst=v8, src=p)
     vk = v8[:, k - 1:k]
-    gt = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)          # VectorE: GpSimd runs no float tensor_tensor
-    nisa.tensor_tensor(dst=gt, data1=p, data2=v8.ap(pattern=[[MAX8, T], [0, E]], offset=k - 1), op=nl.greater)
+    tied = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)         # VectorE: GpSimd runs no float tensor_tensor
+    nisa.scalar_tensor_tensor(dst=tied, data=p, op0=nl.greater_equal, operand0=vk, op1=nl.multiply, operand1=revs)
+    comp = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=comp, data=p, op0=nl.greater, operand0=vk, op1=nl.add, operand1=tied)
     c8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=c8, data=v8, op0=nl.greater, operand0=vk)
-    ngt = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=ngt, op=nl.add, data=c8, axis=1)
-    last = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)          # need - 1 = k - 1 - #(p > vk)
-    nisa.tensor_scalar(dst=last, data=ngt, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(k - 1))
-    key = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)           # (p == vk) * (E - e): unique per tied expert
-    nisa.scalar_tensor_tensor(dst=key, data=p, op0=nl.equal, operand0=vk, op1=nl.multiply, operand1=rev)
-    kt8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.max8(dst=kt8, src=key)
-    pick = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=pick, data=jj, op0=nl.equal, operand0=last, op1=nl.multiply, operand1=kt8)
-    thr = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)           # key of the last tied expert admitted
-    nisa.tensor_reduce(dst=thr, op=nl.add, data=pick, axis=1)
-    sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
-    nisa.scalar_tensor_tensor(dst=sel, data=key, op0=nl.greater_equal, operand0=thr, op1=nl.add, operand1=gt)
+    nisa.max8(dst=c8, src=comp)
+    ck = c8[:, k - 1:k]
 
     # slots: the first k are token 0's own experts (ascending: max8 of the key sel_0 * (E - e)), then the experts
     # the other tokens chose and token 0 did not (ascending: max8 rounds over (count > 0) * (1 - sel_0) * (E - e),
@@ -377,11 +379,14 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     rounds = -(-(S - k) // MAX8)
     keys = nl.ndarray((1, max(MAX8, k + rounds * MAX8)), dtype=f32, buffer=nl.sbuf)
     ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name=IDS_NAME)
-    key0 = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=key0, data1=sel[0:1, :], data2=rev[0:1, :], op=nl.multiply)
+    key0 = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)          # sel_0 * (E - e)
+    nisa.scalar_tensor_tensor(dst=key0, data=comp[0:1, :], op0=nl.greater_equal, operand0=c8[0:1, k - 1:k],
+                              op1=nl.multiply, operand1=rev[0:1, :])
     nisa.max8(dst=keys[:, 0:MAX8], src=key0)
     nisa.tensor_scalar(dst=ids[:, 0:k], data=keys[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add,
                        operand1=float(E))
+    sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
+    nisa.tensor_scalar(dst=sel, data=comp, op0=nl.greater_equal, operand0=ck)
     if S > k:
         cnt_ps = nl.ndarray((1, E), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=cnt_ps, stationary=ones_t, moving=sel, accumulate=False)
