@@ -32,7 +32,8 @@ unspecified). The renormalised weights ``p_e / sum(v[:k])`` are rounded to the a
 
 **Dedup of the T*k choices.** The union of the tokens' selections becomes a list of at most
 ``S = min(T*k, E)`` distinct expert slots: the first k are token 0's own experts (always valid: one
-token selects k distinct experts; ascending, by ``max8`` of the key ``sel_0 * (E - e)``), the rest the
+token selects k distinct experts; straight from the top-k key's ``max8``: its experts with ``p > vk`` ascending,
+then its admitted ties ascending), the rest the
 experts the other tokens chose and token 0 did not (a ones-vector matmul counts the tokens choosing
 each expert; ascending, by repeated ``max8`` over ``(count > 0) * (1 - sel_0) * (E - e)``), valid iff
 their key is non-zero. The keys are unique per expert, so again no tie semantics. A one-hot matmul gathers, per slot,
@@ -308,13 +309,14 @@ def _router_logits(xT, r_sb):
 def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     """Routing on SBUF from this core's logits (PSUM, see :func:`_router_logits`).
 
-    Returns (lg [T, E + 1] activation dtype: all E logits | gate logit, w [T, E] activation dtype: each token's
+    Returns (gl [T, 1] activation dtype: the shared-expert gate logit, w [T, E] activation dtype: each token's
     renormalised weight of every expert (0 if not selected), keys [1, 8 * rounds] f32: the distinct selected
-    experts' keys E - e in descending order (0 past the last), ids [1, S] int32: slot s's expert E - keys[s]
+    experts' keys E - e, token 0's k first (in the top-k key's order), then the other tokens' further experts in
+    descending order (0 past the last), ids [1, S] int32: slot s's expert E - keys[s]
     (E for an unused slot, never loaded), trips [1, 2 ceil((S - k) / 2)] int32 or None: the trip counts of
     the conditional loops, see :func:`_conditional_levels`). The halves of the logits are exchanged between the cores
-    (sendrecv), so both cores route identically. The ids of the first k slots depend on the first max8 round
-    only, so their DMAs can start before the union is complete.
+    (sendrecv), so both cores route identically. The ids of the first k slots are decoded from the top-k key's
+    max8 values, so their DMAs can start before the selection mask and the union exist.
     """
     T = lg_ps.shape[0]
     Eh = lg_ps.shape[1] - 1
@@ -328,33 +330,36 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
     nisa.iota(dst=rev, pattern=[[-1, E]], offset=E)
     revs = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=revs, data=rev, op0=nl.multiply, operand0=1.0 / (1 << (E - 1).bit_length()))
+    m2 = 1 << (E - 1).bit_length()
+    nisa.tensor_scalar(dst=revs, data=rev, op0=nl.multiply, operand0=1.0 / m2)
 
     # logits rounded to the activation dtype, each rounding pass also yielding -max of its logits (the max of the
     # rounded values: rounding is monotone); the softmax max is the smaller of the halves' -max
-    lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)        # [all E logits | gate logit]
+    gl = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)            # the shared-expert gate logit
     if lnc == 1:
+        lg = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
         nmx = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
-        nisa.tensor_scalar_reduce(dst=lg[:, 0:E], data=lg_ps[:, 0:E], op0=nl.multiply, operand0=1.0,
-                                  reduce_op=nl.maximum, reduce_res=nmx, reduce_res_negate=True)
-        nisa.tensor_copy(dst=lg[:, E:E + 1], src=lg_ps[:, E:E + 1])
+        nisa.tensor_scalar_reduce(dst=lg, data=lg_ps[:, 0:E], op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
+                                  reduce_res=nmx, reduce_res_negate=True)
+        nisa.tensor_copy(dst=gl, src=lg_ps[:, E:E + 1])
+        halves = ((0, lg),)
     else:                   # whole tiles through sendrecv (a strided part of a tile is not delivered)
-        mine = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)      # [this core's logits | -(their max)]
+        mine = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)      # [this core's logits | -(max of them)]
         nisa.tensor_scalar_reduce(dst=mine[:, 0:Eh], data=lg_ps[:, 0:Eh], op0=nl.multiply, operand0=1.0,
                                   reduce_op=nl.maximum, reduce_res=mine[:, Eh:Eh + 1], reduce_res_negate=True)
         theirs = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)
         nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
-        nisa.tensor_copy(dst=lg[:, E:E + 1], src=lg_ps[:, Eh:Eh + 1])
-        nisa.tensor_copy(dst=lg[:, pid * Eh:(pid + 1) * Eh], src=mine[:, 0:Eh])
+        nisa.tensor_copy(dst=gl, src=lg_ps[:, Eh:Eh + 1])             # (while the halves fly)
         nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=nmx, data1=mine[:, Eh:Eh + 1], data2=theirs[:, Eh:Eh + 1], op=nl.minimum)
-        # on ScalarE, beside the DVE's nmx: the exp that follows is ScalarE's anyway (a bit-exact same-dtype copy)
-        nisa.tensor_copy(dst=lg[:, (1 - pid) * Eh:(2 - pid) * Eh], src=theirs[:, 0:Eh], engine=nisa.engine.scalar)
+        halves = ((pid, mine), (1 - pid, theirs))
 
-    # softmax numerators (fp32): p = exp(l - max). The top-k set of the softmax is that of p, and the renormalised
-    # weights p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
+    # softmax numerators (fp32): p = exp(l - max), one exp per half under LNC = 2 (straight from the swapped tiles:
+    # no copy into lg on the way). The top-k set of the softmax is that of p, and the renormalised weights
+    # p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
     p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=lg[:, 0:E], bias=nmx)
+    for c, half in halves:
+        nisa.activation(dst=p[:, c * Eh:(c + 1) * Eh], op=nl.exp, data=half[:, 0:Eh], bias=nmx)
 
     # exact top-k set, ties to the lower index: with vk the k-th largest p, the key comp = (p > vk) + (p >= vk) * revs
     # is 1 + revs for p > vk, revs for p == vk, 0 below (unique per expert where non-zero: revs < 1 + revs' for all
@@ -371,7 +376,8 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     nisa.max8(dst=c8, src=comp)
     ck = c8[:, k - 1:k]
 
-    # slots: the first k are token 0's own experts (ascending: max8 of the key sel_0 * (E - e)), then the experts
+    # slots: the first k are token 0's own experts, decoded from c8 (E - e = 2^m (c8 - [c8 > 1]): its experts with
+    # p > vk ascending, then its admitted ties ascending), then the experts
     # the other tokens chose and token 0 did not (ascending: max8 rounds over (count > 0) * (1 - sel_0) * (E - e),
     # the count of tokens choosing each expert from a ones-vector matmul); the keys are unique per expert, so no
     # tie semantics are relied on. Each slot's ids are written as soon as its max8 round is done: the first k
@@ -379,12 +385,11 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     rounds = -(-(S - k) // MAX8)
     keys = nl.ndarray((1, max(MAX8, k + rounds * MAX8)), dtype=f32, buffer=nl.sbuf)
     ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name=IDS_NAME)
-    key0 = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)          # sel_0 * (E - e)
-    nisa.scalar_tensor_tensor(dst=key0, data=comp[0:1, :], op0=nl.greater_equal, operand0=c8[0:1, k - 1:k],
-                              op1=nl.multiply, operand1=rev[0:1, :])
-    nisa.max8(dst=keys[:, 0:MAX8], src=key0)
-    nisa.tensor_scalar(dst=ids[:, 0:k], data=keys[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add,
-                       operand1=float(E))
+    r0 = nl.ndarray((1, k), dtype=f32, buffer=nl.sbuf)            # (E - e) / 2^m of token 0's experts
+    nisa.scalar_tensor_tensor(dst=r0, data=c8[0:1, 0:k], op0=nl.greater, operand0=1.0, op1=nl.subtract,
+                              operand1=c8[0:1, 0:k], reverse1=True)
+    nisa.tensor_scalar(dst=ids[:, 0:k], data=r0, op0=nl.multiply, operand0=-float(m2), op1=nl.add, operand1=float(E))
+    nisa.tensor_scalar(dst=keys[:, 0:k], data=r0, op0=nl.multiply, operand0=float(m2))
     sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
     nisa.tensor_scalar(dst=sel, data=comp, op0=nl.greater_equal, operand0=ck)
     if S > k:
@@ -433,16 +438,16 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     nisa.reciprocal(dst=rv, data=vsum)
     w = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=w, data=sel, op0=nl.multiply, operand0=rv, op1=nl.multiply, operand1=p)
-    return lg, w, keys, ids, trips
+    return gl, w, keys, ids, trips
 
 
-def _shared_gate(lg):
-    """[T, 1] f32 sigmoid of the gate logit (last column of lg) as 1 / (1 + exp(-z)): exp keeps ACT on the
-    softmax's table."""
-    T, E1 = lg.shape
+def _shared_gate(gl):
+    """[T, 1] f32 sigmoid of the gate logit gl [T, 1] as 1 / (1 + exp(-z)): exp keeps ACT on the softmax's
+    table."""
+    T = gl.shape[0]
     f32 = nl.float32
     ez = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=ez, op=nl.exp, data=lg[:, E1 - 1:E1], scale=-1.0)
+    nisa.activation(dst=ez, op=nl.exp, data=gl, scale=-1.0)
     ez1 = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ez1, data=ez, op0=nl.add, operand0=1.0)
     gate = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
@@ -876,7 +881,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # own later matmuls (the PE would otherwise idle while DVE ranks the experts)
     lg_ps = _router_logits(xT, r_sb)
     gu_s = _gate_up(xT, sh, geo_s, 1)
-    lg, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
+    gl, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
 
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
@@ -889,7 +894,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     first_bufs = []
     for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known
         first_bufs.append(_issue(st, static[g]))
-    gate = _shared_gate(lg)
+    gate = _shared_gate(gl)
     wsel = _slot_weights(w, keys, S)
 
     # 4. the shared expert (weighted by its gate) and the always-valid slots accumulate in PSUM: one
