@@ -330,7 +330,9 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
     nisa.iota(dst=rev, pattern=[[-1, E]], offset=E)
     revs = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    m2 = 1 << (E - 1).bit_length()
+    m2 = 1
+    while m2 < E:
+        m2 = 2 * m2
     nisa.tensor_scalar(dst=revs, data=rev, op0=nl.multiply, operand0=1.0 / m2)
 
     # logits rounded to the activation dtype, each rounding pass also yielding -max of its logits (the max of the
