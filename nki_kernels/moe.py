@@ -17,20 +17,23 @@ Design
 real shapes) and computes those logits, and the halves are swapped with ``sendrecv``; every later
 routing step runs on both cores on identical data, so both cores agree. The shared-expert gate
 weight rides as an extra column of each core's router block (one accumulation over the H/P
-contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype, and the
-softmax numerators ``p = exp(l - max)`` are fp32 (``exp`` with the per-token max as bias); the softmax
-denominator is not needed (same top-k set; it cancels in the renormalised weights). The top-k
-SET is exact with lower-index ties and needs nothing but ``max8`` values (documented: the 8 largest
-values, descending): with ``v`` = max8(p) and ``vk = v[k-1]``, every expert with ``p > vk`` is
-selected, and among the experts with ``p == vk`` the ``need = k - #{p > vk}`` lowest indices are:
-a key ``(p == vk) * (E - e)`` is unique per tied expert, ``max8`` of it lists them lowest index
-first, and its ``need``-th value is the key threshold. No instruction's handling of equal values
-is relied on (``nc_find_index8`` is not used: its docstring says "first occurrence" and leaves
-duplicated ``vals`` unspecified). The renormalised weights ``p_e / sum(v[:k])`` are rounded to the activation dtype like the twin's ``weights.to(x.dtype)``.
+contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype by one DVE pass that
+also reduces them to the negated max, which rides in the swapped tile (the softmax max is then one [T, 1] op
+after the swap, no pass over all E logits), and the softmax numerators ``p = exp(l - max)`` are fp32 (``exp``
+with the per-token max as bias); the softmax denominator is not needed (same top-k set; it cancels in the
+renormalised weights). The top-k SET is exact with lower-index ties and needs nothing but ``max8`` values
+(documented: the 8 largest values, descending): with ``vk`` = the k-th value of max8(p), the key
+``(p > vk) + (p >= vk) * (E - e) / 2^m`` (2^m >= E; exact) is unique per expert where non-zero and orders
+every ``p > vk`` above every tie ``p == vk``, the ties lowest index first; its k-th largest value (a second
+``max8``) is the threshold of the selection. No instruction's handling of equal values is relied on
+(``nc_find_index8`` is not used: its docstring says "first occurrence" and leaves duplicated ``vals``
+unspecified). The renormalised weights ``p_e / sum(v[:k])`` are rounded to the activation dtype like the twin's
+``weights.to(x.dtype)``.
 
 **Dedup of the T*k choices.** The union of the tokens' selections becomes a list of at most
 ``S = min(T*k, E)`` distinct expert slots: the first k are token 0's own experts (always valid: one
-token selects k distinct experts; ascending, by ``max8`` of the key ``sel_0 * (E - e)``), the rest the
+token selects k distinct experts; straight from the top-k key's ``max8``: its experts with ``p > vk`` ascending,
+then its admitted ties ascending), the rest the
 experts the other tokens chose and token 0 did not (a ones-vector matmul counts the tokens choosing
 each expert; ascending, by repeated ``max8`` over ``(count > 0) * (1 - sel_0) * (E - e)``), valid iff
 their key is non-zero. The keys are unique per expert, so again no tie semantics. A one-hot matmul gathers, per slot,
@@ -306,70 +309,77 @@ def _router_logits(xT, r_sb):
 def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     """Routing on SBUF from this core's logits (PSUM, see :func:`_router_logits`).
 
-    Returns (lg [T, E + 1] activation dtype: all E logits | gate logit, w [T, E] activation dtype: each token's
+    Returns (gl [T, 1] activation dtype: the shared-expert gate logit, w [T, E] activation dtype: each token's
     renormalised weight of every expert (0 if not selected), keys [1, 8 * rounds] f32: the distinct selected
-    experts' keys E - e in descending order (0 past the last), ids [1, S] int32: slot s's expert E - keys[s]
+    experts' keys E - e, token 0's k first (in the top-k key's order), then the other tokens' further experts in
+    descending order (0 past the last), ids [1, S] int32: slot s's expert E - keys[s]
     (E for an unused slot, never loaded), trips [1, 2 ceil((S - k) / 2)] int32 or None: the trip counts of
     the conditional loops, see :func:`_conditional_levels`). The halves of the logits are exchanged between the cores
-    (sendrecv), so both cores route identically. The ids of the first k slots depend on the first max8 round
-    only, so their DMAs can start before the union is complete.
+    (sendrecv), so both cores route identically. The ids of the first k slots are decoded from the top-k key's
+    max8 values, so their DMAs can start before the selection mask and the union exist.
     """
     T = lg_ps.shape[0]
     Eh = lg_ps.shape[1] - 1
     E = Eh * lnc
     f32 = nl.float32
     k = top_k
-    ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)        # (a constant, set off the critical path)
+    # constants (set while the PE runs the router matmuls): rev[e] = E - e and the tie keys revs = rev / 2^m,
+    # 2^m >= E (exact: a power-of-two scale of small integers)
+    ones_t = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
     nisa.memset(dst=ones_t, value=1.0)
-    lg = nl.ndarray((T, E + 1), dtype=adt, buffer=nl.sbuf)        # [all E logits | gate logit]
-    if lnc == 1:
-        nisa.tensor_copy(dst=lg, src=lg_ps)
-    else:                   # whole tiles through sendrecv (a strided part of a tile is not delivered)
-        mine = nl.ndarray((T, Eh), dtype=adt, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=mine, src=lg_ps[:, 0:Eh])
-        theirs = nl.ndarray((T, Eh), dtype=adt, buffer=nl.sbuf)
-        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
-        nisa.tensor_copy(dst=lg[:, E:E + 1], src=lg_ps[:, Eh:Eh + 1])
-        nisa.tensor_copy(dst=lg[:, pid * Eh:(pid + 1) * Eh], src=mine)
-        nisa.tensor_copy(dst=lg[:, (1 - pid) * Eh:(2 - pid) * Eh], src=theirs)
-
-    # softmax numerators (fp32): p = exp(l - max). The top-k set of the softmax is that of p, and the renormalised
-    # weights p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
-    nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=nmx, op=nl.maximum, data=lg[:, 0:E], axis=1, negate=True)
-    p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=lg[:, 0:E], bias=nmx)
-
-    # constants: rev[e] = E - e (keys), jj = 0..7
     rev = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
     nisa.iota(dst=rev, pattern=[[-1, E]], offset=E)
-    jj = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.iota(dst=jj, pattern=[[1, MAX8]], offset=0)
+    revs = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
+    m2 = 1
+    while m2 < E:
+        m2 = 2 * m2
+    nisa.tensor_scalar(dst=revs, data=rev, op0=nl.multiply, operand0=1.0 / m2)
 
-    # exact top-k set, ties to the lower index
+    # logits rounded to the activation dtype, each rounding pass also yielding -max of its logits (the max of the
+    # rounded values: rounding is monotone); the softmax max is the smaller of the halves' -max
+    gl = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)            # the shared-expert gate logit
+    if lnc == 1:
+        lg = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
+        nmx = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=lg, data=lg_ps[:, 0:E], op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
+                                  reduce_res=nmx, reduce_res_negate=True)
+        nisa.tensor_copy(dst=gl, src=lg_ps[:, E:E + 1])
+        halves = ((0, lg),)
+    else:                   # whole tiles through sendrecv (a strided part of a tile is not delivered)
+        mine = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)      # [this core's logits | -(max of them)]
+        nisa.tensor_scalar_reduce(dst=mine[:, 0:Eh], data=lg_ps[:, 0:Eh], op0=nl.multiply, operand0=1.0,
+                                  reduce_op=nl.maximum, reduce_res=mine[:, Eh:Eh + 1], reduce_res_negate=True)
+        theirs = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)
+        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+        nisa.tensor_copy(dst=gl, src=lg_ps[:, Eh:Eh + 1])             # (while the halves fly)
+        nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=nmx, data1=mine[:, Eh:Eh + 1], data2=theirs[:, Eh:Eh + 1], op=nl.minimum)
+        halves = ((pid, mine), (1 - pid, theirs))
+
+    # softmax numerators (fp32): p = exp(l - max), one exp per half under LNC = 2 (straight from the swapped tiles:
+    # no copy into lg on the way). The top-k set of the softmax is that of p, and the renormalised weights
+    # p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
+    p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
+    for c, half in halves:
+        nisa.activation(dst=p[:, c * Eh:(c + 1) * Eh], op=nl.exp, data=half[:, 0:Eh], bias=nmx)
+
+    # exact top-k set, ties to the lower index: with vk the k-th largest p, the key comp = (p > vk) + (p >= vk) * revs
+    # is 1 + revs for p > vk, revs for p == vk, 0 below (unique per expert where non-zero: revs < 1 + revs' for all
+    # pairs); its k largest values are the selection (every p > vk, then the tied experts lowest index first), and
+    # ck = the k-th largest is the threshold: selected iff comp >= ck
     v8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
     nisa.max8(dst=v8, src=p)
     vk = v8[:, k - 1:k]
-    gt = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)          # VectorE: GpSimd runs no float tensor_tensor
-    nisa.tensor_tensor(dst=gt, data1=p, data2=v8.ap(pattern=[[MAX8, T], [0, E]], offset=k - 1), op=nl.greater)
+    tied = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)         # VectorE: GpSimd runs no float tensor_tensor
+    nisa.scalar_tensor_tensor(dst=tied, data=p, op0=nl.greater_equal, operand0=vk, op1=nl.multiply, operand1=revs)
+    comp = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=comp, data=p, op0=nl.greater, operand0=vk, op1=nl.add, operand1=tied)
     c8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=c8, data=v8, op0=nl.greater, operand0=vk)
-    ngt = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=ngt, op=nl.add, data=c8, axis=1)
-    last = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)          # need - 1 = k - 1 - #(p > vk)
-    nisa.tensor_scalar(dst=last, data=ngt, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(k - 1))
-    key = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)           # (p == vk) * (E - e): unique per tied expert
-    nisa.scalar_tensor_tensor(dst=key, data=p, op0=nl.equal, operand0=vk, op1=nl.multiply, operand1=rev)
-    kt8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.max8(dst=kt8, src=key)
-    pick = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=pick, data=jj, op0=nl.equal, operand0=last, op1=nl.multiply, operand1=kt8)
-    thr = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)           # key of the last tied expert admitted
-    nisa.tensor_reduce(dst=thr, op=nl.add, data=pick, axis=1)
-    sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
-    nisa.scalar_tensor_tensor(dst=sel, data=key, op0=nl.greater_equal, operand0=thr, op1=nl.add, operand1=gt)
+    nisa.max8(dst=c8, src=comp)
+    ck = c8[:, k - 1:k]
 
-    # slots: the first k are token 0's own experts (ascending: max8 of the key sel_0 * (E - e)), then the experts
+    # slots: the first k are token 0's own experts, decoded from c8 (E - e = 2^m (c8 - [c8 > 1]): its experts with
+    # p > vk ascending, then its admitted ties ascending), then the experts
     # the other tokens chose and token 0 did not (ascending: max8 rounds over (count > 0) * (1 - sel_0) * (E - e),
     # the count of tokens choosing each expert from a ones-vector matmul); the keys are unique per expert, so no
     # tie semantics are relied on. Each slot's ids are written as soon as its max8 round is done: the first k
@@ -377,11 +387,13 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     rounds = -(-(S - k) // MAX8)
     keys = nl.ndarray((1, max(MAX8, k + rounds * MAX8)), dtype=f32, buffer=nl.sbuf)
     ids = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf, name=IDS_NAME)
-    key0 = nl.ndarray((1, E), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=key0, data1=sel[0:1, :], data2=rev[0:1, :], op=nl.multiply)
-    nisa.max8(dst=keys[:, 0:MAX8], src=key0)
-    nisa.tensor_scalar(dst=ids[:, 0:k], data=keys[:, 0:k], op0=nl.multiply, operand0=-1.0, op1=nl.add,
-                       operand1=float(E))
+    r0 = nl.ndarray((1, k), dtype=f32, buffer=nl.sbuf)            # (E - e) / 2^m of token 0's experts
+    nisa.scalar_tensor_tensor(dst=r0, data=c8[0:1, 0:k], op0=nl.greater, operand0=1.0, op1=nl.subtract,
+                              operand1=c8[0:1, 0:k], reverse1=True)
+    nisa.tensor_scalar(dst=ids[:, 0:k], data=r0, op0=nl.multiply, operand0=-float(m2), op1=nl.add, operand1=float(E))
+    nisa.tensor_scalar(dst=keys[:, 0:k], data=r0, op0=nl.multiply, operand0=float(m2))
+    sel = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)           # 0/1 selection mask
+    nisa.tensor_scalar(dst=sel, data=comp, op0=nl.greater_equal, operand0=ck)
     if S > k:
         cnt_ps = nl.ndarray((1, E), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=cnt_ps, stationary=ones_t, moving=sel, accumulate=False)
@@ -428,16 +440,16 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     nisa.reciprocal(dst=rv, data=vsum)
     w = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=w, data=sel, op0=nl.multiply, operand0=rv, op1=nl.multiply, operand1=p)
-    return lg, w, keys, ids, trips
+    return gl, w, keys, ids, trips
 
 
-def _shared_gate(lg):
-    """[T, 1] f32 sigmoid of the gate logit (last column of lg) as 1 / (1 + exp(-z)): exp keeps ACT on the
-    softmax's table."""
-    T, E1 = lg.shape
+def _shared_gate(gl):
+    """[T, 1] f32 sigmoid of the gate logit gl [T, 1] as 1 / (1 + exp(-z)): exp keeps ACT on the softmax's
+    table."""
+    T = gl.shape[0]
     f32 = nl.float32
     ez = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=ez, op=nl.exp, data=lg[:, E1 - 1:E1], scale=-1.0)
+    nisa.activation(dst=ez, op=nl.exp, data=gl, scale=-1.0)
     ez1 = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ez1, data=ez, op0=nl.add, operand0=1.0)
     gate = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
@@ -871,7 +883,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # own later matmuls (the PE would otherwise idle while DVE ranks the experts)
     lg_ps = _router_logits(xT, r_sb)
     gu_s = _gate_up(xT, sh, geo_s, 1)
-    lg, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
+    gl, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
 
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
@@ -884,7 +896,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     first_bufs = []
     for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known
         first_bufs.append(_issue(st, static[g]))
-    gate = _shared_gate(lg)
+    gate = _shared_gate(gl)
     wsel = _slot_weights(w, keys, S)
 
     # 4. the shared expert (weighted by its gate) and the always-valid slots accumulate in PSUM: one

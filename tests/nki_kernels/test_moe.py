@@ -31,9 +31,11 @@ import nki.isa as nisa
 import nki.language as nl
 import nkisim
 from compare import assert_close
+from model import functional as fn
 from model.config import preset
 from model.params import random_params
 from model.tp.moe import distinct_experts, moe_rank, route_tokens, shard_moe
+from nki_kernels import moe as moe_mod
 from nki_kernels.moe import (P, block_width, expert_block_bytes, expert_blocks, moe_hbm_layout, moe_tkg,
                              moe_tkg_body, router_block, routed_expert_bytes)
 
@@ -164,6 +166,79 @@ def test_tiny_router_ties(tiny_params, dtype):
     got, nbytes, _ = run_kernel(shard, x, k, 2)
     check_close(got, moe_rank(shard, x, k), dtype)
     assert nbytes == len(chosen[0] | chosen[1]) * block_bytes_tiny(cfg, 2, dtype)
+
+
+@nki.jit
+def routing_probe(x, router, top_k):
+    """The body's routing alone (``_router_logits`` + ``_top_k``) on x [T, P] and a router block
+    [n_cores, P, 1, E/n_cores + 1]: per core one float32 row block [T, E + S + 1] = w | ids (row 0) | gate logit."""
+    T = x.shape[0]
+    lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    E = (router.shape[3] - 1) * lnc
+    S = min(T * top_k, E)
+    out = nl.ndarray((lnc, T, E + S + 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    xT = nl.ndarray((P, 1, T), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, 1], [P, T]], offset=0))
+    r_sb = nl.ndarray(tuple(router.shape[1:]), dtype=router.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=r_sb, src=router[pid])
+    gl, w, keys, ids, trips = moe_mod._top_k(moe_mod._router_logits(xT, r_sb), top_k, S, lnc, pid, x.dtype)
+    o = nl.ndarray((T, E + S + 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=o, value=-1.0)
+    nisa.tensor_copy(dst=o[:, 0:E], src=w)
+    nisa.tensor_copy(dst=o[0:1, E:E + S], src=ids)
+    nisa.tensor_copy(dst=o[:, E + S:E + S + 1], src=gl)
+    nisa.dma_copy(dst=out[pid], src=o)
+    return out
+
+
+def probe_logits(kind, T, E, seed):
+    """[T, E] logits: random, with many exact ties (coarse), all equal (flat), spread so that most softmax
+    numerators underflow to 0 (spread), or distinct logits whose fp32 exp values collide (near)."""
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return rng.standard_normal((T, E)) * 2
+    if kind == "coarse":
+        return np.round(rng.standard_normal((T, E)) * 2)
+    if kind == "flat":
+        return np.full((T, E), 0.25)
+    if kind == "spread":
+        return rng.standard_normal((T, E)) * 60
+    return 3.0 + rng.integers(0, 3, size=(T, E)) * 2.0 ** -20          # near
+
+
+@pytest.mark.parametrize("E,k,T,lnc,dtype", [(256, 8, 2, 2, torch.bfloat16), (16, 4, 3, 1, torch.float32),
+                                             (64, 8, 4, 2, torch.float32)], ids=["real-bf16", "tiny-fp32", "e64-t4"])
+@pytest.mark.parametrize("kind", ["normal", "coarse", "flat", "spread", "near"])
+def test_routing_matches_the_twin(E, k, T, lnc, dtype, kind):
+    """The kernel's routing against ``model.functional.route`` on the same rounded logits: token 0's k expert ids
+    are exactly its top-k set (ties to the lower index), the slots after them exactly the other tokens' further
+    experts (ascending, then unused = E), every token's weights non-zero only on its own set and equal to the
+    twin's up to the activation dtype's rounding; the gate logit comes through unchanged."""
+    lg = torch.as_tensor(probe_logits(kind, T, E, seed=E + T)).to(dtype)
+    gate = torch.linspace(-1.0, 1.0, T).to(dtype)
+    Eh = E // lnc
+    x = torch.zeros(T, P, dtype=dtype)
+    x[range(T), range(T)] = 1
+    router = torch.zeros(lnc, P, 1, Eh + 1, dtype=dtype)    # logit (t, e) = x[t] . router[:, e] = lg[t, e] exactly
+    for c in range(lnc):
+        router[c, :T, 0, :Eh] = lg[:, c * Eh:(c + 1) * Eh]
+        router[c, :T, 0, Eh] = gate
+    out = torch.as_tensor(np.asarray(routing_probe[lnc](x, router, k)))
+    assert torch.equal(out[0], out[-1]), "the cores route differently"
+    w, ids, gl = out[0, :, :E], out[0, 0, E:-1], out[0, :, -1]
+    want_w, want_idx = fn.route(lg.float(), k)
+    sets = [set(r) for r in want_idx.tolist()]
+    assert set(ids[:k].tolist()) == sets[0] and len(set(ids[:k].tolist())) == k
+    rest = sorted(set().union(*sets) - sets[0])
+    assert ids[k:k + len(rest)].tolist() == rest and (ids[k + len(rest):] == E).all()
+    assert torch.isfinite(w).all() and (w > 0).any()
+    for t in range(T):
+        others = [e for e in range(E) if e not in sets[t]]
+        assert (w[t, others] == 0).all()
+        got, want = w[t, want_idx[t]], want_w[t]
+        tol = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20
+        assert ((got - want).abs() <= tol * want + 1e-30).all(), (t, got, want)
+    assert torch.equal(gl, gate.float())
 
 
 @nki.jit
@@ -410,7 +485,7 @@ def test_demo_shape_only_trace():
     assert out.shape == (2, 2, cfg.hidden_size)
     assert routed_expert_bytes(tr) == cfg.num_experts_per_tok * expert_block_bytes(cfg, 4)
     ops = tr.summary()
-    assert ops[("DVE", "max8")] == 2 * (2 + 2)        # per core: top-k, tie keys, 2 union rounds
+    assert ops[("DVE", "max8")] == 2 * 3        # per core: the top-k values, the top-k keys, one union round
 
 
 @pytest.mark.slow
