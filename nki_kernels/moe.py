@@ -360,7 +360,8 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
     # no copy into lg on the way). The top-k set of the softmax is that of p, and the renormalised weights
     # p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
     p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    for c, half in halves:
+    for c_half in halves:
+        c, half = c_half
         nisa.activation(dst=p[:, c * Eh:(c + 1) * Eh], op=nl.exp, data=half[:, 0:Eh], bias=nmx)
 
     # exact top-k set, ties to the lower index: with vk the k-th largest p, the key comp = (p > vk) + (p >= vk) * revs
@@ -551,7 +552,8 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
         nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, R], [1, T]], offset=0),
                            data2=mask.ap(pattern=[[R * T, P], [0, n], [T, R], [1, T]], offset=0), op=nl.multiply)
     for i in range(n):
-        for cs, cn in geo["chunks"]:
+        for chunk in geo["chunks"]:
+            cs, cn = chunk
             nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=buf[:, i, off_d + cs:off_d + cs + cn],
                            accumulate=not first)
         first = False
@@ -635,7 +637,8 @@ def _ahead(groups, Ns):
     """How many of the first groups fit in the ring of Ns slots together (their DMAs are issued up front)."""
     used = 0
     n = 0
-    for s0, c in groups:
+    for group in groups:
+        s0, c = group
         if used + c > Ns:
             break
         used = used + c
@@ -747,7 +750,8 @@ class MoEWeights(nl.NKIObject):
     expert's block)."""
 
     def __init__(self, router, shared):
-        self.router, self.shared = router, shared
+        self.router = router
+        self.shared = shared
 
 
 def moe_weights(router, shared, layer=None):
@@ -822,7 +826,8 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if experts.shape[2] != P or E % n_cores or tuple(router.shape) != (n_cores, P, J, E // n_cores + 1):
         raise ValueError(f"moe_tkg: experts {list(experts.shape)} / router {list(router.shape)} do not match "
                          f"H={H}, E={E} (expected [E, n_cores, {P}, F] and [n_cores, {P}, {J}, E/n_cores + 1])")
-    for nm, t in (("router", router), ("experts", experts), ("shared", shared)):
+    for nm_t in (("router", router), ("experts", experts), ("shared", shared)):
+        nm, t = nm_t
         if t.dtype != adt and not (nm == "experts" and t.dtype == FP8):
             raise ValueError(f"moe_tkg: {nm} is {t.dtype} but the activations are {adt}; weights must match")
     if (experts.dtype == FP8) != (scales != None):
