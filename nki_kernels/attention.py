@@ -399,13 +399,15 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted
     in between so that it runs on the idle engines meanwhile, then the projections' evictions (their PSUM
     tiles die with this scope, leaving the banks to the KV tiles)."""
-    ps = _project(g, xT, w)
     _load_tables(g, w, norm_w, cos, sin)
-    rt = _runtime_scalars(g, pos, regs)
+    xrep = _replicate_x(g, xT)
+    rt, vals = _runtime_scalars(g, pos)
     ident = nl.shared_identity_matrix(P, dtype=g.act)
     at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
-    _load_wo(g, w)
+    ps = _project(g, xT, xrep, w)
+    _load_registers(rt, vals, regs)
     qg, vnew = _project_out(g, ps)
+    _load_wo(g, w)
     return qg, vnew, rt, ident, at
 
 
@@ -439,7 +441,8 @@ def _load_wo(g, w):
     wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
     r0 = g.core * Hc * D
     for bk in range(Hc * DT):
-        nisa.dma_copy(dst=wo_sb[:, bk, :], src=w["wo_hbm"][r0 + bk * dp:r0 + (bk + 1) * dp, :])
+        nisa.dma_copy(dst=wo_sb[:, bk, :], src=w["wo_hbm"][r0 + bk * dp:r0 + (bk + 1) * dp, :],
+                      dge_mode=nisa.dge_mode.hwdge, engine=ACT_ENG)
     w["wo"] = wo_sb
 
 
@@ -453,7 +456,7 @@ def _one(name, dtype=nl.int32):
     return nl.ndarray((1, 1), dtype, buffer=nl.sbuf, name=name)
 
 
-def _runtime_scalars(g, pos, regs=None):
+def _runtime_scalars(g, pos):
     """Run-time values derived from p on-chip (int32 on VectorE / GpSimd; exact below 2^24) and loaded into
     registers (the loop bounds and DMA offsets of :func:`_tiles`).
 
@@ -488,15 +491,35 @@ def _runtime_scalars(g, pos, regs=None):
     vals["even"] = _one("att_even")
     nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
     vals["odd"] = _int_op(_one("att_odd"), n, nl.bitwise_and, 1)
+    return rt, vals
+
+
+def _load_registers(rt, vals, regs=None):
+    """Load the :func:`_runtime_scalars` values into registers ``rt[name + "_reg"]`` (``regs``: the caller's, else
+    allocated). Issued after the projections' ring refills: a register load waits in SP's instruction stream for
+    its value, and the refills' DMA triggers sit in the same stream."""
     if regs != None and len(regs) < len(REGISTER_NAMES):
         raise ValueError(f"attention: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
     for i, k in enumerate(REGISTER_NAMES):
         rt[k + "_reg"] = nisa.register_alloc() if regs == None else regs[i]
         nisa.register_load(rt[k + "_reg"], vals[k])
-    return rt
 
 
-def _project(g, xT, w):
+def _replicate_x(g, xT):
+    """The zero-padded stationary replicas of xT of :func:`_project` (GpSimd): ``xrep [P, Hc (+1 on the K core), KT,
+    nr]``, ``xrep[:, h, j, r]`` = xT[:, j, t] iff r = t*Hc + h (the K replica: iff r = KP + t)."""
+    act, KT, Hc, nq, nr = g.act, g.KT, g.Hc, g.nq, g.nr
+    nx = Hc + (1 if g.do_k else 0)
+    xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
+    nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
+    for h in range(Hc):
+        nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
+    if g.do_k:
+        nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
+    return xrep
+
+
+def _project(g, xT, xrep, w):
     """q|gate (+ k on core 0) in row layout [(t, h), 2, D] and v [T, D], accumulated in PSUM (fp32);
     returns (qg_psum [nr, 2, D], v_psum [T, D] or None) for :func:`_project_out`.
 
@@ -508,13 +531,6 @@ def _project(g, xT, w):
     act, KT, Hc, D, T, nq, nr = g.act, g.KT, g.Hc, g.D, g.T, g.nq, g.nr
     JG, NK, WR = _ring_shape(KT)
     kv_names = _kv_names(g.do_k, g.do_v)
-    nx = Hc + (1 if g.do_k else 0)
-    xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
-    nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
-    for h in range(Hc):
-        nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
-    if g.do_k:
-        nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
     ring = w["ring"]
     if ring == None:
         ring = _fill_ring(g, w, act, kv_names)
@@ -568,11 +584,16 @@ def _fill_ring(g, w, act, kv_names, WR=None):
     JG, NK, WR0 = _ring_shape(g.KT)
     if WR == None:
         WR = WR0
+    # ONE tile for every slot (slots are views): first-fit placement then needs one hole of the whole ring, so its
+    # slots do not land in the small holes the previous layer's residual and all-reduce buffers leave, whose reuse
+    # waits for that layer's last add (a WAR that held the early ring's DMAs behind it; issue 15)
+    nq, nk = JG * 2 * g.Hc * g.D, JG * g.D
+    buf = nl.ndarray((P, WR, nq + len(kv_names) * nk), act, buffer=nl.sbuf, name="att_w_ring")
     ring = []
     for i in range(WR):
-        slot = {"wqg": nl.ndarray((P, JG, 2, g.Hc, g.D), act, buffer=nl.sbuf, name=f"att_wqg_ring{i}")}
-        for nm in kv_names:
-            slot[nm] = nl.ndarray((P, JG, g.D), act, buffer=nl.sbuf, name=f"att_{nm}_ring{i}")
+        slot = {"wqg": buf[:, i, 0:nq].reshape((P, JG, 2, g.Hc, g.D))}
+        for k, nm in enumerate(kv_names):
+            slot[nm] = buf[:, i, nq + k * nk:nq + (k + 1) * nk].reshape((P, JG, g.D))
         ring.append(slot)
     for ck in range(WR):
         _load_chunk(g, w, ring[ck], ck * JG, JG, kv_names)
