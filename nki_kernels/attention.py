@@ -100,7 +100,8 @@ on-chip (``bitwise_and`` / ``right_shift`` on int32, then ``register_load``; the
 * full tiles: rank tile j covers rows [r + jS, r + (j+1)S) for j < n (they end exactly at row p), no
   masking: a runtime ``nl.fori_loop`` over pairs of rank tiles whose register induction variable (the same on
   both cores) plus the core's static c*B is the DMA row offset (``.ap(scalar_offset=reg, indirect_dim=1)``),
-  plus 0/1-trip loops for the pipeline's prologue and its even / odd epilogue.
+  plus 0/1-trip loops for a lone tile (n = 1), the pipeline's first two tiles (n >= 2: one body, so that tile
+  1's load is not fenced behind tile 0's work by a loop boundary) and its odd / even epilogue.
 * new block: the T new keys from SBUF with a static causal mask (key t' visible to query t iff t' <= t).
 Masks add NEG = -1e30 (finite: exp underflows to exactly 0, no inf arithmetic). The running negated max
 starts at M_INIT = 1e20 (a running max of -1e20): below every real scaled score and far above every masked
@@ -134,7 +135,7 @@ KV_TILE = PSUM_BANK     # keys per KV tile: one PSUM bank of fp32 scores
 KP = 32                 # partition of the first key row in the q|k tile (a legal compute-engine start)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
 M_INIT = 1.0e20         # initial negated running max: below every real scaled score, above every masked one
-REGISTER_NAMES = ("p", "head", "start", "pro", "pair_end", "even", "odd")
+REGISTER_NAMES = ("p", "head", "start", "one", "two", "pair_end", "odd", "even")
 ATTENTION_REGISTERS = len(REGISTER_NAMES)   # registers one body call loads (pass ``regs`` to reuse them)
 F32 = nl.float32
 ACT_ENG = nisa.engine.scalar
@@ -271,8 +272,7 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     sg = nl.ndarray((nq, D), F32, buffer=nl.sbuf, name="att_sig_gate")
     nisa.activation(dst=sg, op=nl.exp, data=qg[0:nq, 1, :], scale=-1.0)
     nisa.tensor_scalar(dst=sg, data=sg, op0=nl.add, operand0=1.0)
-    nisa.reciprocal(dst=sg, data=sg)
-    o = _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context)   # [nq, D] act
+    o = _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg)   # [nq, D] act
 
     # ---- the T new K/V rows: each written exactly once (core 0: K, last core: V). Issued after this core's
     # cache reads: a dynamic-offset write and dynamic-offset reads of one tensor cannot be proven disjoint, so
@@ -463,8 +463,9 @@ def _runtime_scalars(g, pos):
     With S = n_cores * B (one rank tile: B rows per core): p_reg: p (cache write offset). r = p mod S (head
     rows; head_reg = r > 0; this core's head-tile threshold r - c*B as an fp32 column, rem_f). The n = p // S
     full rank tiles start at rows r + j*S (start_reg = r; core c adds the static c*B). Pipeline registers:
-    pro = (n >= 1); pairs run from r to pair_end = r + 2S * (max(n - 1, 0) // 2); even = (n even, >= 2; the
-    last tile is then at pair_end + S); odd = n & 1. Every register value is the same on both cores.
+    one = (n == 1); two = (n >= 2: tiles 0 and 1); pairs of tiles 2.. run from r to pair_end = r + 2S *
+    (max(n - 2, 0) // 2); odd = (n odd, >= 3; the last tile is then at pair_end + 2S) = (n & 1) - one; even =
+    (n even, >= 2) = two - odd. Every register value is the same on both cores.
     ``ATTENTION_REGISTERS`` registers in all (``regs`` reuses the caller's)."""
     B, c, nc = g.B, g.core, g.n_cores
     S = nc * B                                          # rows of one rank tile (B per core)
@@ -483,14 +484,16 @@ def _runtime_scalars(g, pos):
     vals["head"] = _int_op(_one("att_has_head"), rem_i[0:1, :], nl.greater, 0.0)
     # (computed also with max_context, so that a shape-only trace has exactly a data launch's instructions)
     n = _int_op(_one("att_nfull"), pos_i[0:1, :], nl.right_shift, S.bit_length() - 1)
-    vals["pro"] = _int_op(_one("att_pro"), n, nl.greater_equal, 1.0)
-    m = _int_op(_one("att_m_pre"), n, nl.add, -1.0, nl.maximum, 0.0)
+    vals["one"] = _int_op(_one("att_one"), n, nl.equal, 1.0)
+    vals["two"] = _int_op(_one("att_two"), n, nl.greater_equal, 2.0)
+    m = _int_op(_one("att_m_pre"), n, nl.add, -2.0, nl.maximum, 0.0)
     m = _int_op(_one("att_pairs"), m, nl.right_shift, 1)
     vals["pair_end"] = _int_op(_one("att_pair_end"), m, nl.multiply, float(2 * S), nl.add, r_f[0:1, :])
-    half = _int_op(_one("att_half"), n, nl.right_shift, 1)
+    bit = _int_op(_one("att_n_odd"), n, nl.bitwise_and, 1)
+    vals["odd"] = _one("att_odd")
+    nisa.tensor_tensor(dst=vals["odd"], data1=bit, data2=vals["one"], op=nl.subtract)
     vals["even"] = _one("att_even")
-    nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
-    vals["odd"] = _int_op(_one("att_odd"), n, nl.bitwise_and, 1)
+    nisa.tensor_tensor(dst=vals["even"], data1=vals["two"], data2=vals["odd"], op=nl.subtract)
     return rt, vals
 
 
@@ -770,23 +773,8 @@ def _attend_setup(g, rt):
     dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
     nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
     masks = {"score": mask_s, "dead": dead}
-    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
-    return {"st": st, "masks": masks, "bufs": bufs}
-
-
-def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
-    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
-    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
-    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference)."""
-    act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
-    QA, c, nc = g.QA, g.core, g.n_cores
-    st = at["st"]
-    _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
-
-    if g.new:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
-        s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
-        for dh in range(g.DT):
-            nisa.nc_matmul(dst=s_ps, stationary=qa[:, dh, :], moving=knT[:, dh, :], accumulate=dh > 0)
+    if g.new:    # the new block's static causal mask (row t*Hc + h sees key t' iff t' <= t; see _attend)
+        T, Hc, nq = g.T, g.Hc, g.nq
         zero = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_zero")
         nisa.memset(dst=zero, value=0.0, engine=POOL_ENG)
         causal = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_causal")
@@ -795,13 +783,37 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
             n = min(nq, QA - r0)
             nisa.affine_select(dst=causal[r0:r0 + n], pattern=[[-Hc, T]], channel_multiplier=1,
                                on_true_tile=zero[r0:r0 + n], on_false_value=NEG, cmp_op=nl.greater_equal, offset=0)
+        masks["causal"] = causal
+    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
+    return {"st": st, "masks": masks, "bufs": bufs}
+
+
+def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
+    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
+    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
+    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference).
+    ``sg`` [nq, D] fp32 holds 1 + exp(-gate); it is inverted in place (the gate's sigmoid) where VectorE waits
+    anyway: in the new block while ScalarE / PE compute its P and PV, else after the KV tiles (VectorE's
+    reciprocal is 8x per element, ~2.3 us: before the tiles it delayed the first K^T eviction)."""
+    act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
+    QA, c, nc = g.QA, g.core, g.n_cores
+    st = at["st"]
+    _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
+    if not g.new:
+        nisa.reciprocal(dst=sg, data=sg)
+
+    if g.new:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
+        s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
+        for dh in range(g.DT):
+            nisa.nc_matmul(dst=s_ps, stationary=qa[:, dh, :], moving=knT[:, dh, :], accumulate=dh > 0)
         s = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_new_scores_masked")
-        nisa.tensor_tensor(dst=s, data1=s_ps, data2=causal, op=nl.add)
+        nisa.tensor_tensor(dst=s, data1=s_ps, data2=at["masks"]["causal"], op=nl.add)
         tmp = {}
         for nm in ("nmx", "b", "alpha"):
             tmp[nm] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name=f"att_new_{nm}")
         p_t = nl.ndarray((QA, T), act, buffer=nl.sbuf, name="att_new_probs")
         _softmax_stats(g, st, tmp, s=s)
+        nisa.reciprocal(dst=sg, data=sg)
         _softmax_exp(g, st, tmp, s=s, p_t=p_t)
         pT_ps = nl.ndarray((T, QA), F32, buffer=nl.psum, name="att_new_pT_psum")
         nisa.nc_matmul(dst=pT_ps, stationary=p_t, moving=ident[0:QA, 0:QA], accumulate=False)
@@ -913,8 +925,9 @@ def _unrolled_last(kx, bufs, j):
 
 def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     """This core's KV tiles, software-pipelined two deep (tile j's load / K^T / scores overlap tile j-1's
-    softmax / P^T / PV; tiles alternate between two buffer sets): the head tile (iff r > 0), a prologue, a
-    runtime loop over pairs of steps, and a 0/1-trip epilogue for an even or odd tile count. Every trip count
+    softmax / P^T / PV; tiles alternate between two buffer sets): the head tile (iff r > 0), a lone tile (n = 1)
+    or the first two tiles in one body (n >= 2: a runtime loop boundary would fence tile 1's load behind tile 0's
+    work), a runtime loop over pairs of steps, and a 0/1-trip epilogue for an odd or even tile count. Every trip count
     and every loop bound is a function of p alone, so both cores of a rank run the same runtime loops; the
     cores differ only in the static row offset c*B of their DMAs (module docstring, LNC split). With
     max_context the same sequence is emitted unrolled (shape-only costing)."""
@@ -938,27 +951,34 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         _head_tile(kx, bufs)
     nl.fori_loop(0, rt["head_reg"], head_body)
 
-    def prologue(i):                               # rank tile 0 at r (iff n >= 1)
+    def one_body(i):                               # n == 1: rank tile 0 at r, alone
         A_, B_ = _with_psum(g, bufs)
         _first(kx, A_, c0, rt["start_reg"])
-    nl.fori_loop(0, rt["pro_reg"], prologue)
+        _last(kx, A_)
+    nl.fori_loop(0, rt["one_reg"], one_body)
 
-    def pair_body(i):                              # i = r + 2m*S: rank tiles 2m+1 (B) and 2m+2 (A) loaded
+    def two_body(i):                               # n >= 2: rank tiles 0 (A) and 1 (B) in ONE body, so that tile
+        A_, B_ = _with_psum(g, bufs)               # 1's load is issued with tile 0's, not behind a loop boundary
+        _first(kx, A_, c0, rt["start_reg"])
+        _step(kx, B_, c0 + S, rt["start_reg"], A_)
+    nl.fori_loop(0, rt["two_reg"], two_body)
+
+    def pair_body(i):                              # i = r + 2m*S: rank tiles 2m+2 (A) and 2m+3 (B)
         A_, B_ = _with_psum(g, bufs)
-        _step(kx, B_, c0 + S, i, A_)
         _step(kx, A_, c0 + 2 * S, i, B_)
+        _step(kx, B_, c0 + 3 * S, i, A_)
     nl.fori_loop(rt["start_reg"], rt["pair_end_reg"], pair_body, step=2 * S)
 
-    def even_tail(i):                              # n even: load the last tile (B, at pair_end + S), finish both
+    def odd_tail(i):                               # n odd, >= 3: load the last tile (A, at pair_end + 2S), finish both
         A_, B_ = _with_psum(g, bufs)
-        _step(kx, B_, c0 + S, rt["pair_end_reg"], A_)
-        _last(kx, B_)
-    nl.fori_loop(0, rt["even_reg"], even_tail)
-
-    def odd_tail(i):                               # n odd: the last tile (A) is loaded, finish it
-        A_, B_ = _with_psum(g, bufs)
+        _step(kx, A_, c0 + 2 * S, rt["pair_end_reg"], B_)
         _last(kx, A_)
     nl.fori_loop(0, rt["odd_reg"], odd_tail)
+
+    def even_tail(i):                              # n even, >= 2: the last tile (B) is loaded, finish it
+        A_, B_ = _with_psum(g, bufs)
+        _last(kx, B_)
+    nl.fori_loop(0, rt["even_reg"], even_tail)
 
 
 def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
@@ -1148,14 +1168,14 @@ def attention_layout(shard) -> dict:
     return {"wqg": wqg, "wk": wk, "wv": wv, "wo": wo, "norm_w": norm.contiguous()}
 
 
-def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int]:
-    """Trip counts of the body's five runtime loops at position p, in program order (head tiles, prologue,
-    pairs, even tail, odd tail; module docstring "KV tiling"), the same on every core: the host-side statement
-    of what :func:`_runtime_scalars` computes on chip."""
+def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int, int]:
+    """Trip counts of the body's six runtime loops at position p, in program order (head tiles, lone tile, first
+    two tiles, pairs, odd tail, even tail; module docstring "KV tiling"), the same on every core: the host-side
+    statement of what :func:`_runtime_scalars` computes on chip."""
     S = n_cores * kv_tile
     r, n = p % S, p // S
-    m = max(n - 1, 0) // 2
-    return int(r > 0), int(n >= 1), m, n // 2 - m, n & 1
+    odd = int(n >= 3 and n % 2 == 1)
+    return int(r > 0), int(n == 1), int(n >= 2), max(n - 2, 0) // 2, odd, int(n >= 2 and n % 2 == 0)
 
 
 def rope_tables(start: int, T: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
