@@ -793,14 +793,17 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
     (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
     Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference).
     ``sg`` [nq, D] fp32 holds 1 + exp(-gate); it is inverted in place (the gate's sigmoid) where VectorE waits
-    anyway: in the new block while ScalarE / PE compute its P and PV, else after the KV tiles (VectorE's
-    reciprocal is 8x per element, ~2.3 us: before the tiles it delayed the first K^T eviction)."""
+    anyway, in column pieces (elementwise, so the same bits): on the new-block core half while ScalarE / PE
+    compute the new block's P and PV, a quarter during the state exchange and a quarter while ScalarE computes
+    the merge weights; on the other core after the KV tiles (VectorE's reciprocal is 8x per element, ~2.3 us
+    for the whole tile: before the tiles it delayed the first K^T eviction)."""
     act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
     QA, c, nc = g.QA, g.core, g.n_cores
     st = at["st"]
     _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
+    cuts = (0, D // 2, 3 * D // 4, D) if g.new and nc == 2 else ((0, D // 2, D, D) if g.new else (0, D, D, D))
     if not g.new:
-        nisa.reciprocal(dst=sg, data=sg)
+        _invert(sg, cuts[0], cuts[1])
 
     if g.new:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
         s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
@@ -813,7 +816,7 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
             tmp[nm] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name=f"att_new_{nm}")
         p_t = nl.ndarray((QA, T), act, buffer=nl.sbuf, name="att_new_probs")
         _softmax_stats(g, st, tmp, s=s)
-        nisa.reciprocal(dst=sg, data=sg)
+        _invert(sg, cuts[0], cuts[1])
         _softmax_exp(g, st, tmp, s=s, p_t=p_t)
         pT_ps = nl.ndarray((T, QA), F32, buffer=nl.psum, name="att_new_pT_psum")
         nisa.nc_matmul(dst=pT_ps, stationary=p_t, moving=ident[0:QA, 0:QA], accumulate=False)
@@ -823,6 +826,8 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
         nisa.nc_matmul(dst=pv, stationary=pT, moving=vnew, accumulate=False)
         nisa.scalar_tensor_tensor(dst=st["ol"], data=st["ol"], op0=nl.multiply, operand0=tmp["alpha"],
                                   op1=nl.add, operand1=pv)
+    if nc == 1:
+        _invert(sg, cuts[1], D)
 
     ol, nm = st["ol"], st["nm"]
     if nc == 2:     # merge with the other core's partial state for this core's heads (rows KP.. over there)
@@ -831,8 +836,10 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
         nisa.tensor_copy(dst=send[:, D + 1:D + 2], src=nm[KP:KP + nq, :], engine=POOL_ENG)
         recv = nl.ndarray((nq, D + 2), F32, buffer=nl.sbuf, name="att_xchg_state_recv")
         nisa.sendrecv(src=send, dst=recv, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=1)
+        _invert(sg, cuts[1], cuts[2])
         bm = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_negmax")
         nisa.tensor_tensor(dst=bm, data1=nm[0:nq, :], data2=recv[:, D + 1:D + 2], op=nl.minimum)
+        _invert(sg, cuts[2], cuts[3])
         a_own = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_own")
         nisa.activation(dst=a_own, op=nl.exp, data=nm[0:nq, :], scale=-1.0, bias=bm)
         a_oth = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_other")
@@ -846,6 +853,12 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
     o = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_out")
     nisa.tensor_scalar(dst=o, data=ol[0:nq, 0:D], op0=nl.multiply, operand0=rl)
     return o
+
+
+def _invert(sg, c0, c1):
+    """sg[:, c0:c1] <- 1 / sg[:, c0:c1] (VectorE; nothing when the range is empty)."""
+    if c1 > c0:
+        nisa.reciprocal(dst=sg[:, c0:c1], data=sg[:, c0:c1])
 
 
 def _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context):
