@@ -399,8 +399,9 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted
     in between so that it runs on the idle engines meanwhile, then the projections' evictions (their PSUM
     tiles die with this scope, leaving the banks to the KV tiles)."""
+    xrep = _replica_tile(g)
     _load_tables(g, w, norm_w, cos, sin)
-    xrep = _replicate_x(g, xT)
+    _replicate_x(g, xT, xrep)
     rt, vals = _runtime_scalars(g, pos)
     ident = nl.shared_identity_matrix(P, dtype=g.act)
     at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
@@ -508,18 +509,23 @@ def _load_registers(rt, vals, regs=None):
         nisa.register_load(rt[k + "_reg"], vals[k])
 
 
-def _replicate_x(g, xT):
-    """The zero-padded stationary replicas of xT of :func:`_project` (GpSimd): ``xrep [P, Hc (+1 on the K core), KT,
-    nr]``, ``xrep[:, h, j, r]`` = xT[:, j, t] iff r = t*Hc + h (the K replica: iff r = KP + t)."""
-    act, KT, Hc, nq, nr = g.act, g.KT, g.Hc, g.nq, g.nr
-    nx = Hc + (1 if g.do_k else 0)
-    xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
+def _replica_tile(g):
+    """The zeroed SBUF tile of :func:`_replicate_x`: ``xrep [P, Hc (+1 on the K core), KT, nr]`` (its memset is the
+    first GpSimd work of the body: it does not wait for xT)."""
+    nx = g.Hc + (1 if g.do_k else 0)
+    xrep = nl.ndarray((P, nx, g.KT, g.nr), g.act, buffer=nl.sbuf, name="att_xrep")
     nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
+    return xrep
+
+
+def _replicate_x(g, xT, xrep):
+    """The zero-padded stationary replicas of xT of :func:`_project` (GpSimd) into :func:`_replica_tile`'s xrep:
+    ``xrep[:, h, j, r]`` = xT[:, j, t] iff r = t*Hc + h (the K replica, h = Hc: iff r = KP + t)."""
+    Hc, nq, nr = g.Hc, g.nq, g.nr
     for h in range(Hc):
         nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
     if g.do_k:
         nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
-    return xrep
 
 
 def _project(g, xT, xrep, w):
