@@ -652,7 +652,8 @@ def _project_out(g, psums):
     act, D, T, nr = g.act, g.D, g.T, g.nr
     ps, vps = psums
     qg = nl.ndarray((nr, 2, D), act, buffer=nl.sbuf, name="att_qg")
-    nisa.tensor_copy(dst=qg, src=ps, engine=ACT_ENG)
+    for half in range(2):       # the q|k half first: the norm waits for it, the gate is read much later
+        nisa.tensor_copy(dst=qg[:, half, :], src=ps[:, half, :], engine=ACT_ENG)
     vnew = None
     if g.do_v:
         vnew = nl.ndarray((T, D + 1), act, buffer=nl.sbuf, name="att_vnew")   # last column 1: PV also sums P
@@ -846,10 +847,10 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
         bm = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_negmax")
         nisa.tensor_tensor(dst=bm, data1=nm[0:nq, :], data2=recv[:, D + 1:D + 2], op=nl.minimum)
         _invert(sg, cuts[2], cuts[3])
+        a_oth = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_other")   # first: oth needs it
+        nisa.activation(dst=a_oth, op=nl.exp, data=recv[:, D + 1:D + 2], scale=-1.0, bias=bm)
         a_own = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_own")
         nisa.activation(dst=a_own, op=nl.exp, data=nm[0:nq, :], scale=-1.0, bias=bm)
-        a_oth = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_other")
-        nisa.activation(dst=a_oth, op=nl.exp, data=recv[:, D + 1:D + 2], scale=-1.0, bias=bm)
         oth = nl.ndarray((nq, D + 1), F32, buffer=nl.sbuf, name="att_merge_other")
         nisa.tensor_scalar(dst=oth, data=recv[:, 0:D + 1], op0=nl.multiply, operand0=a_oth)
         nisa.scalar_tensor_tensor(dst=ol[0:nq, :], data=ol[0:nq, :], op0=nl.multiply, operand0=a_own,
@@ -1135,7 +1136,9 @@ def _o_proj_stacked(g, og, wo, ident, S):
             nisa.nc_matmul(dst=y_ps, stationary=z[:, dh, h, s, :], moving=wo[:, b, n0:n0 + W],
                            accumulate=s > 0 or b > 0)
     y = nl.ndarray((S * T, W), F32, buffer=nl.sbuf, name="att_y")
-    nisa.tensor_copy(dst=y, src=y_ps, engine=ACT_ENG)
+    h = W // 2                  # evicted in two column halves at once (ScalarE, VectorE): the all-reduce waits for it
+    nisa.tensor_copy(dst=y[:, 0:h], src=y_ps[:, 0:h], engine=ACT_ENG)
+    nisa.tensor_copy(dst=y[:, h:W], src=y_ps[:, h:W], engine=DVE_ENG)
     return y
 
 
