@@ -899,6 +899,28 @@ def _first(kx, b, row0, reg, masked=False):
     _softmax_exp(g, st, b)
 
 
+def _first_two(kx, a, b, reg):
+    """Stage 1 of rank tiles 0 (buffers a) and 1 (b) and stage 2 of tile 0: :func:`_first` then :func:`_step`, in an
+    order for a body that starts with both tiles to load: PE transposes both K tiles before tile 0's scores (it waits
+    for their eviction anyway) and ScalarE evicts tile 1's K^T before tile 0's exp, so tile 1's scores do not wait
+    behind tile 0's softmax on ScalarE (the same instructions on the same data as the two calls)."""
+    g, st = kx["g"], kx["st"]
+    c0, S = g.core * g.B, g.n_cores * g.B
+    for t, row0 in ((a, c0), (b, c0 + S)):
+        _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], t, row0, reg, False)
+    _tile_evict(g, a)
+    _tile_evict(g, b, (ACT_ENG,))
+    _tile_scores(g, kx["qa"], kx["masks"], a, False)
+    _softmax_stats(g, st, a)
+    _tile_evict(g, b, (DVE_ENG,))
+    _softmax_exp(g, st, a)
+    _tile_scores(g, kx["qa"], kx["masks"], b, False)
+    _tile_pT(g, kx["ident"], a)
+    _softmax_stats(g, st, b, nm=a["b"])
+    _tile_pv(g, st, a)
+    _softmax_exp(g, st, b, nm=a["b"])
+
+
 def _step(kx, b, row0, reg, prev):
     """Stage 1 of tile j interleaved with stage 2 (P^T, PV, [O | l] update) of tile j-1 (buffer set prev), in
     the order that keeps every in-order engine queue busy: PE T(j) P^T(j-1) QK(j) PV(j-1); ACT evict(j)
@@ -908,9 +930,9 @@ def _step(kx, b, row0, reg, prev):
     _tile_evict(g, b)
     _tile_pT(g, kx["ident"], prev)
     _tile_scores(g, kx["qa"], kx["masks"], b, False)
-    _softmax_stats(g, st, b)
+    _softmax_stats(g, st, b, nm=prev["b"])
     _tile_pv(g, st, prev)
-    _softmax_exp(g, st, b)
+    _softmax_exp(g, st, b, nm=prev["b"])
 
 
 def _last(kx, prev):
@@ -938,6 +960,12 @@ def _unrolled_tile(kx, bufs, j):
         _step(kx, sets[j % 2], row0, kx["rt"]["start_reg"], sets[(j - 1) % 2])
 
 
+def _unrolled_first_two(kx, bufs):
+    """Full tiles 0 and 1 of this core (max_context), as the runtime ``two`` body emits them."""
+    sets = _with_psum(kx["g"], bufs)
+    _first_two(kx, sets[0], sets[1], kx["rt"]["start_reg"])
+
+
 def _unrolled_last(kx, bufs, j):
     """Stage 2 of the last full tile j (max_context)."""
     _last(kx, _with_psum(kx["g"], bufs)[j % 2])
@@ -961,7 +989,9 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         if max_context % S:
             _head_tile(kx, bufs)
         n = max_context // S
-        for j in range(n):
+        if n >= 2:
+            _unrolled_first_two(kx, bufs)
+        for j in range(0 if n < 2 else 2, n):
             _unrolled_tile(kx, bufs, j)
         if n > 0:
             _unrolled_last(kx, bufs, n - 1)
@@ -979,8 +1009,7 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
 
     def two_body(i):                               # n >= 2: rank tiles 0 (A) and 1 (B) in ONE body, so that tile
         A_, B_ = _with_psum(g, bufs)               # 1's load is issued with tile 0's, not behind a loop boundary
-        _first(kx, A_, c0, rt["start_reg"])
-        _step(kx, B_, c0 + S, rt["start_reg"], A_)
+        _first_two(kx, A_, B_, rt["start_reg"])
     nl.fori_loop(0, rt["two_reg"], two_body)
 
     def pair_body(i):                              # i = r + 2m*S: rank tiles 2m+2 (A) and 2m+3 (B)
@@ -1024,10 +1053,13 @@ def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
                            moving=ident, accumulate=False)
 
 
-def _tile_evict(g, b):
-    """K^T PSUM -> SBUF (activation dtype), d-tiles alternating between ScalarE and VectorE."""
+def _tile_evict(g, b, engines=(ACT_ENG, DVE_ENG)):
+    """K^T PSUM -> SBUF (activation dtype), d-tiles alternating between ScalarE and VectorE (the ``engines`` of
+    :func:`_first_two`: only the d-tiles of those engines)."""
     for dh in range(g.DT):
-        nisa.tensor_copy(dst=b["kT"][:, dh], src=b["kT_ps"][dh], engine=ACT_ENG if dh % 2 == 0 else DVE_ENG)
+        eng = ACT_ENG if dh % 2 == 0 else DVE_ENG
+        if eng in engines:
+            nisa.tensor_copy(dst=b["kT"][:, dh], src=b["kT_ps"][dh], engine=eng)
 
 
 def _tile_scores(g, qa, masks, b, masked):
@@ -1059,22 +1091,26 @@ def _tile_pv(g, st, b):
                               operand1=b["pv"])
 
 
-def _softmax_stats(g, st, b, s=None):
+def _softmax_stats(g, st, b, s=None, nm=None):
     """Online-softmax statistics (VectorE) of raw scores s [QA, w] (default b["s"]; PSUM or SBUF fp32, the
-    1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s))."""
+    1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s)). ``nm``: the running negated
+    max (default st["nm"]; in a pipeline step the previous tile's b, which st["nm"] is a copy of: reading it
+    directly spares the wait for GpSimd's copy)."""
     s = b["s"] if s == None else s
+    nm = st["nm"] if nm == None else nm
     nisa.tensor_reduce(dst=b["nmx"], op=nl.maximum, data=s, axis=1, negate=True)
     nisa.scalar_tensor_tensor(dst=b["b"], data=b["nmx"], op0=nl.multiply, operand0=g.sc, op1=nl.minimum,
-                              operand1=st["nm"])
+                              operand1=nm)
 
 
-def _softmax_exp(g, st, b, s=None, p_t=None):
-    """ScalarE half of the step: alpha = exp(b - nm) (rescales the old [O | l] at this tile's update),
-    P = exp(scale*s + b) into p_t (default b["p"], activation dtype; its row sum comes out of the PV matmul);
-    then nm <- b."""
+def _softmax_exp(g, st, b, s=None, p_t=None, nm=None):
+    """ScalarE half of the step: alpha = exp(b - nm) (rescales the old [O | l] at this tile's update; ``nm`` as for
+    :func:`_softmax_stats`), P = exp(scale*s + b) into p_t (default b["p"], activation dtype; its row sum comes out
+    of the PV matmul); then nm <- b."""
     s = b["s"] if s == None else s
     p_t = b["p"] if p_t == None else p_t
-    nisa.activation(dst=b["alpha"], op=nl.exp, data=st["nm"], scale=-1.0, bias=b["b"])
+    nm = st["nm"] if nm == None else nm
+    nisa.activation(dst=b["alpha"], op=nl.exp, data=nm, scale=-1.0, bias=b["b"])
     nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g.sc, bias=b["b"])
     nisa.tensor_copy(dst=st["nm"], src=b["b"], engine=POOL_ENG)
 
