@@ -800,15 +800,15 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
     (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
     Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference).
     ``sg`` [nq, D] fp32 holds 1 + exp(-gate); it is inverted in place (the gate's sigmoid) where VectorE waits
-    anyway, in column pieces (elementwise, so the same bits): on the new-block core half while ScalarE / PE
-    compute the new block's P and PV, a quarter during the state exchange and a quarter while ScalarE computes
+    anyway, in column pieces (elementwise, so the same bits; sized to the waits): on the new-block core 5/8 while
+    ScalarE / PE compute the new block's P and PV, 1/4 during the state exchange and 1/8 while ScalarE computes
     the merge weights; on the other core after the KV tiles (VectorE's reciprocal is 8x per element, ~2.3 us
     for the whole tile: before the tiles it delayed the first K^T eviction)."""
     act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
     QA, c, nc = g.QA, g.core, g.n_cores
     st = at["st"]
     _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
-    cuts = (0, D // 2, 3 * D // 4, D) if g.new and nc == 2 else ((0, D // 2, D, D) if g.new else (0, D, D, D))
+    cuts = (0, 5 * D // 8, 7 * D // 8, D) if g.new and nc == 2 else ((0, D // 2, D, D) if g.new else (0, D, D, D))
     if not g.new:
         _invert(sg, cuts[0], cuts[1])
 
