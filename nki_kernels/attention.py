@@ -396,9 +396,13 @@ def kv_rows_write(kin, rows):
 
 # ---- stages --------------------------------------------------------------------------------------
 def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
-    """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted
-    in between so that it runs on the idle engines meanwhile, then the projections' evictions (their PSUM
-    tiles die with this scope, leaving the banks to the KV tiles)."""
+    """The set-up that does not need the projections, then the projections (PE-bound once xT lands), then their
+    evictions (their PSUM tiles die with this scope, leaving the banks to the KV tiles). Emitted in the order each
+    in-order engine queue wants it (issue 15): xT's replica tile zeroed first on GpSimd (the tables' memsets can
+    wait for the previous layer through their placement); the tables and p on SP's DMA queue ahead of the ring
+    refills, so the runtime scalars, masks and KV buffers are ready long before the tiles; the register loads
+    after the refills' triggers in SP's stream (a register load waits there for its value); the o_proj weight
+    on ScalarE's DMA queue after the eviction, so the KV tiles (SP's queue) do not move behind its 2 MiB."""
     xrep = _replica_tile(g)
     _load_tables(g, w, norm_w, cos, sin)
     _replicate_x(g, xT, xrep)
@@ -413,9 +417,9 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
 
 
 def _load_tables(g, w, norm_w, cos, sin):
-    """The small per-row tables; the projection weights are streamed by :func:`_project`, the o_proj weight
-    is loaded by :func:`_load_wo` once the projection chunks are queued. Each core reads only its heads'
-    columns: over the LNC pair every weight byte is read once."""
+    """The small per-row tables (the projection weights are streamed by :func:`_project`, the o_proj weight is
+    loaded by :func:`_load_wo`). Each core reads only its heads' columns: over the LNC pair every weight byte is
+    read once."""
     act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
     T, nq, nr, R = g.T, g.nq, g.nr, g.R
     h0 = g.core * Hc
@@ -436,8 +440,10 @@ def _load_tables(g, w, norm_w, cos, sin):
 
 
 def _load_wo(g, w):
-    """o_proj weight rows of this core's heads -> SBUF [dp, Hc*DT, H]: one DMA per (head, d-tile) block, issued
-    after the projection chunks so that it neither delays them nor blocks a DMA queue for long."""
+    """o_proj weight rows of this core's heads -> SBUF [dp, Hc*DT, H]: one DMA per (head, d-tile) block on
+    ScalarE's hardware-DGE queue (the DMAs of one queue move in order, SDK nki-dma-overview.rst "DMA Queues": on
+    SP's default queue the KV tiles queued behind its 2 MiB), triggered after the projections' eviction in
+    ScalarE's stream, so it does not share the bandwidth with the projection ring."""
     act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
     wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
     r0 = g.core * Hc * D
@@ -568,9 +574,10 @@ def _project(g, xT, xrep, w):
     return ps, vps
 
 
-EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real shapes (30 KiB per partition); the
-# megakernel cannot place 7 or 8 next to its GDN weight arena and MoE expert ring (first-fit SBUF: nkisim
-# AllocationError), and a 3-slot ring issued early gains ~1 us per layer only (bench/decode_speed.md row 19)
+EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real shapes (30 KiB per partition); with
+# the slots as separate tiles the megakernel could not place 7 or 8 (nkisim AllocationError), and a 3-slot ring
+# issued early gained ~1 us per layer only (bench/decode_speed.md row 19). As one tile, 8 slots place, but gain
+# nothing: the projections are PE-bound once xT lands (4-layer round 1,631.9 us central either way; issue 15)
 
 
 def _ring_shape(KT):
