@@ -100,7 +100,8 @@ on-chip (``bitwise_and`` / ``right_shift`` on int32, then ``register_load``; the
 * full tiles: rank tile j covers rows [r + jS, r + (j+1)S) for j < n (they end exactly at row p), no
   masking: a runtime ``nl.fori_loop`` over pairs of rank tiles whose register induction variable (the same on
   both cores) plus the core's static c*B is the DMA row offset (``.ap(scalar_offset=reg, indirect_dim=1)``),
-  plus 0/1-trip loops for the pipeline's prologue and its even / odd epilogue.
+  plus 0/1-trip loops for a lone tile (n = 1), the pipeline's first two tiles (n >= 2: one body, so that tile
+  1's load is not fenced behind tile 0's work by a loop boundary) and its odd / even epilogue.
 * new block: the T new keys from SBUF with a static causal mask (key t' visible to query t iff t' <= t).
 Masks add NEG = -1e30 (finite: exp underflows to exactly 0, no inf arithmetic). The running negated max
 starts at M_INIT = 1e20 (a running max of -1e20): below every real scaled score and far above every masked
@@ -134,7 +135,7 @@ KV_TILE = PSUM_BANK     # keys per KV tile: one PSUM bank of fp32 scores
 KP = 32                 # partition of the first key row in the q|k tile (a legal compute-engine start)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
 M_INIT = 1.0e20         # initial negated running max: below every real scaled score, above every masked one
-REGISTER_NAMES = ("p", "head", "start", "pro", "pair_end", "even", "odd")
+REGISTER_NAMES = ("p", "head", "start", "one", "two", "pair_end", "odd", "even")
 ATTENTION_REGISTERS = len(REGISTER_NAMES)   # registers one body call loads (pass ``regs`` to reuse them)
 F32 = nl.float32
 ACT_ENG = nisa.engine.scalar
@@ -271,8 +272,7 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     sg = nl.ndarray((nq, D), F32, buffer=nl.sbuf, name="att_sig_gate")
     nisa.activation(dst=sg, op=nl.exp, data=qg[0:nq, 1, :], scale=-1.0)
     nisa.tensor_scalar(dst=sg, data=sg, op0=nl.add, operand0=1.0)
-    nisa.reciprocal(dst=sg, data=sg)
-    o = _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context)   # [nq, D] act
+    o = _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg)   # [nq, D] act
 
     # ---- the T new K/V rows: each written exactly once (core 0: K, last core: V). Issued after this core's
     # cache reads: a dynamic-offset write and dynamic-offset reads of one tensor cannot be proven disjoint, so
@@ -396,23 +396,30 @@ def kv_rows_write(kin, rows):
 
 # ---- stages --------------------------------------------------------------------------------------
 def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
-    """Projections first (PE work: the weight stream is the long pole), then the independent set-up, emitted
-    in between so that it runs on the idle engines meanwhile, then the projections' evictions (their PSUM
-    tiles die with this scope, leaving the banks to the KV tiles)."""
-    ps = _project(g, xT, w)
+    """The set-up that does not need the projections, then the projections (PE-bound once xT lands), then their
+    evictions (their PSUM tiles die with this scope, leaving the banks to the KV tiles). Emitted in the order each
+    in-order engine queue wants it (issue 15): xT's replica tile zeroed first on GpSimd (the tables' memsets can
+    wait for the previous layer through their placement); the tables and p on SP's DMA queue ahead of the ring
+    refills, so the runtime scalars, masks and KV buffers are ready long before the tiles; the register loads
+    after the refills' triggers in SP's stream (a register load waits there for its value); the o_proj weight
+    on ScalarE's DMA queue after the eviction, so the KV tiles (SP's queue) do not move behind its 2 MiB."""
+    xrep = _replica_tile(g)
     _load_tables(g, w, norm_w, cos, sin)
-    rt = _runtime_scalars(g, pos, regs)
+    _replicate_x(g, xT, xrep)
+    rt, vals = _runtime_scalars(g, pos)
     ident = nl.shared_identity_matrix(P, dtype=g.act)
     at = _attend_setup(g, rt)                          # softmax state, masks, KV tile buffers
-    _load_wo(g, w)
+    ps = _project(g, xT, xrep, w)
+    _load_registers(rt, vals, regs)
     qg, vnew = _project_out(g, ps)
+    _load_wo(g, w)
     return qg, vnew, rt, ident, at
 
 
 def _load_tables(g, w, norm_w, cos, sin):
-    """The small per-row tables; the projection weights are streamed by :func:`_project`, the o_proj weight
-    is loaded by :func:`_load_wo` once the projection chunks are queued. Each core reads only its heads'
-    columns: over the LNC pair every weight byte is read once."""
+    """The small per-row tables (the projection weights are streamed by :func:`_project`, the o_proj weight is
+    loaded by :func:`_load_wo`). Each core reads only its heads' columns: over the LNC pair every weight byte is
+    read once."""
     act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
     T, nq, nr, R = g.T, g.nq, g.nr, g.R
     h0 = g.core * Hc
@@ -433,13 +440,16 @@ def _load_tables(g, w, norm_w, cos, sin):
 
 
 def _load_wo(g, w):
-    """o_proj weight rows of this core's heads -> SBUF [dp, Hc*DT, H]: one DMA per (head, d-tile) block, issued
-    after the projection chunks so that it neither delays them nor blocks a DMA queue for long."""
+    """o_proj weight rows of this core's heads -> SBUF [dp, Hc*DT, H]: one DMA per (head, d-tile) block on
+    ScalarE's hardware-DGE queue (the DMAs of one queue move in order, SDK nki-dma-overview.rst "DMA Queues": on
+    SP's default queue the KV tiles queued behind its 2 MiB), triggered after the projections' eviction in
+    ScalarE's stream, so it does not share the bandwidth with the projection ring."""
     act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
     wo_sb = nl.ndarray((dp, Hc * DT, H), act, buffer=nl.sbuf, name="att_wo")
     r0 = g.core * Hc * D
     for bk in range(Hc * DT):
-        nisa.dma_copy(dst=wo_sb[:, bk, :], src=w["wo_hbm"][r0 + bk * dp:r0 + (bk + 1) * dp, :])
+        nisa.dma_copy(dst=wo_sb[:, bk, :], src=w["wo_hbm"][r0 + bk * dp:r0 + (bk + 1) * dp, :],
+                      dge_mode=nisa.dge_mode.hwdge, engine=ACT_ENG)
     w["wo"] = wo_sb
 
 
@@ -453,15 +463,16 @@ def _one(name, dtype=nl.int32):
     return nl.ndarray((1, 1), dtype, buffer=nl.sbuf, name=name)
 
 
-def _runtime_scalars(g, pos, regs=None):
+def _runtime_scalars(g, pos):
     """Run-time values derived from p on-chip (int32 on VectorE / GpSimd; exact below 2^24) and loaded into
     registers (the loop bounds and DMA offsets of :func:`_tiles`).
 
     With S = n_cores * B (one rank tile: B rows per core): p_reg: p (cache write offset). r = p mod S (head
     rows; head_reg = r > 0; this core's head-tile threshold r - c*B as an fp32 column, rem_f). The n = p // S
     full rank tiles start at rows r + j*S (start_reg = r; core c adds the static c*B). Pipeline registers:
-    pro = (n >= 1); pairs run from r to pair_end = r + 2S * (max(n - 1, 0) // 2); even = (n even, >= 2; the
-    last tile is then at pair_end + S); odd = n & 1. Every register value is the same on both cores.
+    one = (n == 1); two = (n >= 2: tiles 0 and 1); pairs of tiles 2.. run from r to pair_end = r + 2S *
+    (max(n - 2, 0) // 2); odd = (n odd, >= 3; the last tile is then at pair_end + 2S) = (n & 1) - one; even =
+    (n even, >= 2) = two - odd. Every register value is the same on both cores.
     ``ATTENTION_REGISTERS`` registers in all (``regs`` reuses the caller's)."""
     B, c, nc = g.B, g.core, g.n_cores
     S = nc * B                                          # rows of one rank tile (B per core)
@@ -480,23 +491,50 @@ def _runtime_scalars(g, pos, regs=None):
     vals["head"] = _int_op(_one("att_has_head"), rem_i[0:1, :], nl.greater, 0.0)
     # (computed also with max_context, so that a shape-only trace has exactly a data launch's instructions)
     n = _int_op(_one("att_nfull"), pos_i[0:1, :], nl.right_shift, S.bit_length() - 1)
-    vals["pro"] = _int_op(_one("att_pro"), n, nl.greater_equal, 1.0)
-    m = _int_op(_one("att_m_pre"), n, nl.add, -1.0, nl.maximum, 0.0)
+    vals["one"] = _int_op(_one("att_one"), n, nl.equal, 1.0)
+    vals["two"] = _int_op(_one("att_two"), n, nl.greater_equal, 2.0)
+    m = _int_op(_one("att_m_pre"), n, nl.add, -2.0, nl.maximum, 0.0)
     m = _int_op(_one("att_pairs"), m, nl.right_shift, 1)
     vals["pair_end"] = _int_op(_one("att_pair_end"), m, nl.multiply, float(2 * S), nl.add, r_f[0:1, :])
-    half = _int_op(_one("att_half"), n, nl.right_shift, 1)
+    bit = _int_op(_one("att_n_odd"), n, nl.bitwise_and, 1)
+    vals["odd"] = _one("att_odd")
+    nisa.tensor_tensor(dst=vals["odd"], data1=bit, data2=vals["one"], op=nl.subtract)
     vals["even"] = _one("att_even")
-    nisa.tensor_tensor(dst=vals["even"], data1=half, data2=m, op=nl.subtract)
-    vals["odd"] = _int_op(_one("att_odd"), n, nl.bitwise_and, 1)
+    nisa.tensor_tensor(dst=vals["even"], data1=vals["two"], data2=vals["odd"], op=nl.subtract)
+    return rt, vals
+
+
+def _load_registers(rt, vals, regs=None):
+    """Load the :func:`_runtime_scalars` values into registers ``rt[name + "_reg"]`` (``regs``: the caller's, else
+    allocated). Issued after the projections' ring refills: a register load waits in SP's instruction stream for
+    its value, and the refills' DMA triggers sit in the same stream."""
     if regs != None and len(regs) < len(REGISTER_NAMES):
         raise ValueError(f"attention: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
     for i, k in enumerate(REGISTER_NAMES):
         rt[k + "_reg"] = nisa.register_alloc() if regs == None else regs[i]
         nisa.register_load(rt[k + "_reg"], vals[k])
-    return rt
 
 
-def _project(g, xT, w):
+def _replica_tile(g):
+    """The zeroed SBUF tile of :func:`_replicate_x`: ``xrep [P, Hc (+1 on the K core), KT, nr]`` (its memset is the
+    first GpSimd work of the body: it does not wait for xT)."""
+    nx = g.Hc + (1 if g.do_k else 0)
+    xrep = nl.ndarray((P, nx, g.KT, g.nr), g.act, buffer=nl.sbuf, name="att_xrep")
+    nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
+    return xrep
+
+
+def _replicate_x(g, xT, xrep):
+    """The zero-padded stationary replicas of xT of :func:`_project` (GpSimd) into :func:`_replica_tile`'s xrep:
+    ``xrep[:, h, j, r]`` = xT[:, j, t] iff r = t*Hc + h (the K replica, h = Hc: iff r = KP + t)."""
+    Hc, nq, nr = g.Hc, g.nq, g.nr
+    for h in range(Hc):
+        nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
+    if g.do_k:
+        nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
+
+
+def _project(g, xT, xrep, w):
     """q|gate (+ k on core 0) in row layout [(t, h), 2, D] and v [T, D], accumulated in PSUM (fp32);
     returns (qg_psum [nr, 2, D], v_psum [T, D] or None) for :func:`_project_out`.
 
@@ -508,13 +546,6 @@ def _project(g, xT, w):
     act, KT, Hc, D, T, nq, nr = g.act, g.KT, g.Hc, g.D, g.T, g.nq, g.nr
     JG, NK, WR = _ring_shape(KT)
     kv_names = _kv_names(g.do_k, g.do_v)
-    nx = Hc + (1 if g.do_k else 0)
-    xrep = nl.ndarray((P, nx, KT, nr), act, buffer=nl.sbuf, name="att_xrep")
-    nisa.memset(dst=xrep, value=0.0, engine=POOL_ENG)
-    for h in range(Hc):
-        nisa.tensor_copy(dst=xrep[:, h, :, h:nq:Hc], src=xT, engine=POOL_ENG)
-    if g.do_k:
-        nisa.tensor_copy(dst=xrep[:, Hc, :, KP:nr], src=xT, engine=POOL_ENG)
     ring = w["ring"]
     if ring == None:
         ring = _fill_ring(g, w, act, kv_names)
@@ -543,9 +574,10 @@ def _project(g, xT, w):
     return ps, vps
 
 
-EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real shapes (30 KiB per partition); the
-# megakernel cannot place 7 or 8 next to its GDN weight arena and MoE expert ring (first-fit SBUF: nkisim
-# AllocationError), and a 3-slot ring issued early gains ~1 us per layer only (bench/decode_speed.md row 19)
+EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real shapes (30 KiB per partition); with
+# the slots as separate tiles the megakernel could not place 7 or 8 (nkisim AllocationError), and a 3-slot ring
+# issued early gained ~1 us per layer only (bench/decode_speed.md row 19). As one tile, 8 slots place, but gain
+# nothing: the projections are PE-bound once xT lands (4-layer round 1,631.9 us central either way; issue 15)
 
 
 def _ring_shape(KT):
@@ -568,11 +600,16 @@ def _fill_ring(g, w, act, kv_names, WR=None):
     JG, NK, WR0 = _ring_shape(g.KT)
     if WR == None:
         WR = WR0
+    # ONE tile for every slot (slots are views): first-fit placement then needs one hole of the whole ring, so its
+    # slots do not land in the small holes the previous layer's residual and all-reduce buffers leave, whose reuse
+    # waits for that layer's last add (a WAR that held the early ring's DMAs behind it; issue 15)
+    nq, nk = JG * 2 * g.Hc * g.D, JG * g.D
+    buf = nl.ndarray((P, WR, nq + len(kv_names) * nk), act, buffer=nl.sbuf, name="att_w_ring")
     ring = []
     for i in range(WR):
-        slot = {"wqg": nl.ndarray((P, JG, 2, g.Hc, g.D), act, buffer=nl.sbuf, name=f"att_wqg_ring{i}")}
-        for nm in kv_names:
-            slot[nm] = nl.ndarray((P, JG, g.D), act, buffer=nl.sbuf, name=f"att_{nm}_ring{i}")
+        slot = {"wqg": buf[:, i, 0:nq].reshape((P, JG, 2, g.Hc, g.D))}
+        for k, nm in enumerate(kv_names):
+            slot[nm] = buf[:, i, nq + k * nk:nq + (k + 1) * nk].reshape((P, JG, g.D))
         ring.append(slot)
     for ck in range(WR):
         _load_chunk(g, w, ring[ck], ck * JG, JG, kv_names)
@@ -622,7 +659,8 @@ def _project_out(g, psums):
     act, D, T, nr = g.act, g.D, g.T, g.nr
     ps, vps = psums
     qg = nl.ndarray((nr, 2, D), act, buffer=nl.sbuf, name="att_qg")
-    nisa.tensor_copy(dst=qg, src=ps, engine=ACT_ENG)
+    for half in range(2):       # the q|k half first: the norm waits for it, the gate is read much later
+        nisa.tensor_copy(dst=qg[:, half, :], src=ps[:, half, :], engine=ACT_ENG)
     vnew = None
     if g.do_v:
         vnew = nl.ndarray((T, D + 1), act, buffer=nl.sbuf, name="att_vnew")   # last column 1: PV also sums P
@@ -749,23 +787,8 @@ def _attend_setup(g, rt):
     dead = nl.ndarray((P, NC), nl.uint8, buffer=nl.sbuf, name="att_dead_rows")
     nisa.tensor_scalar(dst=dead, data=key_r, op0=nl.greater_equal, operand0=rt["rem_f"])
     masks = {"score": mask_s, "dead": dead}
-    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
-    return {"st": st, "masks": masks, "bufs": bufs}
-
-
-def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
-    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
-    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
-    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference)."""
-    act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
-    QA, c, nc = g.QA, g.core, g.n_cores
-    st = at["st"]
-    _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
-
-    if g.new:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
-        s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
-        for dh in range(g.DT):
-            nisa.nc_matmul(dst=s_ps, stationary=qa[:, dh, :], moving=knT[:, dh, :], accumulate=dh > 0)
+    if g.new:    # the new block's static causal mask (row t*Hc + h sees key t' iff t' <= t; see _attend)
+        T, Hc, nq = g.T, g.Hc, g.nq
         zero = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_zero")
         nisa.memset(dst=zero, value=0.0, engine=POOL_ENG)
         causal = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_causal")
@@ -774,13 +797,40 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
             n = min(nq, QA - r0)
             nisa.affine_select(dst=causal[r0:r0 + n], pattern=[[-Hc, T]], channel_multiplier=1,
                                on_true_tile=zero[r0:r0 + n], on_false_value=NEG, cmp_op=nl.greater_equal, offset=0)
+        masks["causal"] = causal
+    bufs = [_tile_buffers(g, "a"), _tile_buffers(g, "b")]
+    return {"st": st, "masks": masks, "bufs": bufs}
+
+
+def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context, sg):
+    """Causal online-softmax attention of the QA query rows over this core's share of the cache rows 0..p-1
+    (and the new block on the last core); with LNC=2 the two partial softmax states are merged.
+    Returns O / l for this core's nq rows as an SBUF [nq, D] act-dtype tile (rounded like the reference).
+    ``sg`` [nq, D] fp32 holds 1 + exp(-gate); it is inverted in place (the gate's sigmoid) where VectorE waits
+    anyway, in column pieces (elementwise, so the same bits; sized to the waits): on the new-block core 5/8 while
+    ScalarE / PE compute the new block's P and PV, 1/4 during the state exchange and 1/8 while ScalarE computes
+    the merge weights; on the other core after the KV tiles (VectorE's reciprocal is 8x per element, ~2.3 us
+    for the whole tile: before the tiles it delayed the first K^T eviction)."""
+    act, nq, D, B, T, Hc, NC = g.act, g.nq, g.D, g.B, g.T, g.Hc, g.NC
+    QA, c, nc = g.QA, g.core, g.n_cores
+    st = at["st"]
+    _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context)
+    cuts = (0, 5 * D // 8, 7 * D // 8, D) if g.new and nc == 2 else ((0, D // 2, D, D) if g.new else (0, D, D, D))
+    if not g.new:
+        _invert(sg, cuts[0], cuts[1])
+
+    if g.new:    # the new block: T keys from SBUF, static causal mask (row t*Hc + h sees key t' iff t' <= t)
+        s_ps = nl.ndarray((QA, T), F32, buffer=nl.psum, name="att_new_scores")
+        for dh in range(g.DT):
+            nisa.nc_matmul(dst=s_ps, stationary=qa[:, dh, :], moving=knT[:, dh, :], accumulate=dh > 0)
         s = nl.ndarray((QA, T), F32, buffer=nl.sbuf, name="att_new_scores_masked")
-        nisa.tensor_tensor(dst=s, data1=s_ps, data2=causal, op=nl.add)
+        nisa.tensor_tensor(dst=s, data1=s_ps, data2=at["masks"]["causal"], op=nl.add)
         tmp = {}
         for nm in ("nmx", "b", "alpha"):
             tmp[nm] = nl.ndarray((QA, 1), F32, buffer=nl.sbuf, name=f"att_new_{nm}")
         p_t = nl.ndarray((QA, T), act, buffer=nl.sbuf, name="att_new_probs")
         _softmax_stats(g, st, tmp, s=s)
+        _invert(sg, cuts[0], cuts[1])
         _softmax_exp(g, st, tmp, s=s, p_t=p_t)
         pT_ps = nl.ndarray((T, QA), F32, buffer=nl.psum, name="att_new_pT_psum")
         nisa.nc_matmul(dst=pT_ps, stationary=p_t, moving=ident[0:QA, 0:QA], accumulate=False)
@@ -790,6 +840,8 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
         nisa.nc_matmul(dst=pv, stationary=pT, moving=vnew, accumulate=False)
         nisa.scalar_tensor_tensor(dst=st["ol"], data=st["ol"], op0=nl.multiply, operand0=tmp["alpha"],
                                   op1=nl.add, operand1=pv)
+    if nc == 1:
+        _invert(sg, cuts[1], D)
 
     ol, nm = st["ol"], st["nm"]
     if nc == 2:     # merge with the other core's partial state for this core's heads (rows KP.. over there)
@@ -798,12 +850,14 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
         nisa.tensor_copy(dst=send[:, D + 1:D + 2], src=nm[KP:KP + nq, :], engine=POOL_ENG)
         recv = nl.ndarray((nq, D + 2), F32, buffer=nl.sbuf, name="att_xchg_state_recv")
         nisa.sendrecv(src=send, dst=recv, send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=1)
+        _invert(sg, cuts[1], cuts[2])
         bm = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_negmax")
         nisa.tensor_tensor(dst=bm, data1=nm[0:nq, :], data2=recv[:, D + 1:D + 2], op=nl.minimum)
+        _invert(sg, cuts[2], cuts[3])
+        a_oth = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_other")   # first: oth needs it
+        nisa.activation(dst=a_oth, op=nl.exp, data=recv[:, D + 1:D + 2], scale=-1.0, bias=bm)
         a_own = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_own")
         nisa.activation(dst=a_own, op=nl.exp, data=nm[0:nq, :], scale=-1.0, bias=bm)
-        a_oth = nl.ndarray((nq, 1), F32, buffer=nl.sbuf, name="att_merge_alpha_other")
-        nisa.activation(dst=a_oth, op=nl.exp, data=recv[:, D + 1:D + 2], scale=-1.0, bias=bm)
         oth = nl.ndarray((nq, D + 1), F32, buffer=nl.sbuf, name="att_merge_other")
         nisa.tensor_scalar(dst=oth, data=recv[:, 0:D + 1], op0=nl.multiply, operand0=a_oth)
         nisa.scalar_tensor_tensor(dst=ol[0:nq, :], data=ol[0:nq, :], op0=nl.multiply, operand0=a_own,
@@ -813,6 +867,12 @@ def _attend(g, at, qa, knT, vnew, k_cache, v_cache, rt, ident, max_context):
     o = nl.ndarray((nq, D), act, buffer=nl.sbuf, name="att_out")
     nisa.tensor_scalar(dst=o, data=ol[0:nq, 0:D], op0=nl.multiply, operand0=rl)
     return o
+
+
+def _invert(sg, c0, c1):
+    """sg[:, c0:c1] <- 1 / sg[:, c0:c1] (VectorE; nothing when the range is empty)."""
+    if c1 > c0:
+        nisa.reciprocal(dst=sg[:, c0:c1], data=sg[:, c0:c1])
 
 
 def _run_tiles(g, st, at, qa, k_cache, v_cache, rt, ident, max_context):
@@ -846,6 +906,28 @@ def _first(kx, b, row0, reg, masked=False):
     _softmax_exp(g, st, b)
 
 
+def _first_two(kx, a, b, reg):
+    """Stage 1 of rank tiles 0 (buffers a) and 1 (b) and stage 2 of tile 0: :func:`_first` then :func:`_step`, in an
+    order for a body that starts with both tiles to load: PE transposes both K tiles before tile 0's scores (it waits
+    for their eviction anyway) and ScalarE evicts tile 1's K^T before tile 0's exp, so tile 1's scores do not wait
+    behind tile 0's softmax on ScalarE (the same instructions on the same data as the two calls)."""
+    g, st = kx["g"], kx["st"]
+    c0, S = g.core * g.B, g.n_cores * g.B
+    for t, row0 in ((a, c0), (b, c0 + S)):
+        _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], t, row0, reg, False)
+    _tile_evict(g, a)
+    _tile_evict(g, b, (ACT_ENG,))
+    _tile_scores(g, kx["qa"], kx["masks"], a, False)
+    _softmax_stats(g, st, a)
+    _tile_evict(g, b, (DVE_ENG,))
+    _softmax_exp(g, st, a)
+    _tile_scores(g, kx["qa"], kx["masks"], b, False)
+    _tile_pT(g, kx["ident"], a)
+    _softmax_stats(g, st, b, nm=a["b"])
+    _tile_pv(g, st, a)
+    _softmax_exp(g, st, b, nm=a["b"])
+
+
 def _step(kx, b, row0, reg, prev):
     """Stage 1 of tile j interleaved with stage 2 (P^T, PV, [O | l] update) of tile j-1 (buffer set prev), in
     the order that keeps every in-order engine queue busy: PE T(j) P^T(j-1) QK(j) PV(j-1); ACT evict(j)
@@ -855,9 +937,9 @@ def _step(kx, b, row0, reg, prev):
     _tile_evict(g, b)
     _tile_pT(g, kx["ident"], prev)
     _tile_scores(g, kx["qa"], kx["masks"], b, False)
-    _softmax_stats(g, st, b)
+    _softmax_stats(g, st, b, nm=prev["b"])
     _tile_pv(g, st, prev)
-    _softmax_exp(g, st, b)
+    _softmax_exp(g, st, b, nm=prev["b"])
 
 
 def _last(kx, prev):
@@ -885,6 +967,12 @@ def _unrolled_tile(kx, bufs, j):
         _step(kx, sets[j % 2], row0, kx["rt"]["start_reg"], sets[(j - 1) % 2])
 
 
+def _unrolled_first_two(kx, bufs):
+    """Full tiles 0 and 1 of this core (max_context), as the runtime ``two`` body emits them."""
+    sets = _with_psum(kx["g"], bufs)
+    _first_two(kx, sets[0], sets[1], kx["rt"]["start_reg"])
+
+
 def _unrolled_last(kx, bufs, j):
     """Stage 2 of the last full tile j (max_context)."""
     _last(kx, _with_psum(kx["g"], bufs)[j % 2])
@@ -892,8 +980,9 @@ def _unrolled_last(kx, bufs, j):
 
 def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     """This core's KV tiles, software-pipelined two deep (tile j's load / K^T / scores overlap tile j-1's
-    softmax / P^T / PV; tiles alternate between two buffer sets): the head tile (iff r > 0), a prologue, a
-    runtime loop over pairs of steps, and a 0/1-trip epilogue for an even or odd tile count. Every trip count
+    softmax / P^T / PV; tiles alternate between two buffer sets): the head tile (iff r > 0), a lone tile (n = 1)
+    or the first two tiles in one body (n >= 2: a runtime loop boundary would fence tile 1's load behind tile 0's
+    work), a runtime loop over pairs of steps, and a 0/1-trip epilogue for an odd or even tile count. Every trip count
     and every loop bound is a function of p alone, so both cores of a rank run the same runtime loops; the
     cores differ only in the static row offset c*B of their DMAs (module docstring, LNC split). With
     max_context the same sequence is emitted unrolled (shape-only costing)."""
@@ -907,7 +996,9 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         if max_context % S:
             _head_tile(kx, bufs)
         n = max_context // S
-        for j in range(n):
+        if n >= 2:
+            _unrolled_first_two(kx, bufs)
+        for j in range(0 if n < 2 else 2, n):
             _unrolled_tile(kx, bufs, j)
         if n > 0:
             _unrolled_last(kx, bufs, n - 1)
@@ -917,27 +1008,33 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
         _head_tile(kx, bufs)
     nl.fori_loop(0, rt["head_reg"], head_body)
 
-    def prologue(i):                               # rank tile 0 at r (iff n >= 1)
+    def one_body(i):                               # n == 1: rank tile 0 at r, alone
         A_, B_ = _with_psum(g, bufs)
         _first(kx, A_, c0, rt["start_reg"])
-    nl.fori_loop(0, rt["pro_reg"], prologue)
+        _last(kx, A_)
+    nl.fori_loop(0, rt["one_reg"], one_body)
 
-    def pair_body(i):                              # i = r + 2m*S: rank tiles 2m+1 (B) and 2m+2 (A) loaded
+    def two_body(i):                               # n >= 2: rank tiles 0 (A) and 1 (B) in ONE body, so that tile
+        A_, B_ = _with_psum(g, bufs)               # 1's load is issued with tile 0's, not behind a loop boundary
+        _first_two(kx, A_, B_, rt["start_reg"])
+    nl.fori_loop(0, rt["two_reg"], two_body)
+
+    def pair_body(i):                              # i = r + 2m*S: rank tiles 2m+2 (A) and 2m+3 (B)
         A_, B_ = _with_psum(g, bufs)
-        _step(kx, B_, c0 + S, i, A_)
         _step(kx, A_, c0 + 2 * S, i, B_)
+        _step(kx, B_, c0 + 3 * S, i, A_)
     nl.fori_loop(rt["start_reg"], rt["pair_end_reg"], pair_body, step=2 * S)
 
-    def even_tail(i):                              # n even: load the last tile (B, at pair_end + S), finish both
+    def odd_tail(i):                               # n odd, >= 3: load the last tile (A, at pair_end + 2S), finish both
         A_, B_ = _with_psum(g, bufs)
-        _step(kx, B_, c0 + S, rt["pair_end_reg"], A_)
-        _last(kx, B_)
-    nl.fori_loop(0, rt["even_reg"], even_tail)
-
-    def odd_tail(i):                               # n odd: the last tile (A) is loaded, finish it
-        A_, B_ = _with_psum(g, bufs)
+        _step(kx, A_, c0 + 2 * S, rt["pair_end_reg"], B_)
         _last(kx, A_)
     nl.fori_loop(0, rt["odd_reg"], odd_tail)
+
+    def even_tail(i):                              # n even, >= 2: the last tile (B) is loaded, finish it
+        A_, B_ = _with_psum(g, bufs)
+        _last(kx, B_)
+    nl.fori_loop(0, rt["even_reg"], even_tail)
 
 
 def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
@@ -963,10 +1060,13 @@ def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
                            moving=ident, accumulate=False)
 
 
-def _tile_evict(g, b):
-    """K^T PSUM -> SBUF (activation dtype), d-tiles alternating between ScalarE and VectorE."""
+def _tile_evict(g, b, engines=(ACT_ENG, DVE_ENG)):
+    """K^T PSUM -> SBUF (activation dtype), d-tiles alternating between ScalarE and VectorE (the ``engines`` of
+    :func:`_first_two`: only the d-tiles of those engines)."""
     for dh in range(g.DT):
-        nisa.tensor_copy(dst=b["kT"][:, dh], src=b["kT_ps"][dh], engine=ACT_ENG if dh % 2 == 0 else DVE_ENG)
+        eng = ACT_ENG if dh % 2 == 0 else DVE_ENG
+        if eng in engines:
+            nisa.tensor_copy(dst=b["kT"][:, dh], src=b["kT_ps"][dh], engine=eng)
 
 
 def _tile_scores(g, qa, masks, b, masked):
@@ -998,22 +1098,26 @@ def _tile_pv(g, st, b):
                               operand1=b["pv"])
 
 
-def _softmax_stats(g, st, b, s=None):
+def _softmax_stats(g, st, b, s=None, nm=None):
     """Online-softmax statistics (VectorE) of raw scores s [QA, w] (default b["s"]; PSUM or SBUF fp32, the
-    1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s))."""
+    1/sqrt(D) scale not yet applied): b["b"] = -max(running max, scale * rowmax(s)). ``nm``: the running negated
+    max (default st["nm"]; in a pipeline step the previous tile's b, which st["nm"] is a copy of: reading it
+    directly spares the wait for GpSimd's copy)."""
     s = b["s"] if s == None else s
+    nm = st["nm"] if nm == None else nm
     nisa.tensor_reduce(dst=b["nmx"], op=nl.maximum, data=s, axis=1, negate=True)
     nisa.scalar_tensor_tensor(dst=b["b"], data=b["nmx"], op0=nl.multiply, operand0=g.sc, op1=nl.minimum,
-                              operand1=st["nm"])
+                              operand1=nm)
 
 
-def _softmax_exp(g, st, b, s=None, p_t=None):
-    """ScalarE half of the step: alpha = exp(b - nm) (rescales the old [O | l] at this tile's update),
-    P = exp(scale*s + b) into p_t (default b["p"], activation dtype; its row sum comes out of the PV matmul);
-    then nm <- b."""
+def _softmax_exp(g, st, b, s=None, p_t=None, nm=None):
+    """ScalarE half of the step: alpha = exp(b - nm) (rescales the old [O | l] at this tile's update; ``nm`` as for
+    :func:`_softmax_stats`), P = exp(scale*s + b) into p_t (default b["p"], activation dtype; its row sum comes out
+    of the PV matmul); then nm <- b."""
     s = b["s"] if s == None else s
     p_t = b["p"] if p_t == None else p_t
-    nisa.activation(dst=b["alpha"], op=nl.exp, data=st["nm"], scale=-1.0, bias=b["b"])
+    nm = st["nm"] if nm == None else nm
+    nisa.activation(dst=b["alpha"], op=nl.exp, data=nm, scale=-1.0, bias=b["b"])
     nisa.activation(dst=p_t, op=nl.exp, data=s, scale=g.sc, bias=b["b"])
     nisa.tensor_copy(dst=st["nm"], src=b["b"], engine=POOL_ENG)
 
@@ -1075,7 +1179,9 @@ def _o_proj_stacked(g, og, wo, ident, S):
             nisa.nc_matmul(dst=y_ps, stationary=z[:, dh, h, s, :], moving=wo[:, b, n0:n0 + W],
                            accumulate=s > 0 or b > 0)
     y = nl.ndarray((S * T, W), F32, buffer=nl.sbuf, name="att_y")
-    nisa.tensor_copy(dst=y, src=y_ps, engine=ACT_ENG)
+    h = W // 2                  # evicted in two column halves at once (ScalarE, VectorE): the all-reduce waits for it
+    nisa.tensor_copy(dst=y[:, 0:h], src=y_ps[:, 0:h], engine=ACT_ENG)
+    nisa.tensor_copy(dst=y[:, h:W], src=y_ps[:, h:W], engine=DVE_ENG)
     return y
 
 
@@ -1127,14 +1233,14 @@ def attention_layout(shard) -> dict:
     return {"wqg": wqg, "wk": wk, "wv": wv, "wo": wo, "norm_w": norm.contiguous()}
 
 
-def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int]:
-    """Trip counts of the body's five runtime loops at position p, in program order (head tiles, prologue,
-    pairs, even tail, odd tail; module docstring "KV tiling"), the same on every core: the host-side statement
-    of what :func:`_runtime_scalars` computes on chip."""
+def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int, int]:
+    """Trip counts of the body's six runtime loops at position p, in program order (head tiles, lone tile, first
+    two tiles, pairs, odd tail, even tail; module docstring "KV tiling"), the same on every core: the host-side
+    statement of what :func:`_runtime_scalars` computes on chip."""
     S = n_cores * kv_tile
     r, n = p % S, p // S
-    m = max(n - 1, 0) // 2
-    return int(r > 0), int(n >= 1), m, n // 2 - m, n & 1
+    odd = int(n >= 3 and n % 2 == 1)
+    return int(r > 0), int(n == 1), int(n >= 2), max(n - 2, 0) // 2, odd, int(n >= 2 and n % 2 == 0)
 
 
 def rope_tables(start: int, T: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
