@@ -153,16 +153,32 @@ class AttentionGeometry(nl.NKIObject):
     layer in stacked weights (wqg_off, wk_off, wv_off, norm_off) and caches (cache_off), 0 when unstacked."""
 
     def __init__(self, T, KT, Hq, D, R, L, B, act, core, n_cores, wqg_off, wk_off, wv_off, norm_off, cache_off):
-        self.T, self.KT, self.H, self.Hq, self.Hc = T, KT, KT * P, Hq, Hq // n_cores
-        self.D, self.dp, self.R, self.L, self.B = D, min(D, P), R, L, B
-        self.DT, self.NC = D // self.dp, B // P
-        self.nq, self.nr = T * self.Hc, KP + T
+        self.T = T
+        self.KT = KT
+        self.H = KT * P
+        self.Hq = Hq
+        self.Hc = Hq // n_cores
+        self.D = D
+        self.dp = min(D, P)
+        self.R = R
+        self.L = L
+        self.B = B
+        self.DT = D // self.dp
+        self.NC = B // P
+        self.nq = T * self.Hc
+        self.nr = KP + T
         self.QA = self.nq if n_cores == 1 else KP + self.nq
-        self.act, self.sc = act, float(D) ** -0.5
-        self.core, self.n_cores = core, n_cores
-        self.do_k, self.do_v = core == 0, core == n_cores - 1     # K rows: core 0; V rows + new block: last core
+        self.act = act
+        self.sc = float(D) ** -0.5
+        self.core = core
+        self.n_cores = n_cores
+        self.do_k = core == 0                   # K rows: core 0; V rows + new block: last core
+        self.do_v = core == n_cores - 1
         self.new = core == n_cores - 1
-        self.wqg_off, self.wk_off, self.wv_off, self.norm_off = wqg_off, wk_off, wv_off, norm_off
+        self.wqg_off = wqg_off
+        self.wk_off = wk_off
+        self.wv_off = wv_off
+        self.norm_off = norm_off
         self.cache_off = cache_off
 
 
@@ -185,7 +201,8 @@ def _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, 
     if n_cores not in (1, 2) or Hq % n_cores:
         raise ValueError(f"attention: {Hq} query heads do not split over {n_cores} cores")
     Hc = Hq // n_cores
-    for nm, w in (("wk", wk), ("wv", wv)):
+    for nm_w in (("wk", wk), ("wv", wv)):
+        nm, w = nm_w
         if tuple(w.shape) != (H, D):
             raise ValueError(f"attention: {nm} has shape {list(w.shape)}, expected [H={H}, D={D}]")
     if tuple(wo.shape) != (Hq * D, H):
@@ -194,19 +211,22 @@ def _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, 
         raise ValueError(f"attention: norm_w must be float32 [2, D={D}] (1 + q_norm, 1 + k_norm), got "
                          f"{norm_w.dtype}{list(norm_w.shape)}")
     R = cos.shape[1]
-    for nm, t in (("cos", cos), ("sin", sin)):
+    for nm_t in (("cos", cos), ("sin", sin)):
+        nm, t = nm_t
         if len(t.shape) != 2 or t.shape[0] != T or t.shape[1] != R or t.dtype != F32:
             raise ValueError(f"attention: {nm} must be float32 [T={T}, R] (rope tables by position), got "
                              f"{t.dtype}{list(t.shape)}")
     if R % 2 or not 0 < R <= D:
         raise ValueError(f"attention: rotary dims {R} must be even and <= head dim {D}")
-    for nm, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for nm_c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        nm, c = nm_c
         if len(c.shape) != 3 or c.shape[0] != 1 or c.shape[2] != D:
             raise ValueError(f"attention: {nm} has shape {list(c.shape)}, expected [1, L, D={D}] (one KV head "
                              f"per rank)")
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         raise ValueError(f"attention: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
-    for nm, t in (("wqg", wqg), ("wk", wk), ("wv", wv), ("wo", wo), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for nm_t in (("wqg", wqg), ("wk", wk), ("wv", wv), ("wo", wo), ("k_cache", k_cache), ("v_cache", v_cache)):
+        nm, t = nm_t
         if t.dtype != act:
             raise TypeError(f"attention: {nm} dtype {t.dtype} differs from the activation dtype {act}")
     if act not in (nl.bfloat16, F32):
@@ -318,15 +338,20 @@ class KVRowsInputs(nl.NKIObject):
     load it into, the layer's cache views."""
 
     def __init__(self, g, w, pos_sb, p_reg, k_cache, v_cache):
-        self.g, self.w, self.pos_sb, self.p_reg, self.k_cache, self.v_cache = g, w, pos_sb, p_reg, k_cache, v_cache
+        self.g = g
+        self.w = w
+        self.pos_sb = pos_sb
+        self.p_reg = p_reg
+        self.k_cache = k_cache
+        self.v_cache = v_cache
 
 
 def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, core=0, n_cores=1,
                    kv_tile=KV_TILE, layer=None, reg=None, engine=None):
     """Step 1 of :func:`attention_kv_rows` for an input xT of shape ``xshape`` and dtype ``act``: validate, issue the
     DMAs of this core's K or V weight, the norm / RoPE tables and p (loaded into ``reg`` or a new register by
-    :func:`kv_rows_write`) -> :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are triggered from (None: the
-    default queue)."""
+    :func:`kv_rows_write`) -> :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are
+    triggered from (None: the default queue)."""
     offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
                layer_offset(norm_w, layer), layer_offset(k_cache, layer))
     if layer != None:
@@ -338,7 +363,8 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
     pos_sb = _one("kv_rows_pos")
     _queued_dma(pos_sb, pos.ap(pattern=[[0, 1], [1, 1]], offset=0), engine)
     w = {"wk": wk, "wv": wv}
-    for nm, on, off in (("wk", g.do_k, g.wk_off), ("wv", g.do_v, g.wv_off)):
+    for nm_on_off in (("wk", g.do_k, g.wk_off), ("wv", g.do_v, g.wv_off)):
+        nm, on, off = nm_on_off
         if on:
             w[nm + "_sb"] = nl.ndarray((P, g.KT, g.D), act, buffer=nl.sbuf, name=f"kv_rows_{nm}")
             _queued_dma(w[nm + "_sb"], w[nm].ap(pattern=[[g.D, P], [P * g.D, g.KT], [1, g.D]], offset=off), engine)
@@ -429,14 +455,17 @@ def _load_tables(g, w, norm_w, cos, sin):
     nisa.memset(dst=nw, value=0.0, engine=POOL_ENG)
     nisa.memset(dst=cs, value=0.0, engine=POOL_ENG)
     nisa.dma_copy(dst=nw[0:nq, :], src=norm_w.ap(pattern=[[0, nq], [1, D]], offset=g.norm_off))
-    for s, tab in ((0, cos), (1, sin)):                # row t*Hc + h <- table row t
+    for s_tab in ((0, cos), (1, sin)):                # row t*Hc + h <- table row t
+        s, tab = s_tab
         nisa.dma_copy(dst=cs[0:nq, s, :], src=tab.ap(pattern=[[R, T], [0, Hc], [1, R]], offset=0))
     if g.do_k:
         nisa.dma_copy(dst=nw[KP:nr, :], src=norm_w.ap(pattern=[[0, T], [1, D]], offset=g.norm_off + D))
-        for s, tab in ((0, cos), (1, sin)):
+        for s_tab in ((0, cos), (1, sin)):
+            s, tab = s_tab
             nisa.dma_copy(dst=cs[KP:nr, s, :], src=tab)
     nisa.tensor_scalar(dst=cs[:, 1, 0:R // 2], data=cs[:, 1, 0:R // 2], op0=nl.multiply, operand0=-1.0)
-    w["norm_w"], w["cos_sin"] = nw, cs
+    w["norm_w"] = nw
+    w["cos_sin"] = cs
 
 
 def _load_wo(g, w):
@@ -510,7 +539,8 @@ def _load_registers(rt, vals, regs=None):
     its value, and the refills' DMA triggers sit in the same stream."""
     if regs != None and len(regs) < len(REGISTER_NAMES):
         raise ValueError(f"attention: {len(regs)} registers given, the body needs {len(REGISTER_NAMES)}")
-    for i, k in enumerate(REGISTER_NAMES):
+    for i in range(len(REGISTER_NAMES)):
+        k = REGISTER_NAMES[i]
         rt[k + "_reg"] = nisa.register_alloc() if regs == None else regs[i]
         nisa.register_load(rt[k + "_reg"], vals[k])
 
@@ -588,7 +618,8 @@ def _ring_shape(KT):
 
 def _kv_names(do_k, do_v):
     out = []
-    for nm, on in (("wk", do_k), ("wv", do_v)):
+    for nm_on in (("wk", do_k), ("wv", do_v)):
+        nm, on = nm_on
         if on:
             out.append(nm)
     return out
@@ -608,7 +639,8 @@ def _fill_ring(g, w, act, kv_names, WR=None):
     ring = []
     for i in range(WR):
         slot = {"wqg": buf[:, i, 0:nq].reshape((P, JG, 2, g.Hc, g.D))}
-        for k, nm in enumerate(kv_names):
+        for k in range(len(kv_names)):
+            nm = kv_names[k]
             slot[nm] = buf[:, i, nq + k * nk:nq + (k + 1) * nk].reshape((P, JG, g.D))
         ring.append(slot)
     for ck in range(WR):
@@ -620,8 +652,14 @@ class _RingGeometry(nl.NKIObject):
     """What :func:`_fill_ring` / :func:`_load_chunk` read of an :class:`AttentionGeometry`, from the weights alone."""
 
     def __init__(self, KT, Hq, D, core, n_cores, offsets):
-        self.KT, self.Hq, self.Hc, self.D, self.core = KT, Hq, Hq // n_cores, D, core
-        self.wqg_off, self.wk_off, self.wv_off = offsets
+        self.KT = KT
+        self.Hq = Hq
+        self.Hc = Hq // n_cores
+        self.D = D
+        self.core = core
+        self.wqg_off = offsets[0]
+        self.wk_off = offsets[1]
+        self.wv_off = offsets[2]
 
 
 def attention_ring(wqg, wk, wv, core=0, n_cores=1, layer=None, slots=EARLY_RING):
@@ -913,7 +951,8 @@ def _first_two(kx, a, b, reg):
     behind tile 0's softmax on ScalarE (the same instructions on the same data as the two calls)."""
     g, st = kx["g"], kx["st"]
     c0, S = g.core * g.B, g.n_cores * g.B
-    for t, row0 in ((a, c0), (b, c0 + S)):
+    for t_row0 in ((a, c0), (b, c0 + S)):
+        t, row0 = t_row0
         _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], t, row0, reg, False)
     _tile_evict(g, a)
     _tile_evict(g, b, (ACT_ENG,))
@@ -1043,7 +1082,8 @@ def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
     D, dp, DT, NC = g.D, g.dp, g.DT, g.NC
     kt, vt = b["k"], b["v"]
     pattern = [[NC * D, P], [D, NC], [1, D]]           # partition p <- rows NC*p .. NC*p + NC-1
-    for dst, cache in ((kt, k_cache), (vt[:, :, 0:D], v_cache)):
+    for dst_cache in ((kt, k_cache), (vt[:, :, 0:D], v_cache)):
+        dst, cache = dst_cache
         if reg == None:
             src = cache.ap(pattern=pattern, offset=g.cache_off + row0 * D)
         else:
