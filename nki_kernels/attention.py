@@ -249,6 +249,21 @@ def _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, 
                              offsets[3], offsets[4])
 
 
+def _layer_geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
+                    layer):
+    """The views of layer ``layer`` of stacked tensors (None: one layer's tensors) and their validated
+    :class:`AttentionGeometry` -> (g, wqg, wk, wv, wo, norm_w, k_cache, v_cache), the caches as [1, L, D] views."""
+    offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
+               layer_offset(norm_w, layer), layer_offset(k_cache, layer))
+    if layer != None:
+        wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
+        norm_w = layer_of(norm_w, layer)
+        k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]
+    g = _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
+                  offsets)
+    return g, wqg, wk, wv, wo, norm_w, k_cache, v_cache
+
+
 # ---- body ----------------------------------------------------------------------------------------
 def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, eps=1e-6,
                    core=0, n_cores=1, kv_tile=KV_TILE, max_context=None, regs=None, layer=None, ring=None, stack=1):
@@ -268,14 +283,9 @@ def attention_body(xT, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos,
     stack: S > 1: the partial comes bank-stacked, SBUF ``[S*T, H/S]`` (``nki_kernels.stacked``).
     Returns ``y`` SBUF ``[T, H]`` float32: the o_proj partial over this core's query heads.
     """
-    offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
-               layer_offset(norm_w, layer), layer_offset(k_cache, layer))
-    if layer != None:
-        wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
-        norm_w = layer_of(norm_w, layer)
-        k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]   # [1, L, D] views
-    g = _geometry(xT.shape, xT.dtype, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
-                  offsets)
+    g, wqg, wk, wv, wo, norm_w, k_cache, v_cache = _layer_geometry(xT.shape, xT.dtype, wqg, wk, wv, wo, norm_w, cos,
+                                                                   sin, k_cache, v_cache, pos, n_cores, kv_tile,
+                                                                   core, layer)
     act, T, nq, nr, D = g.act, g.T, g.nq, g.nr, g.D
 
     # ScalarE runs only exp (and table-free copies) in this kernel: load the exp table now, while the weights
@@ -352,14 +362,9 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
     DMAs of this core's K or V weight, the norm / RoPE tables and p (loaded into ``reg`` or a new register by
     :func:`kv_rows_write`) -> :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are
     triggered from (None: the default queue)."""
-    offsets = (layer_offset(wqg, layer), layer_offset(wk, layer), layer_offset(wv, layer),
-               layer_offset(norm_w, layer), layer_offset(k_cache, layer))
-    if layer != None:
-        wqg, wk, wv, wo = layer_of(wqg, layer), layer_of(wk, layer), layer_of(wv, layer), layer_of(wo, layer)
-        norm_w = layer_of(norm_w, layer)
-        k_cache, v_cache = k_cache[layer:layer + 1], v_cache[layer:layer + 1]   # [1, L, D] views
-    g = _geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_cache, pos, n_cores, kv_tile, core,
-                  offsets)
+    g, wqg, wk, wv, wo, norm_w, k_cache, v_cache = _layer_geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin,
+                                                                   k_cache, v_cache, pos, n_cores, kv_tile, core,
+                                                                   layer)
     pos_sb = _one("kv_rows_pos")
     _queued_dma(pos_sb, pos.ap(pattern=[[0, 1], [1, 1]], offset=0), engine)
     w = {"wk": wk, "wv": wv}
