@@ -32,8 +32,9 @@ takes ``force``, the decode-control state ``control`` / ``control_hidden`` and t
 pending token, read slot, position and h_{p-1} (row read_slot of ``control_hidden``) at the launch top;
 :func:`_control_rows` builds each stage's positions and RoPE rows when the stage first needs them (register offsets
 into the tables, no branch); :func:`commit` accepts right after the verify (arithmetic selection: a prefix product
-of draft == target, a one-hot of the last committed token) and writes the next round's control state, so it runs
-beside D2; the launch also returns ``emitted``, then the control state. A sampled device-committed round takes
+of draft == target, a one-hot of the last committed token) and writes the next round's control state (D2, which
+reads no control state, ran inside the verify's LM head); the launch also returns ``emitted``, then the control
+state. A sampled device-committed round takes
 ``noise_v`` / ``noise_d1`` as a noise window (``plan.noise_window_specs``): :func:`control_inputs` computes the
 entry pos & (W - 1), the first LM head loads it into a register (:func:`_noise_slot`) and the LM heads' noise DMAs
 read that entry (:func:`_window_entry`); the accept is the same equality test (the shared-Gumbel rule,
@@ -223,7 +224,7 @@ def run_plan(plan, t):
             nisa.dma_copy(dst=ids[i + 1:i + 2, :], src=chain_ids)
         elif stage.kind == VERIFY:
             targets, hidden = verify(plan, stage, t, ids, proposed, rg, regs, core)
-            if plan.device_commit:      # right after the verify: it runs beside D2, which reads no control state
+            if plan.device_commit:      # right after the verify (D2 ran inside its LM head; it reads no control state)
                 emitted = commit(plan, t, proposed, targets, hidden, pos_sb, core)
         else:       # D2 ran inside the verify's LM head (ReplayInHead)
             kernel_assert(stage.kind == REPLAY, f"megakernel: unknown stage kind {stage.kind}")
@@ -433,7 +434,8 @@ class ReplayInHead(nl.NKIObject):
 
 
 def replay(r, phase):
-    """D2, phase ``phase`` of :data:`REPLAY_PHASES` (``r``: the :class:`ReplayInHead` of the round): the MTP head's
+    """D2, phase ``phase`` (0: before the verify's final norm; 1, 2, 3: after the LM head's vocab blocks
+    :data:`REPLAY_PHASES`; ``r``: the :class:`ReplayInHead` of the round): the MTP head's
     KV rows on (drafts ids SBUF [K, 1], trunk hiddens h SBUF [K, H] of positions p .. p + K - 1) at positions p ..
     p + K - 1 -- the only part of the MTP layer anything reads later (the next rounds' drafts attend to them): the
     head's input (:func:`mtp_input`), its input norm and the K / V projections (``attention_kv_rows``' steps); no
