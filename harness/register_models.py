@@ -4,9 +4,9 @@ A shape-only launch has no data, so every value a kernel computes on chip and lo
 counts, DMA offsets) is nkisim's placeholder 0. These providers give those registers the values a real launch
 would see, so that a shape-only trace costs what the shipped kernel does:
 
-* :class:`MoERouting` -- the MoE's in-kernel top-k (``nki_kernels.moe.moe_tkg_body``): per call, the ascending
-  distinct expert ids of its slots and the slot flags (1 for the first ``n`` distinct experts, 0 after), with
-  ``n`` from a :class:`Routing` model.
+* :class:`MoERouting` -- the MoE's in-kernel top-k (``nki_kernels.moe.moe_tkg_body``): per call, the distinct
+  expert ids of its slots (a seeded sample, ascending: the kernel's order may differ, which the DMA costs ignore)
+  and the slot flags (1 for the first ``n`` distinct experts, 0 after), with ``n`` from a :class:`Routing` model.
 * :class:`AttentionRegisters` -- the attention body's position-derived registers (``att_*``: the cache write
   offset and the KV-tile loop bounds), recorded from an EXECUTING launch of the attention kernel at the same
   position on the tiny config (the values depend only on the position, the KV tile and the core split).
@@ -85,7 +85,8 @@ class MoERouting:
     last used slot (the remainder of r slots runs) -- and the ids of the conditional slots inside the loops
     that run. Multi-token calls
     (those with conditional slots) take their distinct count n from the routing pattern in order; ``distinct``
-    overrides it for every call. Expert ids are a seeded sample (ascending, as the kernel produces them); a load
+    overrides it for every call. Expert ids are a seeded sample, ascending (the kernel runs token 0's slots in its top-k key's order: the ids
+    only offset DMAs, so their order does not change a cost); a load
     of an unused slot's id is refused (the kernel never runs an unused slot)."""
 
     def __init__(self, routing: Routing, distinct: int | None = None, seed: int = 0):
