@@ -126,7 +126,7 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import MOVING_MAX, PSUM_BANK, P, layer_offset, layer_of, program_sharding
+from nki_kernels.common import MOVING_MAX, PSUM_BANK, P, dma_on, layer_offset, layer_of, program_sharding
 from nki_kernels.host import as_torch, feature_major
 from nki_kernels.stacked import bank_block, check_stack
 xT_layout = feature_major     # the name nki_kernels/attention_prefill.py imports
@@ -366,23 +366,16 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
                                                                    k_cache, v_cache, pos, n_cores, kv_tile, core,
                                                                    layer)
     pos_sb = _one("kv_rows_pos")
-    _queued_dma(pos_sb, pos.ap(pattern=[[0, 1], [1, 1]], offset=0), engine)
+    dma_on(pos_sb, pos.ap(pattern=[[0, 1], [1, 1]], offset=0), engine)
     w = {"wk": wk, "wv": wv}
     for nm_on_off in (("wk", g.do_k, g.wk_off), ("wv", g.do_v, g.wv_off)):
         nm, on, off = nm_on_off
         if on:
             w[nm + "_sb"] = nl.ndarray((P, g.KT, g.D), act, buffer=nl.sbuf, name=f"kv_rows_{nm}")
-            _queued_dma(w[nm + "_sb"], w[nm].ap(pattern=[[g.D, P], [P * g.D, g.KT], [1, g.D]], offset=off), engine)
+            dma_on(w[nm + "_sb"], w[nm].ap(pattern=[[g.D, P], [P * g.D, g.KT], [1, g.D]], offset=off), engine)
     if g.do_k:
         _load_tables(g, w, norm_w, cos, sin)
     return KVRowsInputs(g, w, pos_sb, nisa.register_alloc() if reg == None else reg, k_cache, v_cache)
-
-
-def _queued_dma(dst, src, engine):
-    if engine == None:
-        nisa.dma_copy(dst=dst, src=src)
-    else:
-        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
 
 
 def kv_rows_project(xT, kin, eps=1e-6):

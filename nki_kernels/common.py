@@ -16,6 +16,7 @@ dimension after the layer one (its stride comes from the base tensor's shape).
 
 from __future__ import annotations
 
+import nki.isa as nisa
 import nki.language as nl
 
 P = 128                 # partitions of SBUF / PSUM: nl.tile_size.pmax
@@ -66,6 +67,16 @@ def layer_of(t, layer):
 def _check_layer(t, layer):
     kernel_assert(0 <= layer and layer < t.shape[0], f"stacked tensor {list(t.shape)}: layer {layer} is outside "
                                                      f"0..{t.shape[0] - 1}")
+
+
+def dma_on(dst, src, engine=None):
+    """``dma_copy(dst, src)`` triggered from the hardware-DGE queue of ``engine`` (``nisa.engine.scalar`` /
+    ``sync``, SDK nki-dge.rst "hwdge"; the DMAs of one queue move in order, so a caller keeps a DMA out of the
+    default queue's line), or from the default queue when ``engine`` is None."""
+    if engine == None:
+        nisa.dma_copy(dst=dst, src=src)
+    else:
+        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
 
 
 def own_identity(n: int, dtype, name: str):

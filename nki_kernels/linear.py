@@ -19,7 +19,7 @@ import torch
 import nki
 import nki.isa as nisa
 import nki.language as nl
-from nki_kernels.common import MOVING_MAX, P, program_sharding
+from nki_kernels.common import MOVING_MAX, P, dma_on, program_sharding
 from nki_kernels.host import as_torch
 
 
@@ -28,10 +28,7 @@ def columns_weight(w, engine=None):
     it ahead of :func:`columns_body` (``w_sb=``). ``engine``: the hardware-DGE queue to trigger it from (e.g.
     ``nisa.engine.scalar``, so it does not sit in the default queue ahead of other DMAs), None: the default."""
     w_sb = nl.ndarray(tuple(w.shape), w.dtype, buffer=nl.sbuf, name="lin_w")
-    if engine == None:
-        nisa.dma_copy(dst=w_sb, src=w)
-    else:
-        nisa.dma_copy(dst=w_sb, src=w, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    dma_on(w_sb, w, engine)
     return w_sb
 
 

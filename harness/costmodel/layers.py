@@ -17,7 +17,7 @@ from .predict import CATEGORIES, category
 
 LAYER_FUNCTION = "decoder_layer"
 # innermost kernel-body function on the stack -> the part of a layer it is
-PARTS = {"gdn_body": "mixer", "attention_body": "mixer", "attention_kv_rows": "K/V rows",
+PARTS = {"gdn_body": "mixer", "attention_body": "mixer",
          "kv_rows_inputs": "K/V rows", "kv_rows_project": "K/V rows", "kv_rows_write": "K/V rows",
          "moe_tkg_body": "MoE", "allreduce_partials": "all-reduce",
          "rmsnorm_body": "norms", "columns_body": "MTP fc", "allgather_cores": "MTP fc", "embedding_body": "embedding",
