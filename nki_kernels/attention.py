@@ -426,8 +426,14 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     wait for the previous layer through their placement); the tables and p on SP's DMA queue ahead of the ring
     refills, so the runtime scalars, masks and KV buffers are ready long before the tiles; the register loads
     after the refills' triggers in SP's stream (a register load waits there for its value); the o_proj weight
-    on ScalarE's DMA queue after the eviction, so the KV tiles (SP's queue) do not move behind its 2 MiB."""
+    on ScalarE's DMA queue after the eviction, so the KV tiles (SP's queue) do not move behind its 2 MiB. Without a
+    caller's ring (the first draft's MTP layer, the layerwise launch) the body's own ring is allocated and its first
+    chunks issued before the tables: the tables' small tiles can land in holes the input norm just freed and wait
+    for it (first-fit placement), and in SP's queue the ring's DMAs would wait behind theirs (bench/decode_speed.md
+    lever 33)."""
     xrep = _replica_tile(g)
+    if w["ring"] == None:
+        w["ring"] = _fill_ring(g, w, g.act, _kv_names(g.do_k, g.do_v))
     _load_tables(g, w, norm_w, cos, sin)
     _replicate_x(g, xT, xrep)
     rt, vals = _runtime_scalars(g, pos)
