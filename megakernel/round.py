@@ -66,9 +66,11 @@ from nki_kernels.stacked import banks_for, stack_rows
 # partial. A hidden size that does not split into banks of a multiple of 128 columns stays token-major.
 RESIDUAL_BANKS = 4
 # The verify LM-head vocab blocks after which D2's phases 1, 2, 3 are emitted (phase 0 runs before the final norm;
-# ReplayInHead; bench/decode_speed.md lever 27)
-REPLAY_PHASES = (2, 7, 9)
-REPLAY_QUEUE = nisa.engine.scalar   # phase 0's weight DMAs: not in the default queue ahead of the LM head's blocks
+# ReplayInHead; bench/decode_speed.md levers 27 and 35: each phase's inputs are in by then, so none of its
+# instructions waits at an engine queue's head in front of the head's)
+REPLAY_PHASES = (4, 10, 16)
+REPLAY_QUEUE = nisa.engine.scalar   # phase 0's DMAs (weights, tables, p): not in the default queue ahead of the
+#                                     LM head's blocks
 
 
 class LaunchTensors(nl.NKIObject):
@@ -421,6 +423,7 @@ class ReplayInHead(nl.NKIObject):
         self.h = None           # the verify's hiddens [K, H], set once computed (phase 0 does not read them)
         self.e = None
         self.w_norm = None
+        self.w_norms = None
         self.w_fc = None
         self.kin = None
         self.xe = None
@@ -440,13 +443,14 @@ def replay(r, phase):
     p + K - 1 -- the only part of the MTP layer anything reads later (the next rounds' drafts attend to them): the
     head's input (:func:`mtp_input`), its input norm and the K / V projections (``attention_kv_rows``' steps); no
     query, attention, o_proj, MoE or LM head (bench/decode_speed.md lever 26).
-    Phase 0: every DMA that needs nothing computed (the embedding rows, the norm weight, the fc columns, the K / V
-    weights and tables); 1: the head's input up to the fc all-gather; 2: the input norm and the K / V rows; 3: their
-    writes."""
+    Phase 0: every DMA that needs nothing computed (the embedding rows, the three norm weights, the fc columns, the
+    K / V weights and tables); 1: the head's input up to the fc all-gather; 2: the input norm and the K / V rows;
+    3: their writes."""
     plan, t, layer = r.plan, r.t, r.stage.layers[0]
     if phase == 0:
         r.e = embedding_body(t.embed, r.ids)
         r.w_norm = _sbuf_copy(t.norms[layer.in_norm], "in_norm_w")
+        r.w_norms = _mtp_input_norms(plan, t)
         r.w_fc = columns_weight(t.mtp_fc[r.core], REPLAY_QUEUE)
         pos, cos, sin = _stage_inputs(r.stage, t)
         a = t.attn
@@ -459,7 +463,7 @@ def replay(r, phase):
                                       engine=REPLAY_QUEUE))
         r.kin = kin
     elif phase == 1:
-        r.xe = mtp_input(plan, t, r.ids, r.h, r.rg, r.core, r.e, r.w_fc)
+        r.xe = mtp_input(plan, t, r.ids, r.h, r.rg, r.core, r.e, r.w_fc, r.w_norms)
     elif phase == 2:
         xT = rmsnorm_body(r.xe, r.w_norm, plan.eps)
         rows = []
@@ -576,15 +580,22 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     layer = stage.layers[0]
     w_fc = w_norms = None
     if stage.draft == 0:
-        rows = plan.norms
-        w_norms = (_sbuf_copy(t.norms[rows.mtp_emb], "mtp_emb_norm_w"),
-                   _sbuf_copy(t.norms[rows.mtp_hidden], "mtp_hidden_norm_w"))
+        w_norms = _mtp_input_norms(plan, t)
         w_fc = columns_weight(t.mtp_fc[core], nisa.engine.scalar)
     xe = mtp_input(plan, t, ids, h, rg, core, None, w_fc, w_norms)
     x = stack_rows(xe, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
     x = decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False, xe)
     return rmsnorm_body(x, t.norms[plan.norms.mtp_final], plan.eps, stack=t.stack), x
+
+
+def _mtp_input_norms(plan, t):
+    """SBUF copies of the MTP input's two norm weights (embedding, hidden), for :func:`mtp_input`: loaded ahead, so
+    the second norm's weight DMA does not wait for the first norm through its tile's placement (a first-fit hole),
+    holding back the DMAs behind it in SP's queue."""
+    rows = plan.norms
+    return (_sbuf_copy(t.norms[rows.mtp_emb], "mtp_emb_norm_w"),
+            _sbuf_copy(t.norms[rows.mtp_hidden], "mtp_hidden_norm_w"))
 
 
 def _stage_inputs(stage, t):

@@ -360,8 +360,8 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
                    kv_tile=KV_TILE, layer=None, reg=None, engine=None):
     """Step 1 of :func:`attention_kv_rows` for an input xT of shape ``xshape`` and dtype ``act``: validate, issue the
     DMAs of this core's K or V weight, the norm / RoPE tables and p (loaded into ``reg`` or a new register by
-    :func:`kv_rows_write`) -> :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight and p are
-    triggered from (None: the default queue)."""
+    :func:`kv_rows_write`) -> :class:`KVRowsInputs`. ``engine``: the hardware-DGE queue the weight, the tables and p
+    are triggered from (None: the default queue)."""
     g, wqg, wk, wv, wo, norm_w, k_cache, v_cache = _layer_geometry(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin,
                                                                    k_cache, v_cache, pos, n_cores, kv_tile, core,
                                                                    layer)
@@ -374,7 +374,7 @@ def kv_rows_inputs(xshape, act, wqg, wk, wv, wo, norm_w, cos, sin, k_cache, v_ca
             w[nm + "_sb"] = nl.ndarray((P, g.KT, g.D), act, buffer=nl.sbuf, name=f"kv_rows_{nm}")
             dma_on(w[nm + "_sb"], w[nm].ap(pattern=[[g.D, P], [P * g.D, g.KT], [1, g.D]], offset=off), engine)
     if g.do_k:
-        _load_tables(g, w, norm_w, cos, sin)
+        _load_tables(g, w, norm_w, cos, sin, engine, negate=False)
     return KVRowsInputs(g, w, pos_sb, nisa.register_alloc() if reg == None else reg, k_cache, v_cache)
 
 
@@ -385,6 +385,7 @@ def kv_rows_project(xT, kin, eps=1e-6):
     act, T, KT, D, nr = g.act, g.T, g.KT, g.D, g.nr
     qk = vnew = None
     if g.do_k:
+        _negate_sin_half(w)          # the tables were loaded without it (kv_rows_inputs)
         xk = nl.ndarray((P, KT, nr), act, buffer=nl.sbuf, name="kv_rows_xk")
         nisa.memset(dst=xk, value=0.0, engine=POOL_ENG)
         nisa.tensor_copy(dst=xk[:, :, KP:nr], src=xT, engine=POOL_ENG)
@@ -446,10 +447,13 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     return qg, vnew, rt, ident, at
 
 
-def _load_tables(g, w, norm_w, cos, sin):
+def _load_tables(g, w, norm_w, cos, sin, engine=None, negate=True):
     """The small per-row tables (the projection weights are streamed by :func:`_project`, the o_proj weight is
     loaded by :func:`_load_wo`). Each core reads only its heads' columns: over the LNC pair every weight byte is
-    read once."""
+    read once. ``engine``: the hardware-DGE queue of the DMAs (None: the default queue). ``negate=False``: the
+    caller negates the sin half (:func:`_negate_sin_half`) once it needs the table, e.g. when the loads are issued
+    long before: VectorE runs in program order, so the negation waiting here for the DMAs would hold back
+    everything VectorE is given after it."""
     act, Hc, D, dp, DT, H = g.act, g.Hc, g.D, g.dp, g.DT, g.H
     T, nq, nr, R = g.T, g.nq, g.nr, g.R
     h0 = g.core * Hc
@@ -458,18 +462,26 @@ def _load_tables(g, w, norm_w, cos, sin):
     cs = nl.ndarray((nr, 2, R), F32, buffer=nl.sbuf, name="att_cos_sin")
     nisa.memset(dst=nw, value=0.0, engine=POOL_ENG)
     nisa.memset(dst=cs, value=0.0, engine=POOL_ENG)
-    nisa.dma_copy(dst=nw[0:nq, :], src=norm_w.ap(pattern=[[0, nq], [1, D]], offset=g.norm_off))
+    dma_on(nw[0:nq, :], norm_w.ap(pattern=[[0, nq], [1, D]], offset=g.norm_off), engine)
     for s_tab in ((0, cos), (1, sin)):                # row t*Hc + h <- table row t
         s, tab = s_tab
-        nisa.dma_copy(dst=cs[0:nq, s, :], src=tab.ap(pattern=[[R, T], [0, Hc], [1, R]], offset=0))
+        dma_on(cs[0:nq, s, :], tab.ap(pattern=[[R, T], [0, Hc], [1, R]], offset=0), engine)
     if g.do_k:
-        nisa.dma_copy(dst=nw[KP:nr, :], src=norm_w.ap(pattern=[[0, T], [1, D]], offset=g.norm_off + D))
+        dma_on(nw[KP:nr, :], norm_w.ap(pattern=[[0, T], [1, D]], offset=g.norm_off + D), engine)
         for s_tab in ((0, cos), (1, sin)):
             s, tab = s_tab
-            nisa.dma_copy(dst=cs[KP:nr, s, :], src=tab)
-    nisa.tensor_scalar(dst=cs[:, 1, 0:R // 2], data=cs[:, 1, 0:R // 2], op0=nl.multiply, operand0=-1.0)
+            dma_on(cs[KP:nr, s, :], tab, engine)
     w["norm_w"] = nw
     w["cos_sin"] = cs
+    if negate:
+        _negate_sin_half(w)
+
+
+def _negate_sin_half(w):
+    """The first half of the sin rows negated in place (``rotate_half``'s sign, folded into the table)."""
+    cs = w["cos_sin"]
+    R = cs.shape[2]
+    nisa.tensor_scalar(dst=cs[:, 1, 0:R // 2], data=cs[:, 1, 0:R // 2], op0=nl.multiply, operand0=-1.0)
 
 
 def _load_wo(g, w):
