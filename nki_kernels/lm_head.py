@@ -50,15 +50,17 @@ Bytes at real shapes (Vc = 31,040, H = 2,048, bf16): the weight stream is 31,040
 4 KiB per token. Instruction counts per core: 61 weight DMAs, 61 x 16 = 976 matmuls (N <= 512),
 61 evictions, 243 transposes (hidden under the DMA-bound stream), 2T top-8 ops on [128, 243].
 
-Pipelining: the weight blocks stream through a ring of W_BUFS = 3 SBUF buffers (block b's DMA waits only for block
-b-3's matmuls; 48 KiB per partition at H = 2048, bf16). harness.costmodel, one rank (kernel[2]) at real shapes, bf16
+Pipelining: the weight blocks stream through a ring of W_BUFS = 4 SBUF buffers (block b's DMA waits only for block
+b-4's matmuls; 64 KiB per partition at H = 2048, bf16). harness.costmodel, one rank (kernel[2]) at real shapes, bf16
 (``python -m harness.bench kernel nki_kernels/lm_head.py::lm_head_argmax_kernel --arg xT=128,16,2:bfloat16 --arg
 w=2,128,496640:bfloat16 --lnc 2``): 414.0 / 414.8 / 416.4 us for T = 1 / 2 / 4 against a 400.5 us HBM roofline
 (254.3 MB at 635 GB/s per rank; 97 %); the argmax tail after the last logits is ~2.5 us. With 2 buffers it is
 433.5 / 434.3 / 435.9 us: block b+2's DMA then waits for block b's 16 matmuls and the ~1.3 us semaphore hand-off,
-so the PE sits on the stream's path; 4 buffers gain < 1 us more (bench/decode_speed.md lever 34). Under the
-measured 1.69x PE throttle (the band's high end) the head becomes PE-bound: 16 x 31,040 moving columns per core is
-inherent to streaming the weight as the moving operand (the weight-stationary alternative needs 3,880 matmuls).
+so the PE sits on the stream's path; 3 buffers already give the figures above alone. The 4th is slack for other
+work the round emits between the blocks (``between``, the MTP replay), whose PE instructions delay the blocks'
+matmuls (bench/decode_speed.md lever 34). Under the measured 1.69x PE throttle (the band's high end) the head
+becomes PE-bound: 16 x 31,040 moving columns per core is inherent to streaming the weight as the moving operand
+(the weight-stationary alternative needs 3,880 matmuls).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ from nki_kernels.common import MOVING_MAX, P, program_sharding
 from nki_kernels.host import as_torch
 
 NB = MOVING_MAX          # vocab columns per matmul: the moving free size = one PSUM bank of fp32
-W_BUFS = 3               # weight-block ring depth (16 KiB per partition each at H = 2048, bf16); see module doc
+W_BUFS = 4               # weight-block ring depth (16 KiB per partition each at H = 2048, bf16); see module doc
 TOP8_MIN = 8             # max8 / nc_find_index8 need >= 8 elements per partition (SDK-ISA)
 FP32_MIN = -3.4028234663852886e38
 BIG_INDEX = 16777216.0   # 2^24 > any index: the penalty that removes non-maximal candidates
