@@ -207,11 +207,9 @@ def run_plan(plan, t):
     regs = _registers()
     pending = load_token_ids(t.pending)
     proposed = pending          # the draft token ids [K, 1] (the pending token in a step)
-    ids = pending               # the verify's token ids [T, 1]
+    id_rows = [pending]         # the verify's token ids, in row order: the pending token's, then each draft's [1, 1]
     if K > 0:
         proposed = nl.ndarray((K, 1), nl.int32, buffer=nl.sbuf, name="drafts")
-        ids = nl.ndarray((T, 1), nl.int32, buffer=nl.sbuf, name="verify_ids")
-        nisa.dma_copy(dst=ids[0:1, :], src=pending)
         chain_ids = pending     # the token and hidden the next draft runs on
         chain_h = nl.ndarray((1, H), t.embed.dtype, buffer=nl.sbuf, name="h_prev")
         nisa.dma_copy(dst=chain_h, src=t.hidden)
@@ -223,9 +221,9 @@ def run_plan(plan, t):
             i = stage.draft
             chain_ids, chain_h = draft(plan, stage, t, chain_ids, chain_h, rg, regs, core)
             nisa.dma_copy(dst=proposed[i:i + 1, :], src=chain_ids)
-            nisa.dma_copy(dst=ids[i + 1:i + 2, :], src=chain_ids)
+            id_rows.append(chain_ids)
         elif stage.kind == VERIFY:
-            targets, hidden = verify(plan, stage, t, ids, proposed, rg, regs, core)
+            targets, hidden = verify(plan, stage, t, id_rows, proposed, rg, regs, core)
             if plan.device_commit:      # right after the verify (D2 ran inside its LM head; it reads no control state)
                 emitted = commit(plan, t, proposed, targets, hidden, pos_sb, core)
         else:       # D2 ran inside the verify's LM head (ReplayInHead)
@@ -380,11 +378,19 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     return d, (token_major(hm) if i + 1 < plan.drafts else None)
 
 
-def verify(plan, stage, t, ids, proposed, rg, regs, core):
-    """V: the trunk on ids SBUF [T, 1] at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H]). A round's D2
-    (on the drafts ``proposed`` SBUF [K, 1] and the first K hiddens) is emitted inside the LM head
-    (:class:`ReplayInHead`)."""
-    e = embedding_body(t.embed, ids)
+def verify(plan, stage, t, id_rows, proposed, rg, regs, core):
+    """V: the trunk on the T token ids at positions p..p+T-1 -> (targets [T, 1] int32, hidden [T, H]). ``id_rows``:
+    the ids as SBUF int32 tiles [n, 1] in row order (the pending token's, then each draft's): each gathers its
+    embedding rows with a DMA of its own, straight from the tile the draft's argmax left (no copy into one ids tile
+    on the draft-to-verify seam). A round's D2 (on the drafts ``proposed`` SBUF [K, 1] and the first K hiddens) is
+    emitted inside the LM head (:class:`ReplayInHead`)."""
+    e = nl.ndarray((stage.tokens, t.embed.shape[1]), t.embed.dtype, buffer=nl.sbuf, name="verify_embed")
+    r0 = 0
+    for i in range(len(id_rows)):
+        n = id_rows[i].shape[0]
+        embedding_body(t.embed, id_rows[i], e[r0:r0 + n, :])
+        r0 += n
+    kernel_assert(r0 == stage.tokens, f"megakernel: the verify has {stage.tokens} tokens but {r0} ids")
     x = stack_rows(e, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
     layers = stage.layers

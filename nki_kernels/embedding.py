@@ -81,13 +81,15 @@ def subset_ids_from_best(best, subset_ids):
     return out
 
 
-def embedding_body(table, ids_sb):
+def embedding_body(table, ids_sb, dst=None):
     """Body: gather rows ``ids_sb`` of ``table`` into the residual.
 
     table:  HBM ``[V, H]`` (activation dtype).
     ids_sb: SBUF ``[T, 1]`` int32, T <= 128, values in ``[0, V)`` (run-time; out-of-range values
             fault the DMA, ``oob_mode.error``; refuse them on the host first, see module doc).
-    Returns x: SBUF ``[T, H]``, table dtype, token t on partition t.
+    dst:    None, or an SBUF ``[T, H]`` view (table dtype) to gather into, e.g. rows of a larger tile whose other
+            rows come from other id tiles (one DMA per tile, each issued as soon as its ids exist).
+    Returns x: SBUF ``[T, H]``, table dtype, token t on partition t (``dst`` when given).
     """
     V, H = table.shape
     T = ids_sb.shape[0]
@@ -95,7 +97,11 @@ def embedding_body(table, ids_sb):
         raise ValueError(f"embedding: ids tile has {T} partitions, the partition dim is at most {P}")
     if ids_sb.dtype not in (nl.int32, nl.uint32):
         raise TypeError(f"embedding: ids tile must be int32/uint32, got {ids_sb.dtype}")
-    x = nl.ndarray((T, H), table.dtype, buffer=nl.sbuf, name="embed_x")
+    x = dst
+    if x == None:
+        x = nl.ndarray((T, H), table.dtype, buffer=nl.sbuf, name="embed_x")
+    elif tuple(x.shape) != (T, H) or x.dtype != table.dtype:
+        raise ValueError(f"embedding: dst {x.dtype}{list(x.shape)} is not [{T}, {H}] {table.dtype}")
     rows = table.ap(pattern=[[H, T], [1, H]], offset=0, vector_offset=ids_sb, indirect_dim=0)
     nisa.dma_copy(dst=x, src=rows, oob_mode=nisa.oob_mode.error)
     return x
