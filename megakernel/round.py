@@ -228,10 +228,10 @@ def run_plan(plan, t):
                 emitted = commit(plan, t, proposed, targets, hidden, pos_sb, core)
         else:       # D2 ran inside the verify's LM head (ReplayInHead)
             kernel_assert(stage.kind == REPLAY, f"megakernel: unknown stage kind {stage.kind}")
-    if core == 0:  # every core holds the same values; one writes them
-        nisa.dma_copy(dst=targets_out, src=targets)
-        nisa.dma_copy(dst=hidden_out, src=hidden)
+    if core == 0:  # every core holds the same values; one writes them (the targets last: they are ready last)
         nisa.dma_copy(dst=draft_out, src=proposed)
+        nisa.dma_copy(dst=hidden_out, src=hidden)
+        nisa.dma_copy(dst=targets_out, src=targets)
         if plan.device_commit:
             nisa.dma_copy(dst=emitted_out, src=emitted)
     if plan.device_commit:
