@@ -565,8 +565,8 @@ def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None, w_norms=None):
         e = embedding_body(t.embed, ids)
     if w_norms == None:
         w_norms = (t.norms[rows.mtp_emb], t.norms[rows.mtp_hidden])
+    hT = rmsnorm_body(h, w_norms[1], plan.eps)      # first: h needs no gather, so its norm runs under e's DMAs
     eT = rmsnorm_body(e, w_norms[0], plan.eps)
-    hT = rmsnorm_body(h, w_norms[1], plan.eps)
     _, J, T = eT.shape
     uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
