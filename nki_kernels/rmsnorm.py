@@ -191,12 +191,17 @@ def _feature_major(dst_ps, x, ident, stack, transpose_mode):
 
 
 def _normalise(xf, w_sb, ones, eps, dtype):
-    """Steps 2-6 on the feature-major ``xf [P, J, T]`` (fp32 PSUM or SBUF of x's values) -> ``xT`` in dtype."""
+    """Steps 2-6 on the feature-major ``xf [P, J, T]`` (fp32 PSUM, or SBUF of x's values) -> ``xT`` in dtype.
+    An SBUF ``xf`` is squared on VectorE (``xf * xf``, the same fp32 product as ScalarE's exact ``square``), so the
+    norm's chain stays on VectorE up to the PE sum; a PSUM one on ScalarE (a DVE op reads at most one PSUM operand)."""
     J, T = xf.shape[1], xf.shape[2]
     H = J * P
     # 2-3. squares and per-partition partial sums over j
     sq = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_sq")
-    nisa.activation(dst=sq, op=nl.square, data=xf)
+    if xf.buffer == nl.psum:
+        nisa.activation(dst=sq, op=nl.square, data=xf)
+    else:
+        nisa.tensor_tensor(dst=sq, data1=xf, data2=xf, op=nl.multiply)
     part = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="rms_part")
     nisa.tensor_reduce(dst=part, op=nl.add, data=sq.permute((0, 2, 1)), axis=2)
     # 4. cross-partition sum, broadcast to every partition
