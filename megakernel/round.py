@@ -577,10 +577,7 @@ def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None, w_norms=None):
     uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
-    fc = allgather_cores(columns_body(uT, t.mtp_fc[core], w_fc), rg, plan.tp)
-    xe = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
-    nisa.tensor_copy(dst=xe, src=fc)
-    return xe
+    return allgather_cores(columns_body(uT, t.mtp_fc[core], w_fc), rg, plan.tp, dtype=e.dtype)
 
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):

@@ -151,10 +151,12 @@ def combine_lanes(lanes):
     return total
 
 
-def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = True):
+def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = True, dtype=None):
     """Concatenate every core's ``x [T, F]`` along the free axis in global core order.
 
     rg, tp: ``tp_group(tp)`` and the TP degree (compile time).
+    dtype: the result's dtype (None: x's); the gather's own copies round to it (RNE), so a caller that needs the
+    result in another dtype pays no extra copy.
     Returns SBUF ``[T, n*F]`` (n = tp * lnc), block g = core ``g = rank*lnc + core``'s x; same bits on
     every core. Cost: 1 collective per lane + 1 sendrecv + lnc strided copies.
 
@@ -176,11 +178,15 @@ def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = Tru
             ncc.all_gather(srcs=[x], dsts=[lane], replica_group=rg, collective_dim=1)
     else:
         lane = x
+    out_dtype = x.dtype if dtype == None else dtype
+    out = nl.ndarray((T, tp * lnc * F), out_dtype, buffer=nl.sbuf, name="ag_all")
     if lnc == 1:
-        return lane
+        if out_dtype == x.dtype:
+            return lane
+        nisa.tensor_copy(dst=out, src=lane)
+        return out
     peer = nl.ndarray((T, tp * F), x.dtype, buffer=nl.sbuf, name="ag_peer_lane")
     nisa.sendrecv(src=lane, dst=peer, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=pipe_id)
-    out = nl.ndarray((T, tp * lnc * F), x.dtype, buffer=nl.sbuf, name="ag_all")
     o4 = out.reshape((T, tp, lnc, F))
     nisa.tensor_copy(dst=o4[:, :, pid, :], src=lane.reshape((T, tp, F)))
     nisa.tensor_copy(dst=o4[:, :, 1 - pid, :], src=peer.reshape((T, tp, F)))
