@@ -114,8 +114,9 @@ def residual_rmsnorm_body(x_sb, lanes, w1, eps, stack=1):
     operations on the same operands as the residual's adds (elementwise, so layout-free; the lane add is
     commutative, so both cores agree). Only the peer's 4 transposes and the two small adds follow the sendrecv;
     x's and the lane's transposes (and their ScalarE copies to SBUF: a DVE op reads at most one PSUM operand) run
-    while it is in flight. Steps 2-6 are rmsnorm_body's on ``x'^T``. One difference: an exactly-zero element of
-    x' keeps its sign here, where rmsnorm_body's identity-matmul transpose can turn -0.0 into +0.0.
+    while it is in flight. Steps 2-6 are rmsnorm_body's on ``x'^T``, with the squares on VectorE (x'^T is in SBUF:
+    ``x * x``, the product ScalarE's exact ``square`` gives), two hand-offs fewer. One difference: an exactly-zero
+    element of x' keeps its sign here, where rmsnorm_body's identity-matmul transpose can turn -0.0 into +0.0.
     """
     T, H = _check_x(x_sb, stack)
     J = H // P
