@@ -50,14 +50,14 @@ import nki.language as nl
 from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
 from nki_kernels.attention import (ATTENTION_REGISTERS, attention_body, attention_ring, kv_rows_inputs,
                                    kv_rows_project, kv_rows_write)
-from nki_kernels.collectives import allgather_cores, allreduce_partials, argmax_combine, tp_group
+from nki_kernels.collectives import allgather_cores, allreduce_lanes, argmax_combine, combine_lanes, tp_group
 from nki_kernels.common import P, kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, columns_weight, token_major
 from nki_kernels.lm_head import lm_head_argmax_body
 from nki_kernels.moe import moe_tkg_body, moe_weights
-from nki_kernels.rmsnorm import rmsnorm_body
+from nki_kernels.rmsnorm import residual_rmsnorm_body, rmsnorm_body
 from nki_kernels.stacked import banks_for, stack_rows
 
 # Banks of the residual's bank-stacked layout (nki_kernels/stacked.py; issue 15, bench/decode_speed.md lever 22):
@@ -369,8 +369,9 @@ def draft(plan, stage, t, ids, h, rg, regs, core):
     -> (draft ids SBUF [1, 1] int32, the head's post-norm hidden SBUF [1, H] for the next draft, or None after the
     last one)."""
     i = stage.draft
-    # x, the MTP layer's last residual, stays allocated (bound here) through the LM head, as the verify's does: its
-    # SBUF cannot become the head's weight ring, whose first DMA would then wait (WAR) for the final norm's reads
+    # x, the MTP layer's last residual and its pending MoE lanes, stays allocated (bound here) through the LM head, as
+    # the verify's does: its SBUF cannot become the head's weight ring, whose first DMA would then wait (WAR) for the
+    # final norm's reads
     hm, x = mtp_head(plan, stage, t, ids, h, rg, regs, core)
     force = nl.ndarray((1, 2), nl.int32, buffer=nl.sbuf, name="force")
     nisa.dma_copy(dst=force, src=t.force[i:i + 1, :])
@@ -394,16 +395,19 @@ def verify(plan, stage, t, id_rows, proposed, rg, regs, core):
     x = stack_rows(e, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
     layers = stage.layers
+    lanes = None
     for i in range(len(layers)):
-        x = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True,
-                          e if i == 0 else None)
+        out = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True,
+                            e if i == 0 else None, lanes)
+        x = out[0]
+        lanes = out[1]
     w_final = _sbuf_copy(t.norms[plan.norms.final], "final_norm_w")
     side = None
     for s in plan.stages:
         if s.kind == REPLAY:    # D2's loads first: they stream under the last all-reduce and the final norm
             side = ReplayInHead(plan, s, t, proposed, rg, regs, core)
             replay(side, 0)
-    xT = rmsnorm_body(x, w_final, plan.eps, stack=t.stack)
+    xT = residual_rmsnorm_body(x, lanes, w_final, plan.eps, stack=t.stack)
     hidden = token_major(xT)
     if side != None:
         side.h = hidden[0:plan.drafts, :]
@@ -482,7 +486,8 @@ def replay(r, phase):
 
 
 # ---- layers --------------------------------------------------------------------------------------------------
-def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None, early_ring=False, entry=None):
+def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None, early_ring=False, entry=None,
+                  lanes=None):
     """One decoder layer on the residual x, bank-stacked SBUF [S*T, H/S] (S = ``t.stack``, nki_kernels/stacked.py;
     S = 1: token-major [T, H]): x += mixer(norm(x)); x += MoE(norm(x)), each partial (stacked too) all-reduced
     over the TP x LNC cores. ``entry``: at a stage's first layer, the same residual token-major [T, H], which the
@@ -494,7 +499,12 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     stream under the previous all-reduce (the MTP layers' drafts have no SBUF room for it next to the GDN arena:
     they keep the body's own ring). Both norm weights (8 KiB each) are loaded first: the DMAs of one queue move in
     order (SDK nki-dma-overview.rst "DMA Queues"), so behind the ring's chunks the input norm would wait for them
-    (bench/decode_speed.md lever 24)."""
+    (bench/decode_speed.md lever 24).
+    ``lanes``: the previous layer's MoE reduction still pending (``allreduce_lanes``; None: x is up to date): the
+    residual is then x + (lane + peer), the input norm takes it from the lanes (``residual_rmsnorm_body``) and the
+    residual's own adds are issued after the mixer, where VectorE waits for the collective. Returns (x, the MoE
+    partial's ``allreduce_lanes``), the latter pending in the same way for the caller's next norm; the mid-layer
+    reduction is handled so inside the layer (its residual adds after the MoE's)."""
     g = t.gdn
     wg = None
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
@@ -509,6 +519,8 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
         ring = attention_ring(t.attn[0], t.attn[1], t.attn[2], core, plan.lnc, layer.mixer)
     if entry != None:
         xT = rmsnorm_body(entry, w_norm, plan.eps)
+    elif lanes != None:
+        xT = residual_rmsnorm_body(x, lanes, w_norm, plan.eps, stack=t.stack)
     else:
         xT = rmsnorm_body(x, w_norm, plan.eps, stack=t.stack)
     if layer.kind == ATTENTION:
@@ -520,9 +532,13 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
         gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, _gdn_arena(regs, g))
         regs.gdn_layer = next_gdn.mixer
-    x = _add_into(x, allreduce_partials(y, rg))
-    xT = rmsnorm_body(x, w_post, plan.eps, stack=t.stack)
-    return _add_into(x, allreduce_partials(_moe(plan, layer, t, xT, regs, wm), rg))
+    mixer_lanes = allreduce_lanes(y, rg)
+    if lanes != None:       # the previous reduction's residual update, after the mixer's VectorE work (y stays
+        x = _add_into(x, combine_lanes(lanes))      # bound: these tiles must not take its SBUF under the collective)
+    xT = residual_rmsnorm_body(x, mixer_lanes, w_post, plan.eps, stack=t.stack)
+    m = _moe(plan, layer, t, xT, regs, wm)
+    moe_lanes = allreduce_lanes(m, rg)
+    return _add_into(x, combine_lanes(mixer_lanes)), moe_lanes
 
 
 def _gdn_arena(regs, g):
@@ -571,16 +587,13 @@ def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None, w_norms=None):
     uT = nl.ndarray((P, 2 * J, T), eT.dtype, buffer=nl.sbuf, name="mtp_fc_in")
     nisa.tensor_copy(dst=uT[:, 0:J, :], src=eT)
     nisa.tensor_copy(dst=uT[:, J:2 * J, :], src=hT)
-    fc = allgather_cores(columns_body(uT, t.mtp_fc[core], w_fc), rg, plan.tp)
-    xe = nl.ndarray((T, J * P), e.dtype, buffer=nl.sbuf, name="mtp_x")
-    nisa.tensor_copy(dst=xe, src=fc)
-    return xe
+    return allgather_cores(columns_body(uT, t.mtp_fc[core], w_fc), rg, plan.tp, dtype=e.dtype)
 
 
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     """The MTP head up to its final norm on T = ``stage.tokens`` positions q (arguments as :func:`mtp_input`) ->
-    (feature-major ``mtp.norm`` output [P, J, T], the layer's last residual). Writes the MTP KV rows of the stage's
-    positions. The launch's first draft issues its input's weights first (the two norm weights, then the fc columns
+    (feature-major ``mtp.norm`` output [P, J, T], (the layer's last residual, its MoE reduction's pending lanes)).
+    Writes the MTP KV rows of the stage's positions. The launch's first draft issues its input's weights first (the two norm weights, then the fc columns
     on ScalarE's DMA queue), so the fc columns stream while the head's input is gathered and normed instead of
     behind the norms' small DMAs (bench/decode_speed.md lever 30)."""
     layer = stage.layers[0]
@@ -591,8 +604,8 @@ def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     xe = mtp_input(plan, t, ids, h, rg, core, None, w_fc, w_norms)
     x = stack_rows(xe, t.stack)
     pos, cos, sin = _stage_inputs(stage, t)
-    x = decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False, xe)
-    return rmsnorm_body(x, t.norms[plan.norms.mtp_final], plan.eps, stack=t.stack), x
+    out = decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, _first_gdn(plan, stage), False, xe)
+    return residual_rmsnorm_body(out[0], out[1], t.norms[plan.norms.mtp_final], plan.eps, stack=t.stack), out
 
 
 def _mtp_input_norms(plan, t):

@@ -21,7 +21,9 @@ cores add the same two operands; fp32 addition is commutative, so both get the s
 Collectives per decoder layer -- the minimum for this sharding is TWO reductions per layer:
   1. after the mixer (GDN or attention): ``x += allreduce(mixer partials)``;
   2. after the MoE: ``x += allreduce(MoE partials)``.
-Each is 1 CC all-reduce per lane (in parallel) + 1 sendrecv + 1 add. Folding both into one reduction per
+Each is 1 CC all-reduce per lane (in parallel) + 1 sendrecv + 1 add (in the megakernel the add is
+taken twice: the next norm adds the transposed lanes itself, ``allreduce_lanes`` + ``rmsnorm.residual_rmsnorm_body``,
+and the residual's own ``combine_lanes`` add runs later, off the critical path). Folding both into one reduction per
 layer (trn2-costs finding #1(b)) does not work here: the MoE reads the post-attention RMSNorm of the
 FULL ``u = x + sum_c a_c`` -- every core needs every element of it, because the router dots the whole
 vector (then a nonlinear top-k) and every core's expert shard (G_c, U_c: [I/8, H]) contracts over all of
@@ -32,6 +34,15 @@ reduction between the MoE and the next layer's input norm. Removing one would ta
 collective) or a row-parallel MoE (a reduce-scatter + a norm-statistics all-reduce: more collectives,
 not fewer). The real levers are scheduling (finding #1(a): stream the next weights during the all-reduce
 window) and keeping each reduction to one collective + one sendrecv, as here.
+Collective forms compared (issue 15). (a) This one: a 4-rank mesh all-reduce per core + an intra-rank sendrecv +
+an add. It is the measured form: trn2-costs' 13,331 ns "TP all-reduce, nccl Mesh" row comes from a public Qwen3.6
+round kernel whose reductions are exactly that -- per core, ``nccl.all_reduce`` over the replica group of the 4 TP
+ranks, then a sendrecv with the LNC peer (there a gather of the peer's H-half, bf16, 4 KiB per core at T = 2; here
+an add of the peer's full-H fp32 lane, 16 KiB: the bytes term is ~0.04 us either way). (b) One 8-core collective:
+not expressible at LNC = 2 -- collectives run over ranks, the 4 logical cores of the chip (SDK nki.collectives:
+"4 under LNC=2"). (c) Rings of sendrecv / collective_permute: nothing measured (the only sendrecv figure is
+intra-LNC; permutes are costed as an all-gather, 24 us, by assumption), so the model cannot rank them honestly.
+
 Per round: verify 40 layers x 2 = 80 reductions, each MTP pass 2, plus ONE packed ``(value, index)``
 collective per LM-head evaluation (``argmax_combine``, finding #11) -- never two.
 
@@ -104,6 +115,14 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
     Returns SBUF ``[T, H]`` float32, identical bits on every core: lane sums over ranks in ascending
     order, then ``lane0 + lane1``. Cost: 1 all-reduce per lane + 1 sendrecv + 1 DVE add.
     """
+    return combine_lanes(allreduce_lanes(y, rg, pipe_id))
+
+
+def allreduce_lanes(y, rg, pipe_id: int = 0):
+    """:func:`allreduce_partials` without its final add: ``(lane, peer)``, this core's lane sum and the other
+    core's (peer None at LNC = 1), float32 in y's shape. For a consumer that adds them itself
+    (``rmsnorm.residual_rmsnorm_body`` does, in the norm's feature-major layout); ``lane + peer`` is
+    commutative, so both cores of a rank get the same bits whichever operand comes first."""
     y = _dense(y, "allreduce_partials")
     if y.dtype != nl.float32:
         raise TypeError(f"allreduce_partials: partials must be float32 (PSUM-accumulated), got {y.dtype}")
@@ -115,18 +134,29 @@ def allreduce_partials(y, rg, pipe_id: int = 0):
     else:
         lane = y
     if lnc == 1:
-        return lane
+        return (lane, None)
     peer = nl.ndarray((T, H), nl.float32, buffer=nl.sbuf, name="ar_peer_lane")
     nisa.sendrecv(src=lane, dst=peer, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=pipe_id)
-    total = nl.ndarray((T, H), nl.float32, buffer=nl.sbuf, name="ar_total")
+    return (lane, peer)
+
+
+def combine_lanes(lanes):
+    """``lane + peer`` of :func:`allreduce_lanes` (one fp32 DVE add; the lane itself at LNC = 1)."""
+    lane = lanes[0]
+    peer = lanes[1]
+    if peer == None:
+        return lane
+    total = nl.ndarray(tuple(lane.shape), nl.float32, buffer=nl.sbuf, name="ar_total")
     nisa.tensor_tensor(dst=total, data1=lane, data2=peer, op=nl.add)       # commutative: same bits on both cores
     return total
 
 
-def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = True):
+def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = True, dtype=None):
     """Concatenate every core's ``x [T, F]`` along the free axis in global core order.
 
     rg, tp: ``tp_group(tp)`` and the TP degree (compile time).
+    dtype: the result's dtype (None: x's); the gather's own copies round to it (RNE), so a caller that needs the
+    result in another dtype pays no extra copy.
     Returns SBUF ``[T, n*F]`` (n = tp * lnc), block g = core ``g = rank*lnc + core``'s x; same bits on
     every core. Cost: 1 collective per lane + 1 sendrecv + lnc strided copies.
 
@@ -148,11 +178,15 @@ def allgather_cores(x, rg, tp: int, pipe_id: int = 0, via_all_reduce: bool = Tru
             ncc.all_gather(srcs=[x], dsts=[lane], replica_group=rg, collective_dim=1)
     else:
         lane = x
+    out_dtype = x.dtype if dtype == None else dtype
+    out = nl.ndarray((T, tp * lnc * F), out_dtype, buffer=nl.sbuf, name="ag_all")
     if lnc == 1:
-        return lane
+        if out_dtype == x.dtype:
+            return lane
+        nisa.tensor_copy(dst=out, src=lane)
+        return out
     peer = nl.ndarray((T, tp * F), x.dtype, buffer=nl.sbuf, name="ag_peer_lane")
     nisa.sendrecv(src=lane, dst=peer, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=pipe_id)
-    out = nl.ndarray((T, tp * lnc * F), x.dtype, buffer=nl.sbuf, name="ag_all")
     o4 = out.reshape((T, tp, lnc, F))
     nisa.tensor_copy(dst=o4[:, :, pid, :], src=lane.reshape((T, tp, F)))
     nisa.tensor_copy(dst=o4[:, :, 1 - pid, :], src=peer.reshape((T, tp, F)))

@@ -33,6 +33,12 @@ Algorithm (transpose first, then normalise in the feature-major layout)
 
 Per core (H = 2048, any T): 17 PE, 3 ACT (one the table warm-up), 3 DVE, 1 GpSimd instructions, 1 weight DMA of
 8 KiB.
+
+:func:`residual_rmsnorm_body` is the same norm of ``x + (lane + peer)`` taken straight from an all-reduce's two
+lane sums (``collectives.allreduce_lanes``): the adds run in the feature-major layout after the PE transposes
+(J*T elements per partition instead of the residual's H/S), so the chain from the sendrecv to the norm's first
+ScalarE op is 4 transposes and two small DVE adds instead of two full-width adds, a hand-off and 4 transposes
+(bench/decode_speed.md, the post-collective chain row).
 Under LNC=2 both physical cores normalise the same residual (each needs the whole ``xT``).
 """
 
@@ -82,6 +88,70 @@ def rmsnorm_body(x_sb, w1, eps, stack=1):
     are the same instructions and bits as for the token-major x.
     """
     T, H = _check_x(x_sb, stack)
+    w_sb, ident, ones = _prologue(w1, H, stack * T, x_sb.dtype)
+    # 1. feature-major copy of x (exact) in PSUM
+    xt_ps = nl.ndarray((P, H // P, T), nl.float32, buffer=nl.psum, name="rms_xt_ps")
+    _feature_major(xt_ps, x_sb, ident, stack, False)
+    return _normalise(xt_ps, w_sb, ones, eps, x_sb.dtype)
+
+
+def residual_rmsnorm_body(x_sb, lanes, w1, eps, stack=1):
+    """The next norm of a residual update: ``rmsnorm_body(x + (lane + peer))`` without waiting for that update.
+
+    x_sb:  the residual before the update (SBUF, activation dtype), token-major ``[T, H]`` or bank-stacked
+    ``[S*T, H/S]``.
+    lanes: ``collectives.allreduce_lanes(y, rg)`` of a partial in x's layout: ``(lane, peer)`` float32 (peer None
+    at LNC = 1). w1, eps, stack: as :func:`rmsnorm_body`.
+    Returns ``xT [P, H/P, T]``, the same bits as ``rmsnorm_body(x')`` with ``x' = x + combine_lanes(lanes)`` (the
+    residual's own update, which the caller still issues: ``megakernel.round`` emits it where VectorE is idle).
+
+    Why: the two-step form puts two full-width DVE adds (0.68 us each in the stacked layout) and a PE hand-off
+    between the intra-rank sendrecv and the norm's first ScalarE op, on every reduction of a round. Here the norm
+    works from the pieces in its feature-major layout, where an elementwise op has J*T <= 64 elements per
+    partition: x^T by matmuls against a bf16 identity (exact, as step 1), lane^T and peer^T by fp32 transpose-mode
+    matmuls (SDK nc_transpose: "Starting NeuronCore-v3, all Tensor Engine transpose is bit-accurate"), then
+    ``total = lane^T + peer^T`` and ``x'^T = x^T + total`` (rounded once to x's dtype) on DVE: the same fp32
+    operations on the same operands as the residual's adds (elementwise, so layout-free; the lane add is
+    commutative, so both cores agree). Only the peer's 4 transposes and the two small adds follow the sendrecv;
+    x's and the lane's transposes (and their ScalarE copies to SBUF: a DVE op reads at most one PSUM operand) run
+    while it is in flight. Steps 2-6 are rmsnorm_body's on ``x'^T``, with the squares on VectorE (x'^T is in SBUF:
+    ``x * x``, the product ScalarE's exact ``square`` gives), two hand-offs fewer. One difference: an exactly-zero
+    element of x' keeps its sign here, where rmsnorm_body's identity-matmul transpose can turn -0.0 into +0.0.
+    """
+    T, H = _check_x(x_sb, stack)
+    J = H // P
+    lane = lanes[0]
+    peer = lanes[1]
+    for part in lanes:
+        if part != None and (tuple(part.shape) != tuple(x_sb.shape) or part.dtype != nl.float32):
+            raise ValueError(f"residual_rmsnorm: lanes must be float32 {list(x_sb.shape)} like the residual, got "
+                             f"{part.dtype}{list(part.shape)}")
+    w_sb, ident, ones = _prologue(w1, H, stack * T, x_sb.dtype)
+    ident32 = nl.shared_identity_matrix(n=stack * T, dtype=nl.float32)
+    # x^T (x is ready long before the collective ends): PSUM, then an SBUF copy on ScalarE (table-free copy)
+    xo_ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="rms_xo_ps")
+    _feature_major(xo_ps, x_sb, ident, stack, False)
+    xo = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_xo")
+    nisa.tensor_copy(dst=xo, src=xo_ps, engine=nisa.engine.scalar)
+    lane_ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="rms_lane_ps")
+    _feature_major(lane_ps, lane, ident32, stack, True)
+    xn = nl.ndarray((P, J, T), x_sb.dtype, buffer=nl.sbuf, name="rms_xn")
+    if peer == None:
+        nisa.tensor_tensor(dst=xn, data1=xo, data2=lane_ps, op=nl.add)
+    else:
+        lane_t = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_lane_t")
+        nisa.tensor_copy(dst=lane_t, src=lane_ps, engine=nisa.engine.scalar)
+        peer_ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="rms_peer_ps")
+        _feature_major(peer_ps, peer, ident32, stack, True)
+        total = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_total")
+        nisa.tensor_tensor(dst=total, data1=lane_t, data2=peer_ps, op=nl.add)
+        nisa.tensor_tensor(dst=xn, data1=xo, data2=total, op=nl.add)
+    return _normalise(xn, w_sb, ones, eps, x_sb.dtype)
+
+
+def _prologue(w1, H, K, dtype):
+    """The norm's weight in SBUF, the ScalarE table warm-up (step 0), the ``[K, K]`` identity of step 1 in x's
+    dtype and the ``ones [P, P]`` float32 of step 4 -> ``(w_sb, ident, ones)``."""
     J = H // P
     if not (w1.shape[0] == P and w1.shape[1] == J and w1.dtype == nl.float32):
         raise ValueError(f"rmsnorm: weight must be float32 [{P}, {J}] (rmsnorm_weight_layout), got "
@@ -95,28 +165,44 @@ def rmsnorm_body(x_sb, w1, eps, stack=1):
     warm = nl.ndarray((P, 1), nl.float32, buffer=nl.sbuf, name="rms_act_warm")
     nisa.memset(dst=warm, value=1.0, engine=nisa.engine.gpsimd)
     nisa.activation(dst=warm, op=nl.rsqrt, data=warm)
-
-    ident = nl.shared_identity_matrix(n=stack * T, dtype=x_sb.dtype)
+    ident = nl.shared_identity_matrix(n=K, dtype=dtype)
     ones = nl.ndarray((P, P), nl.float32, buffer=nl.sbuf, name="rms_ones")
     nisa.memset(dst=ones, value=1.0)
+    return w_sb, ident, ones
 
-    # 1. feature-major copy of x (exact) in PSUM
-    xt_ps = nl.ndarray((P, J, T), nl.float32, buffer=nl.psum, name="rms_xt_ps")
+
+def _feature_major(dst_ps, x, ident, stack, transpose_mode):
+    """Step 1: ``dst_ps [P, J, T]`` (PSUM fp32) = x^T, from token-major ``x [T, H]`` or stacked ``[S*T, H/S]``.
+    transpose_mode False: matmuls against ``ident`` (x's dtype; fp32 out, exact: one non-zero product per output);
+    True: PE transpose-mode matmuls (x and ``ident`` fp32, bit-accurate, dst keeps fp32)."""
+    J, T = dst_ps.shape[1], dst_ps.shape[2]
     if stack == 1:
         for j in range(J):
-            nisa.nc_matmul(dst=xt_ps[:, j, :], stationary=x_sb[:, j * P:(j + 1) * P], moving=ident,
-                           accumulate=False)
+            nisa.nc_matmul(dst=dst_ps[:, j, :], stationary=x[:, j * P:(j + 1) * P], moving=ident,
+                           is_transpose=transpose_mode, accumulate=False)
     else:
         # output column s*T + t = bank s = 2u + v holds block v*S/2 + u (stacked.bank_block): feature tile
         # j = (v*S/2 + u)*JW + c, iterated (u, v, t)
         JW = J // stack
         half = stack // 2
         for c in range(JW):
-            dst = xt_ps.ap(pattern=[[J * T, P], [JW * T, half], [half * JW * T, 2], [1, T]], offset=c * T)
-            nisa.nc_matmul(dst=dst, stationary=x_sb[:, c * P:(c + 1) * P], moving=ident, accumulate=False)
+            dst = dst_ps.ap(pattern=[[J * T, P], [JW * T, half], [half * JW * T, 2], [1, T]], offset=c * T)
+            nisa.nc_matmul(dst=dst, stationary=x[:, c * P:(c + 1) * P], moving=ident, is_transpose=transpose_mode,
+                           accumulate=False)
+
+
+def _normalise(xf, w_sb, ones, eps, dtype):
+    """Steps 2-6 on the feature-major ``xf [P, J, T]`` (fp32 PSUM, or SBUF of x's values) -> ``xT`` in dtype.
+    An SBUF ``xf`` is squared on VectorE (``xf * xf``, the same fp32 product as ScalarE's exact ``square``), so the
+    norm's chain stays on VectorE up to the PE sum; a PSUM one on ScalarE (a DVE op reads at most one PSUM operand)."""
+    J, T = xf.shape[1], xf.shape[2]
+    H = J * P
     # 2-3. squares and per-partition partial sums over j
     sq = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_sq")
-    nisa.activation(dst=sq, op=nl.square, data=xt_ps)
+    if xf.buffer == nl.psum:
+        nisa.activation(dst=sq, op=nl.square, data=xf)
+    else:
+        nisa.tensor_tensor(dst=sq, data1=xf, data2=xf, op=nl.multiply)
     part = nl.ndarray((P, T), nl.float32, buffer=nl.sbuf, name="rms_part")
     nisa.tensor_reduce(dst=part, op=nl.add, data=sq.permute((0, 2, 1)), axis=2)
     # 4. cross-partition sum, broadcast to every partition
@@ -127,9 +213,9 @@ def rmsnorm_body(x_sb, w1, eps, stack=1):
     nisa.activation(dst=rstd, op=nl.rsqrt, data=ss_ps, scale=1.0 / H, bias=float(eps))
     # 6. (x * rstd) * (1 + w)
     y = nl.ndarray((P, J, T), nl.float32, buffer=nl.sbuf, name="rms_y")
-    nisa.tensor_tensor(dst=y, data1=xt_ps, data2=rstd.ap(pattern=[[T, P], [0, J], [1, T]], offset=0),
+    nisa.tensor_tensor(dst=y, data1=xf, data2=rstd.ap(pattern=[[T, P], [0, J], [1, T]], offset=0),
                        op=nl.multiply)
-    xT = nl.ndarray((P, J, T), x_sb.dtype, buffer=nl.sbuf, name="xT")
+    xT = nl.ndarray((P, J, T), dtype, buffer=nl.sbuf, name="xT")
     nisa.tensor_tensor(dst=xT, data1=y, data2=w_sb.ap(pattern=[[J, P], [1, J], [0, T]], offset=0),
                        op=nl.multiply)
     return xT

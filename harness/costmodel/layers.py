@@ -20,12 +20,13 @@ LAYER_FUNCTION = "decoder_layer"
 PARTS = {"gdn_body": "mixer", "attention_body": "mixer",
          "kv_rows_inputs": "K/V rows", "kv_rows_project": "K/V rows", "kv_rows_write": "K/V rows",
          "moe_tkg_body": "MoE", "allreduce_partials": "all-reduce",
-         "rmsnorm_body": "norms", "columns_body": "MTP fc", "allgather_cores": "MTP fc", "embedding_body": "embedding",
+         "allreduce_lanes": "all-reduce", "rmsnorm_body": "norms", "residual_rmsnorm_body": "norms", "columns_body": "MTP fc", "allgather_cores": "MTP fc", "embedding_body": "embedding",
          "lm_head_argmax_body": "LM head", "argmax_combine": "argmax", "token_ids_from_best": "argmax",
          "_add_into": "residual add"}
 # the verify stage's parts as stage tags ("V GDN", ...): where the round's time goes by layer type
 V_PARTS = {"gdn_body": "GDN", "attention_body": "attention", "moe_tkg_body": "MoE", "lm_head_argmax_body": "LM head",
-           "allreduce_partials": "all-reduce", "rmsnorm_body": "norms"}
+           "allreduce_partials": "all-reduce", "allreduce_lanes": "all-reduce", "rmsnorm_body": "norms",
+           "residual_rmsnorm_body": "norms"}
 KINDS = {"gdn": "linear_attention", "attention": "full_attention"}     # plan layer kinds -> config layer types
 
 

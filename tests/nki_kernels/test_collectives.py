@@ -58,6 +58,21 @@ def allgather_kernel(x, rg, tp, via_all_reduce=True):
 
 
 @nki.jit
+def allgather_cast_kernel(x, rg, tp):
+    """x HBM [lnc, T, F] float32 -> [lnc, T, n*F] bfloat16: the gather's own copies round (dtype=)."""
+    lnc, pid = _lnc()
+    _, T, F = x.shape
+    out = nl.ndarray((lnc, T, tp * lnc * F), nl.bfloat16, buffer=nl.shared_hbm, name="agc_out")
+    t = nl.ndarray((T, F), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x[pid])
+    g = cc.allgather_cores(t, rg, tp, dtype=nl.bfloat16)
+    if g.dtype != nl.bfloat16:          # the SBUF result itself is bf16 (the store below would also cast)
+        raise ValueError(f"allgather_cores(dtype=bfloat16) returned {g.dtype}")
+    nisa.dma_copy(dst=out[pid], src=g)
+    return out
+
+
+@nki.jit
 def combine_kernel(best, vc, rg, tp):
     """best: HBM [lnc, T, 2] (value, local index) per core -> [lnc, T, 2] global winner seen by each core."""
     lnc, pid = _lnc()
@@ -151,6 +166,21 @@ def test_allgather_cores(tp, lnc, dtype, via_all_reduce):
         for c in range(lnc):
             assert outs[r][c].dtype == want.dtype
             np.testing.assert_array_equal(outs[r][c].astype(F32), want.astype(F32))   # exact; NaN matches NaN
+
+
+@pytest.mark.parametrize("tp, lnc", WORLDS)
+def test_allgather_cores_rounds_to_dtype(tp, lnc):
+    """dtype=: the same gather, each value rounded once fp32 -> bf16 (RNE), as a separate cast copy would."""
+    import ml_dtypes
+    T, F = 2, 24
+    rng = np.random.default_rng(7 * tp + lnc)
+    xs = [(rng.standard_normal((lnc, T, F)) * 1e2).astype(F32) for r in range(tp)]
+    outs = nkisim.launch(allgather_cast_kernel, [(x, cc.tp_group(tp), tp) for x in xs], tp=tp, lnc=lnc)
+    want = np.concatenate([xs[r][c] for r in range(tp) for c in range(lnc)], axis=1).astype(ml_dtypes.bfloat16)
+    assert np.abs(want.astype(F32)).max() > 1.0
+    for r in range(tp):
+        for c in range(lnc):
+            np.testing.assert_array_equal(outs[r][c].view(np.uint16), want.view(np.uint16))
 
 
 def _combine_world(vals, idxs, vc, tp, lnc):

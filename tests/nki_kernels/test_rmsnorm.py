@@ -15,13 +15,16 @@ import numpy as np
 import pytest
 import torch
 
+import nki
+import nki.isa as nisa
+import nki.language as nl
 import nkisim
 from compare import assert_close
 from model.config import preset
 from model.functional import rms_norm
 from model.tp.norm import rmsnorm_rank
 from nki_kernels.host import as_torch, feature_major
-from nki_kernels.common import P
+from nki_kernels.common import P, program_sharding
 from nki_kernels.rmsnorm import rmsnorm_kernel, rmsnorm_weight_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -127,3 +130,57 @@ def test_trace_real_shapes():
         w_bytes = sum(r["bytes"]["shared_hbm"]["read"] for r in core0
                       if r["op"] == "dma_copy" and r["reads"][0]["name"] == "arg1")
         assert w_bytes == 128 * 16 * 4
+
+
+# ---- residual_rmsnorm_body: the residual update and the next norm from the all-reduce's two lanes ---------------
+
+@nki.jit
+def _residual_norm_kernel(y, x, w1, eps, S, rg, tp):
+    """y: HBM [lnc, S*T, H/S] float32 this rank's per-core partials; x: [S*T, H/S] the residual (same on every
+    core) -> per core (fused xT, two-step xT, two-step x'): ``residual_rmsnorm_body(x, lanes)`` against
+    ``x' = x + combine_lanes(lanes)`` then ``rmsnorm_body(x')``."""
+    from nki_kernels import collectives as cc
+    from nki_kernels.rmsnorm import residual_rmsnorm_body, rmsnorm_body
+    lnc, pid = program_sharding()
+    R, W = x.shape
+    T, H = R // S, W * S
+    a_out = nl.ndarray((lnc, P, H // P, T), x.dtype, buffer=nl.shared_hbm, name="fused_xT")
+    b_out = nl.ndarray((lnc, P, H // P, T), x.dtype, buffer=nl.shared_hbm, name="two_step_xT")
+    x_out = nl.ndarray((lnc, R, W), x.dtype, buffer=nl.shared_hbm, name="two_step_x")
+    y_sb = nl.ndarray((R, W), nl.float32, buffer=nl.sbuf, name="y")
+    nisa.dma_copy(dst=y_sb, src=y[pid])
+    x_sb = nl.ndarray((R, W), x.dtype, buffer=nl.sbuf, name="x")
+    nisa.dma_copy(dst=x_sb, src=x)
+    lanes = cc.allreduce_lanes(y_sb, rg)
+    nisa.dma_copy(dst=a_out[pid], src=residual_rmsnorm_body(x_sb, lanes, w1, eps, stack=S))
+    x_new = nl.ndarray((R, W), x.dtype, buffer=nl.sbuf, name="x_new")
+    nisa.tensor_tensor(dst=x_new, data1=x_sb, data2=cc.combine_lanes(lanes), op=nl.add)
+    nisa.dma_copy(dst=x_out[pid], src=x_new)
+    nisa.dma_copy(dst=b_out[pid], src=rmsnorm_body(x_new, w1, eps, stack=S))
+    return a_out, b_out, x_out
+
+
+@pytest.mark.parametrize("tp, lnc, S, T", [(4, 2, 4, 2), (4, 2, 4, 1), (2, 2, 1, 3), (1, 2, 4, 4), (1, 1, 4, 2),
+                                           (2, 1, 1, 1)])
+def test_residual_norm_equals_add_then_norm(tp, lnc, S, T):
+    """Bit for bit, on every core: the fused body (feature-major adds of the transposed lanes) and the residual's
+    own adds followed by rmsnorm_body. Residual values of mixed magnitude so the bf16 rounding of x' matters."""
+    from nki_kernels import collectives as cc
+    H = 512
+    rng = np.random.default_rng(100 * tp + 10 * lnc + S * T)
+    g = torch.Generator().manual_seed(S * 10 + T)
+    x = (3.0 * torch.randn(S * T, H // S, generator=g)).to(torch.bfloat16)
+    w1 = rmsnorm_weight_layout(0.1 * torch.randn(H, generator=g))
+    ys = [(rng.standard_normal((lnc, S * T, H // S)) * 10.0 ** rng.integers(-2, 1)).astype(np.float32)
+          for _ in range(tp)]
+    rg = cc.tp_group(tp)
+    outs = nkisim.launch(_residual_norm_kernel, [(y, x, w1, 1e-6, S, rg, tp) for y in ys], tp=tp, lnc=lnc)
+    first = None
+    for r in range(tp):
+        a, b, xn = (as_torch(o) for o in outs[r])
+        assert torch.isfinite(a.float()).all() and a.float().abs().max() > 0.1
+        assert not torch.equal(xn[0], x)                       # the partials moved the residual
+        for c in range(lnc):
+            assert torch.equal(a[c].view(torch.int16), b[c].view(torch.int16)), f"rank {r} core {c}"
+            first = a[c] if first is None else first
+            assert torch.equal(a[c].view(torch.int16), first.view(torch.int16))   # same bits on every core
