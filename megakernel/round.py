@@ -593,9 +593,9 @@ def mtp_input(plan, t, ids, h, rg, core, e=None, w_fc=None, w_norms=None):
 def mtp_head(plan, stage, t, ids, h, rg, regs, core):
     """The MTP head up to its final norm on T = ``stage.tokens`` positions q (arguments as :func:`mtp_input`) ->
     (feature-major ``mtp.norm`` output [P, J, T], (the layer's last residual, its MoE reduction's pending lanes)).
-    Writes the MTP KV rows of the stage's positions. The launch's first draft issues its input's weights first (the two norm weights, then the fc columns
-    on ScalarE's DMA queue), so the fc columns stream while the head's input is gathered and normed instead of
-    behind the norms' small DMAs (bench/decode_speed.md lever 30)."""
+    Writes the MTP KV rows of the stage's positions. The launch's first draft issues its input's weights first (the
+    two norm weights, then the fc columns on ScalarE's DMA queue), so the fc columns stream while the head's input
+    is gathered and normed instead of behind the norms' small DMAs (bench/decode_speed.md lever 30)."""
     layer = stage.layers[0]
     w_fc = w_norms = None
     if stage.draft == 0:
