@@ -504,7 +504,6 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     if prefetch:
         _project_chunk(accs, xT, w_tiles, jg, n_chunks - 1, N)
         _evict_chunk(proj, accs, n_chunks - 1, N)
-        accs[n_chunks - 1] = None
     else:
         for gi in range(n_groups):
             j0 = gi * jg
@@ -567,6 +566,9 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         for k in conv_ks:           # their evictions, after the gates'
             _evict_chunk(proj, accs, k, N, table_free=True)
             accs[k] = None
+        # the gate chunk's accumulator is freed only now: freed at its eviction, its bank went to the window
+        # transposes' tile, whose writes then waited for that eviction (a false dependency on the chain)
+        accs[n_chunks - 1] = None
 
     # ---- 4b. channel-major u, conv + SiLU ------------------------------------------------------------
     for h in range(NH):
