@@ -97,8 +97,9 @@ from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, own_identi
 from nki_kernels.stacked import bank_block, broadcast_banks, check_stack, diagonal
 
 MAX_T = 4
-Z_PIECES = (10, 3, 16)  # z's deferred matmuls: 10/16 after the u transposes, 3/16 after the l2norm's sum, the rest
-                        # after round 0's reads (the PE's idle time there at the real shapes, T = 2: 2.4 / 0.8 / 0.8 us)
+Z_PIECES = (10, 4, 16)  # z's deferred matmuls: 10/16 after the u transposes, 4/16 after the l2norm's sum, the rest
+                        # after round 0's reads: the PE's idle time there (sized by the 4-layer A/B round at the real
+                        # shapes, T = 2; bench/decode_speed.md)
 L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
 WEIGHT_PREFETCH_BYTES = 96 * 1024   # per partition: issue every in_proj weight DMA up front below this
 WEIGHT_GROUP_BYTES = 16 * 1024      # per partition and DMA: in_proj weights stream in groups of hidden tiles
