@@ -39,7 +39,9 @@ SBUF layouts and algorithm (per core)
    moving=w[:, j, cols] [128, <=512])``), accumulated over the J hidden tiles in one PSUM bank per
    512-column chunk (``accumulate=(j > 0)``). Weights stream in groups of hidden tiles, each DMA
    partition-contiguous; every weight byte is read once, independent of T. Evicted (rounded) to
-   ``proj [T, N]`` token-major.
+   ``proj [T, N]`` token-major. With the weights resident (prefetched), the chunks are issued in the order of their
+   consumers: the gate chunk (b, a), the conv chunks (q, k, v; under the gates' chain), and z's chunk last, in three
+   pieces in the PE's idle time of the conv / l2norm / recurrence chain (``Z_PIECES``); z is read only by step 7.
 3. Gates: the rows ``(b_t, a_t)`` of the T tokens and one row ``(A_log, dt_bias)`` (loaded once, DMA'd
    into partition T) are broadcast to all D partitions by T+1 matmuls against one-hot stationaries;
    then in fp32 on ``[D, T, Hv_c]``: softplus (ACT), exp (ACT) for exp(A_log), alpha = exp(g) and
@@ -47,9 +49,10 @@ SBUF layouts and algorithm (per core)
 4. Channel-major conv input ``full [D, heads, K-1+T]`` in PSUM: PE transposes (matmul with an identity)
    of the window rows and of u, per head. Conv = one DVE multiply of a windowed access pattern
    ``[D, heads, T, K]`` (overlapping, stride 1 in t and k) by the broadcast taps + one add-reduce over
-   K. z is transposed the same way; SiLU of [conv ‖ z] is ``x / (1 + exp(-x))`` (one ACT exp in the gates'
-   table, DVE add/reciprocal/multiply) -- no separate silu table load.
-5. l2norm in the channel-major layout: square (ACT), cross-partition sum AND broadcast by one matmul
+   K. SiLU of the conv output is ``x / (1 + exp(-x))`` (one ACT exp in the gates' table, DVE add/reciprocal/
+   multiply) -- no separate silu table load. z is transposed the same way and gets the same SiLU operations, but
+   after recurrence round 0 (its exp on ACT, which runs only table-free work in the recurrence).
+5. l2norm in the channel-major layout: square (DVE), cross-partition sum AND broadcast by one matmul
    with a ones[D, D] stationary, rsqrt(+eps) (ACT), multiply (DVE). q, k are stored interleaved
    ``QK [D, Hk_c, 2T]`` (column 2t = k_t, 2t+1 = q_t) so ``[q_{t-1} | k_t]`` is one [D, 2] moving tile.
 6. Recurrence, T+1 read rounds: round t issues per value head one matmul with the state as stationary
@@ -57,11 +60,12 @@ SBUF layouts and algorithm (per core)
    update, read exactly), column 1 is ``S_{t-1}^T k_t``; then (fp32)
    ``delta = beta v - (alpha beta) (S^T k)`` (2 DVE ops on [D, Hv_c]); delta is broadcast along the dk
    partitions by a matmul (stationary = delta column with a stride-0 free pattern, moving = identity);
-   ACT decays ``S_t = alpha S_{t-1}`` (per-head scale column) off the chain; one DVE
+   ACT decays ``S_t = alpha S_{t-1}`` (``tensor_scalar`` by the per-head alpha column: no activation table) off
+   the delta chain; the outputs o are copied out of PSUM by table-free copies; one DVE
    ``scalar_tensor_tensor`` per key head adds ``k (x) delta`` (k as the per-partition scalar):
    ``S_t = delta_bcast * k + S_t``. S_t is DMA'd to checkpoint slot t. All state arithmetic is on
    ACT/DVE in fp32; the PE only reads the state.
-7. Gated RMSNorm in channel-major ``[D, Hv_c, T]`` (same ones-matmul partition sum, ACT rsqrt, DVE),
+7. Gated RMSNorm in channel-major ``[D, Hv_c, T]`` (DVE square, same ones-matmul partition sum, ACT rsqrt, DVE),
    result rounded to the activation dtype = the stationary of out_proj (contraction over the core's
    value dims on partitions, ``accumulate=(i > 0)`` over its Hv_c head tiles) -> ``y [T, H]`` fp32.
 8. Windows: u rows are DMA'd behind the old window rows (``full_tok [K-1+T, C_core]`` token-major), so
@@ -69,15 +73,17 @@ SBUF layouts and algorithm (per core)
    group (q‖k, v).
 
 Trace at the real per-rank shapes (nkisim, LNC=2, bf16, per core; T = 1 / 2 / 4): PE 132 / 141 / 159,
-DVE 29 / 33 / 41, ACT 20 / 25 / 35, DMA 18 / 21 / 27, POOL 5 (identity constants, table warm-ups), SP 1 (register load);
+DVE 32 / 36 / 44, ACT 21 / 26 / 36, DMA 18 / 21 / 27, POOL 7 (identity constants, table warm-ups), SP 1 (register load);
 HBM reads 8.70 MB (8.43 MB of weights, one 256 KiB state slot, one window slot, x), writes T x (256 KiB
-state + 6 KiB window) + y; peak SBUF 71 KB per partition (of 208 KB), PSUM 12 KB (6 of 8 banks).
+state + 6 KiB window) + y; peak SBUF 74 KB per partition (of 208 KB), PSUM 12 KB (6 of 8 banks).
 
-ACT table groups used, in program order: {copy} (PSUM evictions, the table the preceding RMSNorm left
-loaded), softplus, exp (exp(A_log), alpha, sigmoid(b), SiLU), {copy, square, rsqrt} (l2norm, state decay,
-gated norm): three table switches inside the mixer. The softplus and {copy, square, rsqrt} loads are warmed
-(``_warm_act``) while ScalarE waits for PE / VectorE; the exp load stays on the gate chain (warming it as well,
-with exp(A_log) and exp(-b) before the softplus, was predicted slower: ScalarE is not idle long enough there).
+ACT table groups used, in program order: {copy} (the gate chunk's eviction, the table the preceding RMSNorm left
+loaded), softplus, exp (exp(A_log), alpha, sigmoid(b), the conv's SiLU), {copy, square, rsqrt} (l2norm's rsqrt),
+exp (z's SiLU), {copy, square, rsqrt} (gated norm's rsqrt): five table switches inside the mixer. The softplus,
+both {copy, square, rsqrt} and the second exp loads are warmed (``_warm_act``) while ScalarE waits for PE / VectorE
+or has only table-free work (``tensor_copy``, ``tensor_scalar``); the first exp load stays on the gate chain (warming
+it as well, with exp(A_log) and exp(-b) before the softplus, was predicted slower: ScalarE is not idle long enough
+there).
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, own_identi
 from nki_kernels.stacked import bank_block, broadcast_banks, check_stack, diagonal
 
 MAX_T = 4
+Z_PIECES = (10, 4, 16)  # z's deferred matmuls: 10/16 after the u transposes, 4/16 after the l2norm's sum, the rest
+                        # after round 0's reads: the PE's idle time there (sized by the 4-layer A/B round at the real
+                        # shapes, T = 2; bench/decode_speed.md)
 L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
 WEIGHT_PREFETCH_BYTES = 96 * 1024   # per partition: issue every in_proj weight DMA up front below this
 WEIGHT_GROUP_BYTES = 16 * 1024      # per partition and DMA: in_proj weights stream in groups of hidden tiles
@@ -312,6 +321,54 @@ def _project_chunk(accs, xT, tiles, jg, k, N):
                        accumulate=j > 0)
 
 
+def _project_steps(accs, xT, tiles, jg, chunks, q0, n, N):
+    """Issue in_proj matmuls q0 .. q0 + n - 1 (clipped to the last) of the chunks ``chunks``, in order: matmul q
+    is input tile ``q % J`` of chunk ``chunks[q // J]``, accumulated in j order into its PSUM accumulator
+    ``accs[k]`` (the accumulation of :func:`_project_chunk`, issued in pieces). Returns the next q."""
+    J = xT.shape[1]
+    q1 = min(q0 + n, len(chunks) * J)
+    for q in range(q0, q1):
+        k = chunks[q // J]
+        j = q % J
+        c0 = k * MOVING_MAX
+        c1 = min(N, c0 + MOVING_MAX)
+        nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=tiles[j // jg][:, j % jg, c0:c1],
+                       accumulate=j > 0)
+    return max(q0, q1)
+
+
+def _exp_neg_z(proj, accs, evict_ks, identA, cz, D, hv_c):
+    """z's SiLU, first part: the chunks ``evict_ks`` (z's, when they were deferred) evicted (rounded) into ``proj``
+    by table-free ScalarE copies; PE transposes of z to the channel-major ``zT [D, Hv_c, T]`` (PSUM, exact); and
+    ``e = exp(-zT)`` on ScalarE, whose exp table is loaded first (``_warm_act``: while ScalarE waits for the
+    transposes). Returns ``(zT, e)``; :func:`_silu_z` finishes it."""
+    T, N = proj.shape
+    for k in evict_ks:
+        c0 = k * MOVING_MAX
+        c1 = min(N, c0 + MOVING_MAX)
+        nisa.tensor_copy(dst=proj[:, c0:c1], src=accs[k], engine=nisa.engine.scalar)
+    zT = nl.ndarray((D, hv_c, T), nl.float32, buffer=nl.psum, name="z_ps")
+    for i in range(hv_c):
+        nisa.nc_matmul(dst=zT[:, i, :], stationary=proj[:, cz + i * D:cz + (i + 1) * D], moving=identA[0:T, 0:T],
+                       accumulate=False)
+    e = nl.ndarray((D, hv_c, T), nl.float32, buffer=nl.sbuf, name="exp_neg_z")
+    _warm_act(nl.exp)
+    nisa.activation(dst=e, op=nl.exp, data=zT, scale=-1.0)
+    return (zT, e)
+
+
+def _silu_z(ze):
+    """z's SiLU, second part (VectorE): ``silu(z) = z * 1/(1 + exp(-z))`` from :func:`_exp_neg_z`'s ``(zT, e)``
+    -> ``[D, Hv_c, T]`` float32 (SBUF); the same operations per element as the conv's SiLU."""
+    zT = ze[0]
+    e = ze[1]
+    nisa.tensor_scalar(dst=e, data=e, op0=nl.add, operand0=1.0)
+    nisa.reciprocal(dst=e, data=e)
+    sz = nl.ndarray(e.shape, nl.float32, buffer=nl.sbuf, name="silu_z")
+    nisa.tensor_tensor(dst=sz, data1=zT, data2=e, op=nl.multiply)
+    return sz
+
+
 def _evict_chunk(proj, accs, k, N, table_free=False):
     """Chunk k of the projections, rounded to the activation dtype into ``proj`` (odd chunks on ScalarE, even ones
     on VectorE, so neighbouring evictions run on both). ``table_free``: ScalarE's copy as a ``tensor_copy``, which
@@ -422,22 +479,32 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     n_groups = (J + jg - 1) // jg
     prefetch = len(w_tiles) > 0
 
-    # ---- 2. projections. With the weights resident (``weights``: the megakernel's arena), the gate chunk (the
-    # last one: it ends with the b, a columns) first: the gates' broadcast and fp32 chain (3.) need only it, so the
-    # other chunks' matmuls run on the PE while VectorE / ScalarE work the gates, and are evicted after them (each
-    # engine runs in program order; bench/decode_speed.md lever 28). Loaded here, group by group (they may not all
-    # fit at once), every chunk accumulates under each group. Either way each chunk accumulates over the input
-    # tiles in j order: the same bits.
+    # ---- 2. projections. With the weights resident (``weights``: the megakernel's arena), the chunks go in the
+    # order their consumers need them: the gate chunk (the last one: it ends with the b, a columns) first, whose
+    # broadcast and fp32 chain (3.) run on VectorE / ScalarE under the conv chunks' matmuls (bench/decode_speed.md
+    # lever 28); then the chunks holding conv channels (q, k, v), evicted after the gates; the chunks of z alone
+    # last, in pieces in the PE's idle time of the conv / l2norm / recurrence chain (z is read only by the gated
+    # norm, 7.). Loaded here, group by group (they may not all fit at once), every chunk accumulates under each
+    # group and all are evicted at once. Either way each chunk accumulates over the input tiles in j order: the
+    # same bits.
     n_chunks = (N + MOVING_MAX - 1) // MOVING_MAX
     accs = []
+    conv_ks = []                    # chunks with a conv column (but no gate column)
+    z_ks = []                       # chunks of z columns only
     for k in range(n_chunks):
-        accs.append(nl.ndarray((T, min(N, (k + 1) * MOVING_MAX) - k * MOVING_MAX), f32, buffer=nl.psum,
-                               name=f"proj_ps{k}"))
+        c0 = k * MOVING_MAX
+        c1 = min(N, c0 + MOVING_MAX)
+        accs.append(nl.ndarray((T, c1 - c0), f32, buffer=nl.psum, name=f"proj_ps{k}"))
+        if k < n_chunks - 1 and c0 >= cz:
+            z_ks.append(k)
+        elif k < n_chunks - 1:
+            conv_ks.append(k)
     proj = nl.ndarray((T, N), adt, buffer=nl.sbuf, name="proj")
-    deferred = 0                    # chunks 0 .. deferred - 1 are projected and evicted after the gates
+    zq = 0                          # z matmuls issued so far (resident weights)
+    zq_all = len(z_ks) * J
     if prefetch:
         _project_chunk(accs, xT, w_tiles, jg, n_chunks - 1, N)
-        deferred = n_chunks - 1
+        _evict_chunk(proj, accs, n_chunks - 1, N)
     else:
         for gi in range(n_groups):
             j0 = gi * jg
@@ -450,8 +517,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                     c1 = min(N, c0 + MOVING_MAX)
                     nisa.nc_matmul(dst=accs[k], stationary=xT[:, j, :], moving=wt[:, j - j0, c0:c1], accumulate=j > 0)
         wt = None
-    for kr in range(n_chunks - deferred):       # the gate columns (last chunk) first
-        _evict_chunk(proj, accs, n_chunks - 1 - kr, N)
+        for kr in range(n_chunks):      # the gate columns (last chunk) first
+            _evict_chunk(proj, accs, n_chunks - 1 - kr, N)
+            accs[n_chunks - 1 - kr] = None
+        zq = zq_all
     # warm ScalarE's softplus table while the gate inputs are broadcast (PE) and biased (DVE); see _warm_act
     _warm_act(nl.softplus)
 
@@ -469,9 +538,9 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=ident_g.ap(pattern=[[G, T], [0, D]], offset=t),
                        moving=gin, accumulate=False)
     nisa.nc_matmul(dst=gr_ps[:, T, :, :], stationary=ones_row, moving=ab, accumulate=False)    # row T: A_log, dt_bias
-    for k in range(deferred):       # the conv and z chunks (2. above), under the gates' chain
-        _project_chunk(accs, xT, w_tiles, jg, k, N)
-    w_tiles = None
+    if prefetch:
+        for k in conv_ks:           # the conv chunks (2. above), under the gates' chain
+            _project_chunk(accs, xT, w_tiles, jg, k, N)
     gr = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in_b")
     nisa.tensor_copy(dst=gr, src=gr_ps)
     gr_ps = None
@@ -494,35 +563,34 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.reciprocal(dst=gb[:, :, 1, :], data=eb)
     nisa.tensor_tensor(dst=gb[:, :, 2, :], data1=gb[:, :, 0, :], data2=gb[:, :, 1, :], op=nl.multiply)
     gr = x1 = sp = ea = gl = eb = None
-    for kr in range(deferred):      # their evictions, after the gates'
-        _evict_chunk(proj, accs, deferred - 1 - kr, N, table_free=True)
-    accs = None
+    if prefetch:
+        for k in conv_ks:           # their evictions, after the gates'
+            _evict_chunk(proj, accs, k, N, table_free=True)
+            accs[k] = None
+        # the gate chunk's accumulator is freed only now: freed at its eviction, its bank went to the window
+        # transposes' tile, whose writes then waited for that eviction (a false dependency on the chain)
+        accs[n_chunks - 1] = None
 
-    # ---- 4b. channel-major u and z, conv + SiLU --------------------------------------------------
-    zT_ps = nl.ndarray((D, hv_c, T), f32, buffer=nl.psum, name="z_ps")
+    # ---- 4b. channel-major u, conv + SiLU ------------------------------------------------------------
     for h in range(NH):
         nisa.nc_matmul(dst=full_ps[:, h, Km1:W], stationary=proj[:, h * D:(h + 1) * D], moving=identA[0:T, 0:T],
                        accumulate=False)
-    for i in range(hv_c):
-        nisa.nc_matmul(dst=zT_ps[:, i, :], stationary=proj[:, cz + i * D:cz + (i + 1) * D],
-                       moving=identA[0:T, 0:T], accumulate=False)
+    # z's matmuls, first piece: the PE idles while VectorE / ScalarE run the conv, its SiLU and the l2norm's square
+    zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[0]) // Z_PIECES[2], N)
     prod = nl.ndarray((D, NH, T, K), f32, buffer=nl.sbuf, name="conv_prod")
     nisa.tensor_tensor(dst=prod, data1=full_ps.ap(pattern=[[NH * W, D], [W, NH], [1, T], [1, K]], offset=0),
                        data2=wc.ap(pattern=[[NH * K, D], [K, NH], [0, T], [1, K]], offset=0), op=nl.multiply)
-    # SiLU of [conv ‖ z] as x * 1/(1 + exp(-x)): exp shares the gates' ACT table (no silu table load)
-    sil = nl.ndarray((D, NH + hv_c, T), f32, buffer=nl.sbuf, name="silu_in")
-    nisa.tensor_reduce(dst=sil[:, 0:NH, :], op=nl.add, data=prod, axis=3)
-    nisa.tensor_copy(dst=sil[:, NH:NH + hv_c, :], src=zT_ps)
-    sig = nl.ndarray((D, NH + hv_c, T), f32, buffer=nl.sbuf, name="sigmoid")
+    # SiLU of the conv output as x * 1/(1 + exp(-x)): exp shares the gates' ACT table (no silu table load)
+    sil = nl.ndarray((D, NH, T), f32, buffer=nl.sbuf, name="silu_in")
+    nisa.tensor_reduce(dst=sil, op=nl.add, data=prod, axis=3)
+    sig = nl.ndarray((D, NH, T), f32, buffer=nl.sbuf, name="sigmoid")
     nisa.activation(dst=sig, op=nl.exp, data=sil, scale=-1.0)
-    _warm_act(nl.square)        # the {copy, square, rsqrt} table, while VectorE finishes the SiLU
+    _warm_act(nl.square)        # the {copy, square, rsqrt} table (l2norm's rsqrt), while VectorE finishes the SiLU
     nisa.tensor_scalar(dst=sig, data=sig, op0=nl.add, operand0=1.0)
     nisa.reciprocal(dst=sig, data=sig)
     cact = nl.ndarray((D, NH, T), adt, buffer=nl.sbuf, name="conv_act")     # q heads, k heads, v heads
-    nisa.tensor_tensor(dst=cact, data1=sil[:, 0:NH, :], data2=sig[:, 0:NH, :], op=nl.multiply)
-    sz = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="silu_z")
-    nisa.tensor_tensor(dst=sz, data1=sil[:, NH:NH + hv_c, :], data2=sig[:, NH:NH + hv_c, :], op=nl.multiply)
-    full_ps = zT_ps = prod = sil = sig = None
+    nisa.tensor_tensor(dst=cact, data1=sil, data2=sig, op=nl.multiply)
+    full_ps = prod = sil = sig = None
 
     # ---- 8. checkpoint windows: full_tok rows K-1.. <- u, slot j <- rows j+1 .. j+K-1 ------------
     nisa.dma_copy(dst=full_tok[Km1:W, :], src=proj[:, 0:Cc])
@@ -541,9 +609,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
 
     # ---- 5. l2norm(q), l2norm(k), q * Dk^-0.5 -> QK [D, Hk_c, 2T] (k_t at 2t, q_t at 2t+1) ---------
     sq = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.sbuf, name="qk_sq")
-    nisa.activation(dst=sq, op=nl.square, data=cact[:, 0:2 * hk_c, :])
+    nisa.tensor_tensor(dst=sq, data1=cact[:, 0:2 * hk_c, :], data2=cact[:, 0:2 * hk_c, :], op=nl.multiply)
     ss_ps = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.psum, name="qk_ss_ps")
     nisa.nc_matmul(dst=ss_ps, stationary=onesF, moving=sq, accumulate=False)
+    zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[1]) // Z_PIECES[2], N)   # second piece
     rr = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.sbuf, name="qk_rstd")
     nisa.activation(dst=rr, op=nl.rsqrt, data=ss_ps, bias=L2_EPS)
     QK = nl.ndarray((D, hk_c, 2 * T), f32, buffer=nl.sbuf, name="qk")
@@ -569,8 +638,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         for i in range(hv_c):
             nisa.nc_matmul(dst=rd[:, i, 0:n], stationary=S_prev[:, i, :], moving=QK[:, key_of[i], lo:hi],
                            accumulate=False)
-        if t > 0:
-            nisa.activation(dst=o_all[:, :, t - 1], op=nl.copy, data=rd[:, :, 0])
+        if t == 0:                  # the rest of z's matmuls, while VectorE computes delta_0
+            zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, zq_all, N)
+        if t == T:                  # the last output on VectorE: ScalarE may still be loading its table (below)
+            nisa.tensor_copy(dst=o_all[:, :, t - 1], src=rd[:, :, 0])
         if t < T:
             m = rd[:, :, n - 1]                               # S_{t-1}^T k_t
             tmp = nl.ndarray((D, hv_c), f32, buffer=nl.sbuf, name="ab_m")
@@ -582,7 +653,8 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                 nisa.nc_matmul(dst=db[:, i, :], stationary=_bcast_col(delta, i, D, D), moving=identF, accumulate=False)
             S_new = nl.ndarray((D, hv_c, D), f32, buffer=nl.sbuf, name=f"state_{t}")
             for i in range(hv_c):
-                nisa.activation(dst=S_new[:, i, :], op=nl.copy, data=S_prev[:, i, :], scale=gb[:, t, 0, i:i + 1])
+                nisa.tensor_scalar(dst=S_new[:, i, :], data=S_prev[:, i, :], op0=nl.multiply,
+                                   operand0=gb[:, t, 0, i:i + 1], engine=nisa.engine.scalar)
             for run in s["runs"]:
                 kk = run[0]
                 i0 = run[1]
@@ -594,10 +666,19 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                                src=S_new)
             wr.depends_on(reads[0], reads[1], reads[2])
             S_prev = S_new
+            if t > 0:               # o_{t-1}, after the decays (those are on the chain; o is read only by 7.)
+                nisa.tensor_copy(dst=o_all[:, :, t - 1], src=rd[:, :, 0], engine=nisa.engine.scalar)
+        if t == 0:                  # z's eviction (ScalarE, after round 0's decays), transposes, exp(-z)
+            ze = _exp_neg_z(proj, accs, z_ks if prefetch else [], identA, cz, D, hv_c)
+            accs = w_tiles = None
+        if t == 1:
+            _warm_act(nl.square)    # the gated norm's rsqrt table, back while ScalarE has only table-free work
+            sz = _silu_z(ze)
+            ze = None
 
     # ---- 7. gated RMSNorm (channel-major) and out_proj ------------------------------------------
     sq2 = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_sq")
-    nisa.activation(dst=sq2, op=nl.square, data=o_all)
+    nisa.tensor_tensor(dst=sq2, data1=o_all, data2=o_all, op=nl.multiply)
     ss2 = nl.ndarray((D, hv_c, T), f32, buffer=nl.psum, name="o_ss_ps")
     nisa.nc_matmul(dst=ss2, stationary=onesF, moving=sq2, accumulate=False)
     rstd = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_rstd")
