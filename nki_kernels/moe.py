@@ -42,8 +42,8 @@ Slot s then reads expert ``id_s`` ONCE and runs it on all T tokens as a T-wide m
 activation scaled by its own weight (0 when it did not choose the expert).
 
 **Run-time addressing.** ``id_s`` goes to a register (``register_load``) that is the ``scalar_offset`` of the
-expert block's DMA (``experts.ap(..., scalar_offset=reg, indirect_dim=0)``, HWDGE). The k always-valid slots run
-in straight-line code. The conditional slots k..S-1 (a prefix of them is used) run in NESTED runtime loops of 0
+expert block's two DMAs (``experts.ap(..., scalar_offset=reg, indirect_dim=0)``, HWDGE). The k always-valid slots
+run in straight-line code. The conditional slots k..S-1 (a prefix of them is used) run in NESTED runtime loops of 0
 or 1 trips (the nki-library "conditional iteration" pattern), LEVEL = 4 slots per level: the level of slots
 s..s+3 runs iff all four are used, and its body holds the next level; otherwise exactly one of three remainder
 loops after it runs (the one whose r = 1..3 slots are used). The trip counts are computed on chip from the keys
@@ -58,11 +58,16 @@ argument's every element offset fits int32 (SDK-LG "NKI Values"); stacked tables
 of layers (``megakernel.sharded``).
 
 **Weight stream.** Host-side, each expert's slice for (rank, core) is one contiguous ``[P, F]`` block,
-partition-major (a 6 KiB run per partition at the real bf16 shapes, one DMA of 768 KiB per expert per core): the
+partition-major (a 6 KiB run per partition at the real bf16 shapes, 768 KiB per expert per core): the
 gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down rows folded over the partitions, ``R = P / ic``
-row groups each holding ``H / R`` columns (``geometry``). The blocks stream through ONE ring of ``Ns`` slot
-buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static and the
-conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
+row groups each holding ``H / R`` columns (``geometry``). Each block moves as TWO DMAs of sub-ranges of its
+partition rows, its gate|up part (512 KiB) and its down part (256 KiB); a group issues every slot's gate|up part,
+then every slot's down part, on one queue, so in the ring the group's region of ``G * F`` elements per partition
+holds the G gate|up parts side by side, then the G down parts (``_gu_cols``: the gate|up matmuls read no byte of
+a down part, so they start while the down rows are still in flight; at the last group of a layer that takes the
+gate|up, silu and mask multiply off the tail after the last expert byte). The blocks stream through ONE ring of
+``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static
+and the conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
 later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
 buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
 which more than ``WINDOW`` (4) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
@@ -98,21 +103,21 @@ keep the cores' loops identical; not done. Each core returns its own partial; th
 ACT table use: ``exp`` (warm-up, softmax numerators, and the gate as ``1 / (1 + exp(-z))``) then ``silu``
 for every expert: two table loads, the first off the critical path, no thrash.
 
-**Traces.** An executing nkisim run traces exactly the slots that ran: one block DMA per DISTINCT selected
-expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless a provider gives them
-(``harness.register_models.MoERouting``, which models the ids, the trip counts and their load order): without
-one, the k always-valid slots fetch expert 0 and no conditional loop runs, i.e. the trace shows the minimum
-traffic (all tokens agreeing on k experts).
+**Traces.** An executing nkisim run traces exactly the slots that ran: one block's two DMAs (gate|up part, down
+part) per DISTINCT selected expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless a
+provider gives them (``harness.register_models.MoERouting``, which models the ids, the trip counts and their load
+order): without one, the k always-valid slots fetch expert 0 and no conditional loop runs, i.e. the trace shows
+the minimum traffic (all tokens agreeing on k experts).
 
 **fp8 experts** (opt-in, issue 15; it changes the model's output). The routed experts' blocks may be ``FP8``
 (``float8_e4m3``: 384 KiB per expert per core instead of 768) with a small fp32 scales table ``[E, n_cores, 2ic]``
 (:func:`expert_scales`): per gate|up output column, the gate columns' scale and, for the up columns, up scale x the
 scale of the down row of the same intermediate column (the quantiser, ``model.tp.moe.quantize_fp8``, is per
 gate / up output column and per down input row, max-abs / 240). The same register that addresses a slot's block
-addresses its scales row (one DMA of 2ic fp32 broadcast to the T token partitions, issued just before the block's
-on the same queue); one DVE multiply of the group's fp32 gate|up PSUM by them precedes the silu, so ``a`` carries
-the down rows' scale and the down accumulation over the slots needs no rescale. The matmuls take bf16 stationaries
-and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared expert, router and activations stay
+addresses its scales row (one DMA of 2ic fp32 broadcast to the T token partitions, issued just before the
+block's gate|up part on the same queue); one DVE multiply of the group's fp32 gate|up PSUM by them precedes the
+silu, so ``a`` carries the down rows' scale and the down accumulation over the slots needs no rescale. The
+matmuls take bf16 stationaries and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared expert, router and activations stay
 bfloat16; with bfloat16 blocks nothing changes (same instructions). Twin: ``model.tp.moe.moe_rank`` of a quantised
 shard (same rounding points). Host storage: torch has no IEEE-like e4m3, so the layout helpers keep e4m3 codes in
 ``torch.float8_e4m3fn`` tensors (every code is within +-240, where the two formats' bytes are the same) and
@@ -499,19 +504,41 @@ def _fold_mask(ic, T):
     return mask
 
 
-def _gate_up(xT, buf, geo, n):
-    """PSUM [T, n, 2ic] f32: gate|up of the n slots held in buf [P, >= n, F], ONE matmul per contraction block
-    for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns)."""
+def _row(t):
+    """Elements per partition of the SBUF tile t."""
+    n = 1
+    for d in t.shape[1:]:
+        n = n * d
+    return n
+
+
+def _gu_cols(v, geo, j):
+    """The moving operand [P, n, 2ic] of contraction block j of the n slots of the group view v = (tile, element
+    offset, n): the group's region of n * F elements per partition holds the slots' gate|up parts [P, H/P, 2ic]
+    one after the other, then their folded down parts [P, H/R] (a single block [P, F] is a group of one)."""
+    t, o, n = v
+    ic2 = 2 * geo["ic"]
+    return t.ap(pattern=[[_row(t), P], [geo["off_d"], n], [1, ic2]], offset=o + j * ic2)
+
+
+def _down_cols(v, geo, i, c0, cn):
+    """Columns c0 .. c0 + cn - 1 of slot i's folded down part [P, H/R] in the group view v (:func:`_gu_cols`)."""
+    t, o, n = v
+    return t.ap(pattern=[[_row(t), P], [1, cn]], offset=o + n * geo["off_d"] + i * geo["HR"] + c0)
+
+
+def _gate_up(xT, v, geo, n):
+    """PSUM [T, n, 2ic] f32: gate|up of the n slots of the group view v (:func:`_gu_cols`), ONE matmul per
+    contraction block for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns)."""
     _, J, T = xT.shape
     ic2 = 2 * geo["ic"]
     gu = nl.ndarray((T, n, ic2), dtype=nl.float32, buffer=nl.psum)
     for j in range(J):
-        nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=buf[:, 0:n, j * ic2:(j + 1) * ic2],
-                       accumulate=j > 0)
+        nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=_gu_cols(v, geo, j), accumulate=j > 0)
     return gu
 
 
-def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=None):
+def _down(gu, v, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=None):
     """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
     a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight), one PE
     transpose per slot, one mask multiply into the block-diagonal stationaries z [P, n, R*T] (activation
@@ -522,9 +549,9 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
     multiply gu first (one DVE op: gate columns by theirs, up columns by up x down-row scales, so the down
     projection of the e4m3 rows needs no rescale); the stationaries z are then bfloat16."""
     T = gu.shape[0]
-    adt = buf.dtype
+    adt = v[0].dtype
     f32 = nl.float32
-    ic, R, off_d, S = geo["ic"], geo["R"], geo["off_d"], geo["banks"]
+    ic, R, S = geo["ic"], geo["R"], geo["banks"]
     if sc != None:
         adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
         gs = nl.ndarray((T, n, 2 * ic), dtype=f32, buffer=nl.sbuf)
@@ -543,7 +570,7 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
                                   operand1=gu.ap(pattern=[[n * 2 * ic, T], [0, R], [1, ic]], offset=i * 2 * ic + ic))
         nisa.nc_transpose(dst=aT[:, i, :], data=a, engine=nisa.engine.tensor)
     if S > 1:
-        _down_banks(aT, buf, geo, n, mask, acc, first, adt)
+        _down_banks(aT, v, geo, n, mask, acc, first, adt)
         return view
     z = nl.ndarray((P, n, R * T), dtype=adt, buffer=nl.sbuf)        # block-diagonal stationaries
     if R == 1:
@@ -554,13 +581,13 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
     for i in range(n):
         for chunk in geo["chunks"]:
             cs, cn = chunk
-            nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=buf[:, i, off_d + cs:off_d + cs + cn],
+            nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=_down_cols(v, geo, i, cs, cn),
                            accumulate=not first)
         first = False
     return view
 
 
-def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
+def _down_banks(aT, v, geo, n, mask, acc, first, adt):
     """:func:`_down`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
     (S = ``geo["banks"]``, ``stacked.fold_banks``): the block-diagonal stationary of slot i is placed once per
     column piece h (width W = H/S of the folded down block) at column offset h*R*T of an otherwise zero
@@ -570,7 +597,7 @@ def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
     matmuls), one PSUM bank instead of H/R/512. ``adt``: the stationaries' dtype (the activation dtype; bfloat16
     beside fp8 blocks)."""
     T = aT.shape[2]
-    R, off_d, S = geo["R"], geo["off_d"], geo["banks"]
+    R, S = geo["R"], geo["banks"]
     W = geo["HR"] * R // S
     Hb = S // R
     z = nl.ndarray((P, n, Hb, S * T), dtype=adt, buffer=nl.sbuf)     # zero-padded stationaries
@@ -579,7 +606,7 @@ def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
                        op=nl.multiply)
     for i in range(n):
         for h in range(Hb):
-            nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=buf[:, i, off_d + h * W:off_d + (h + 1) * W],
+            nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=_down_cols(v, geo, i, h * W, W),
                            accumulate=not (first and h == 0))
         first = False
 
@@ -608,29 +635,45 @@ def _place(st, n):
 
 def _issue(st, group, engine=nisa.engine.unknown):
     """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
-    (round robin over the id registers) that is the ``scalar_offset`` of one HWDGE DMA of the expert's [P, F]
-    block of this core (triggered from ``engine``'s queue, e.g. ``nisa.engine.scalar``; ``engine.unknown``: the
-    default queue). With fp8 blocks the same register first addresses the expert's scales row of this core,
-    broadcast to the T token partitions of the scale ring (a stride-0 HBM read, 2ic fp32 per token). Returns the
-    group's (ring view [P, n, F], scales view [T, n, 2ic] or None)."""
+    (round robin over the id registers) that is the ``scalar_offset`` of the HWDGE DMAs of the expert's [P, F]
+    block of this core, two per slot: its gate|up part [P, H/P * 2ic] into the group's gate|up region, then, after
+    every slot's gate|up part, its folded down part [P, H/R] into the group's down region (:func:`_gu_cols`; all on
+    ``engine``'s queue, e.g. ``nisa.engine.scalar``; ``engine.unknown``: the default queue): the DMAs of one queue
+    move in order, so the group's gate|up can run while its down rows are still in flight. With fp8 blocks the same
+    register first addresses the expert's scales row of this core, broadcast to the T token partitions of the scale
+    ring (a stride-0 HBM read, 2ic fp32 per token). Returns the group's (view (ring, element offset, n), scales view
+    [T, n, 2ic] or None)."""
     s0, n = group
-    F = st["F"]
+    F, off_d = st["F"], st["off_d"]
+    ring = st["ring"]
+    row = _row(ring)
     p = _place(st, n)
-    buf = st["ring"][:, p:p + n, :]
     sc = None
     if st["scales"] != None:
         sc = st["sc_ring"][:, p:p + n, :]
+    held = []               # slot i's id register
     for i in range(n):
         r = st["id_regs"][st["next"] % len(st["id_regs"])]
         st["next"] = st["next"] + 1
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+        held.append(r)
         if sc != None:
             ssrc = st["scales"].ap(pattern=[[0, st["T"]], [1, st["ic2"]]], offset=st["sc_offset"], scalar_offset=r,
                                    indirect_dim=st["sc_edim"])
             nisa.dma_copy(dst=sc[:, i, :], src=ssrc, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-        src = st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"], scalar_offset=r, indirect_dim=st["edim"])
-        nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-    return (buf, sc)
+        src = st["table"].ap(pattern=[[F, P], [1, off_d]], offset=st["offset"], scalar_offset=r,
+                             indirect_dim=st["edim"])
+        dst = ring.ap(pattern=[[row, P], [1, off_d]], offset=p * F + i * off_d)
+        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    for i in range(n):
+        r = held[i]
+        if n > len(st["id_regs"]):      # a later slot of the group took the register over: load it again
+            nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+        src = st["table"].ap(pattern=[[F, P], [1, F - off_d]], offset=st["offset"] + off_d, scalar_offset=r,
+                             indirect_dim=st["edim"])
+        dst = ring.ap(pattern=[[row, P], [1, F - off_d]], offset=p * F + n * off_d + i * (F - off_d))
+        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    return ((ring, p * F, n), sc)
 
 
 def _ahead(groups, Ns):
@@ -887,12 +930,14 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # 2. routing; the shared expert's gate|up is issued on the PE between the router matmuls and the routing's
     # own later matmuls (the PE would otherwise idle while DVE ranks the experts)
     lg_ps = _router_logits(xT, r_sb)
-    gu_s = _gate_up(xT, sh, geo_s, 1)
+    sh_v = (sh, 0, 1)       # the shared block [P, 1, Fs] as a group view of one slot (_gu_cols)
+    gu_s = _gate_up(xT, sh_v, geo_s, 1)
     gl, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
 
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
     st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
+          "off_d": geo["off_d"],
           "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G,
           "scales": scales, "sc_ring": sc_ring, "T": T, "ic2": 2 * geo["ic"],
           "sc_offset": 0 if scales == None else layer_offset(scales, layer) + pid * 2 * geo["ic"],
@@ -921,7 +966,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if geo["banks"] > 1:
         mask = mask_s if geo["ic"] == geo_s["ic"] else _bank_mask(mask, geo["R"], stack, T)
     acc_s = _acc_of(accs, geo_s["R"])
-    _down(gu_s, sh, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
+    _down(gu_s, sh_v, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
     _stream(xT, st, static, geo, wsel, mask, _acc_of(accs, geo["R"])[1], geo["R"] != geo_s["R"], first_bufs)
     for a in accs:          # evict every accumulator before the first runtime loop
         a[2] = nl.ndarray(tuple(a[1].shape), dtype=f32, buffer=nl.sbuf)

@@ -94,9 +94,11 @@ def test_the_routing_model_sets_the_distinct_experts_the_moe_fetches(mode, expec
     routing = Routing(mode, 2, TINY.num_experts_per_tok, TINY.num_experts)
     case = kc.stage_case(TINY, "moe", 2, context=600, routing=routing)
     tr = case.trace()
-    assert len(_expert_dmas(tr)) == expect == case.provider.log[0]
-    ids = [r["reads"][0]["bytes"][0] for r in _expert_dmas(tr)]
-    assert len(set(ids)) == expect                                  # distinct experts, resolved offsets
+    dmas = _expert_dmas(tr)         # two per expert: its gate|up part, then its down rows (half the bytes)
+    assert len(dmas) == 2 * expect and expect == case.provider.log[0]
+    big = max(r["bytes"]["shared_hbm"]["read"] for r in dmas)
+    ids = [r["reads"][0]["bytes"][0] for r in dmas if r["bytes"]["shared_hbm"]["read"] == big]
+    assert len(ids) == len(set(ids)) == expect                      # distinct experts, resolved offsets
 
 
 def test_routing_model():
