@@ -60,14 +60,18 @@ of layers (``megakernel.sharded``).
 **Weight stream.** Host-side, each expert's slice for (rank, core) is one contiguous ``[P, F]`` block,
 partition-major (a 6 KiB run per partition at the real bf16 shapes, 768 KiB per expert per core): the
 gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down rows folded over the partitions, ``R = P / ic``
-row groups each holding ``H / R`` columns (``geometry``). Each block moves as TWO DMAs of sub-ranges of its
-partition rows, its gate|up part (512 KiB) and its down part (256 KiB); a group issues every slot's gate|up part,
-then every slot's down part, on one queue, so in the ring the group's region of ``G * F`` elements per partition
-holds the G gate|up parts side by side, then the G down parts (``_gu_cols``: the gate|up matmuls read no byte of
-a down part, so they start while the down rows are still in flight; at the last group of a layer that takes the
-gate|up, silu and mask multiply off the tail after the last expert byte). The blocks stream through ONE ring of
-``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static
-and the conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
+row groups each holding ``H / R`` columns (``geometry``). Each block moves as ``GU_PIECES + 1`` (3) DMAs of
+sub-ranges of its partition rows: its gate|up part in GU_PIECES contraction pieces (``H/P / GU_PIECES`` blocks of
+``2*ic`` columns each), then its down rows (at the real bf16 shapes three DMAs of 256 KiB, 2 KiB runs per
+partition). A group issues, on one queue, every slot's first piece, then every slot's second piece, then every
+slot's down rows; in the ring the group's region of ``G * F`` elements per partition is laid out in that order
+(``_gu_cols``), so each gate|up matmul reads only the bytes of its own piece and the PE starts on a group's
+gate|up while its later pieces and its down rows are still in flight (the DMAs of one queue move in order). At the
+last group of a layer this takes most of the gate|up and the activation chain off the tail after the last expert
+byte (issue 15: the 4-layer A/B round 1,621.8 -> 1,609.2 us; pieces of 1 KiB runs, GU_PIECES = 4, gain 2.5 us
+more central but lose 10 at the low end, where all DMAs share the bandwidth and the DGE issue time adds up). The
+blocks stream through ONE ring of ``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB
+per partition) shared by the static and the conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
 later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
 buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
 which more than ``WINDOW`` (4) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
@@ -87,8 +91,11 @@ ACT for the group, per slot ``a = silu(g) * w_tok * u`` on DVE (fp32) and one PE
 multiply into the block-diagonal stationaries ``Z [P, G, R*T]`` (``Z[g*ic+i, g*T+t] = a[t, i]``) so that ONE
 matmul per 512-column bank with the folded down block (K = 128) yields the folded output ``[R*T, H/R]``:
 ``y[t, g*H/R + c] = out[g*T + t, c]``. At the real shapes (ic = 64, R = 2) this halves the down matmuls and the
-free size of the accumulation. On the PE, group g+1's gate|up is issued before group g's transposes and down
-projection (software pipelining in program order, within a straight-line run). The folded sum is unfolded into
+free size of the accumulation. On the PE, group g's transposes, then group g+1's gate|up, then group g's down
+projection (software pipelining in program order, within a straight-line run: the mask multiply runs on DVE while
+the PE does the next gate|up, and after a stream's last gate|up only its last two down projections and one
+transpose remain; 4-layer A/B 1,609.2 -> 1,607.0 us against transposes and down projection both after the next
+gate|up). The folded sum is unfolded into
 ``y [T, H]`` at the end by R SBUF->SBUF DMAs.
 
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
@@ -117,11 +124,11 @@ gate / up output column and per down input row, max-abs / 240). The same registe
 addresses its scales row (one DMA of 2ic fp32 broadcast to the T token partitions, issued just before the
 block's gate|up part on the same queue); one DVE multiply of the group's fp32 gate|up PSUM by them precedes the
 silu, so ``a`` carries the down rows' scale and the down accumulation over the slots needs no rescale. The
-matmuls take bf16 stationaries and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared expert, router and activations stay
-bfloat16; with bfloat16 blocks nothing changes (same instructions). Twin: ``model.tp.moe.moe_rank`` of a quantised
-shard (same rounding points). Host storage: torch has no IEEE-like e4m3, so the layout helpers keep e4m3 codes in
-``torch.float8_e4m3fn`` tensors (every code is within +-240, where the two formats' bytes are the same) and
-:func:`kernel_table` views them as ``float8_e4m3`` for the kernel.
+matmuls take bf16 stationaries and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared
+expert, router and activations stay bfloat16; with bfloat16 blocks nothing changes (same instructions). Twin:
+``model.tp.moe.moe_rank`` of a quantised shard (same rounding points). Host storage: torch has no IEEE-like e4m3,
+so the layout helpers keep e4m3 codes in ``torch.float8_e4m3fn`` tensors (every code is within +-240, where the
+two formats' bytes are the same) and :func:`kernel_table` views them as ``float8_e4m3`` for the kernel.
 """
 
 from __future__ import annotations
@@ -141,6 +148,7 @@ MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
 GROUP = 2          # slots whose gate|up matmuls share one moving operand (group_size)
 LEVEL = 4          # conditional slots per nesting level (_conditional_levels)
+GU_PIECES = 2       # DMAs per expert block's gate|up part (_issue; at the real bf16 shapes 3 DMAs of 256 KiB per block)
 WINDOW = 4         # slot groups in flight in a stream (_stream; >= 2: group g+1's gate|up precedes g's down)
 FP8 = nl.float8_e4m3      # the opt-in expert block dtype (IEEE-like e4m3, max 240; trn2 has no e4m3fn matmul)
 IDS_NAME = "moe_expert_ids"    # the on-chip tensors the body loads registers from (harness.register_models)
@@ -512,13 +520,22 @@ def _row(t):
     return n
 
 
+def _pieces(geo):
+    """How many contraction pieces each gate|up part moves in (GU_PIECES if it divides H/P, else 1)."""
+    J = geo["off_d"] // (2 * geo["ic"])
+    return GU_PIECES if J % GU_PIECES == 0 else 1
+
+
 def _gu_cols(v, geo, j):
     """The moving operand [P, n, 2ic] of contraction block j of the n slots of the group view v = (tile, element
-    offset, n): the group's region of n * F elements per partition holds the slots' gate|up parts [P, H/P, 2ic]
-    one after the other, then their folded down parts [P, H/R] (a single block [P, F] is a group of one)."""
+    offset, n): the group's region of n * F elements per partition holds, per contraction piece c (of
+    :func:`_pieces`), the n slots' gate|up columns of that piece [P, H/P/pieces, 2ic] one after the other, then the
+    slots' folded down parts [P, H/R] (a single block [P, F] is a group of one: its own host layout)."""
     t, o, n = v
     ic2 = 2 * geo["ic"]
-    return t.ap(pattern=[[_row(t), P], [geo["off_d"], n], [1, ic2]], offset=o + j * ic2)
+    jc = geo["off_d"] // ic2 // _pieces(geo)
+    c = j // jc
+    return t.ap(pattern=[[_row(t), P], [jc * ic2, n], [1, ic2]], offset=o + (c * n * jc + j % jc) * ic2)
 
 
 def _down_cols(v, geo, i, c0, cn):
@@ -538,22 +555,24 @@ def _gate_up(xT, v, geo, n):
     return gu
 
 
-def _down(gu, v, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=None):
-    """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
-    a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight), one PE
-    transpose per slot, one mask multiply into the block-diagonal stationaries z [P, n, R*T] (activation
-    dtype), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
-    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites). ``refill``: a group (first slot, slots) whose DMAs
-    are issued on ScalarE's queue right after the silu (:func:`_stream`, into ``st``'s ring); returns its ring view,
-    or None. ``sc``: fp8 blocks (``FP8``) -- the n slots' scales [T, n, 2ic] fp32 (:func:`expert_scales`), which
-    multiply gu first (one DVE op: gate columns by theirs, up columns by up x down-row scales, so the down
-    projection of the e4m3 rows needs no rescale); the stationaries z are then bfloat16."""
+def _down(gu, v, geo, n, wts, c0, mask, acc, first):
+    """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): :func:`_activate` then :func:`_project`."""
+    aT = _activate(gu, geo, n, wts, c0)[0]
+    _project(aT, v, geo, n, mask, acc, first)
+
+
+def _activate(gu, geo, n, wts, c0, st=None, refill=None, sc=None):
+    """The activations of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
+    a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight) and one PE
+    transpose into a^T. Returns (aT PSUM [P, n, T] f32 for :func:`_project`, the refill's ring view or None).
+    ``refill``: a group (first slot, slots) whose DMAs are issued on ScalarE's queue right after the silu
+    (:func:`_stream`, into ``st``'s ring). ``sc``: fp8 blocks (``FP8``) -- the n slots' scales [T, n, 2ic] fp32
+    (:func:`expert_scales`), which multiply gu first (one DVE op: gate columns by theirs, up columns by up x
+    down-row scales, so the down projection of the e4m3 rows needs no rescale)."""
     T = gu.shape[0]
-    adt = v[0].dtype
     f32 = nl.float32
-    ic, R, S = geo["ic"], geo["R"], geo["banks"]
+    ic, R = geo["ic"], geo["R"]
     if sc != None:
-        adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
         gs = nl.ndarray((T, n, 2 * ic), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gs, data1=gu, data2=sc, op=nl.multiply)
         gu = gs
@@ -569,9 +588,22 @@ def _down(gu, v, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=Non
                                   op0=nl.multiply, operand0=wts[:, c0 + i:c0 + i + 1], op1=nl.multiply,
                                   operand1=gu.ap(pattern=[[n * 2 * ic, T], [0, R], [1, ic]], offset=i * 2 * ic + ic))
         nisa.nc_transpose(dst=aT[:, i, :], data=a, engine=nisa.engine.tensor)
-    if S > 1:
+    return (aT, view)
+
+
+def _project(aT, v, geo, n, mask, acc, first):
+    """The down projection of n slots from their a^T (PSUM [P, n, T], :func:`_activate`) and their group view v:
+    one mask multiply into the block-diagonal stationaries z [P, n, R*T] (the activation dtype; bfloat16 beside
+    fp8 blocks), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
+    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites)."""
+    T = aT.shape[2]
+    R = geo["R"]
+    adt = v[0].dtype
+    if adt == FP8:
+        adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
+    if geo["banks"] > 1:
         _down_banks(aT, v, geo, n, mask, acc, first, adt)
-        return view
+        return
     z = nl.ndarray((P, n, R * T), dtype=adt, buffer=nl.sbuf)        # block-diagonal stationaries
     if R == 1:
         nisa.tensor_copy(dst=z, src=aT)
@@ -584,11 +616,10 @@ def _down(gu, v, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=Non
             nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=_down_cols(v, geo, i, cs, cn),
                            accumulate=not first)
         first = False
-    return view
 
 
 def _down_banks(aT, v, geo, n, mask, acc, first, adt):
-    """:func:`_down`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
+    """:func:`_project`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
     (S = ``geo["banks"]``, ``stacked.fold_banks``): the block-diagonal stationary of slot i is placed once per
     column piece h (width W = H/S of the folded down block) at column offset h*R*T of an otherwise zero
     ``[P, S*T]``, so piece h of fold row group g lands in bank h*R + g: ONE multiply of a^T by the padded mask
@@ -651,6 +682,7 @@ def _issue(st, group, engine=nisa.engine.unknown):
     sc = None
     if st["scales"] != None:
         sc = st["sc_ring"][:, p:p + n, :]
+    pc = off_d // st["pieces"]     # elements per partition of one contraction piece of a gate|up part
     held = []               # slot i's id register
     for i in range(n):
         r = st["id_regs"][st["next"] % len(st["id_regs"])]
@@ -661,19 +693,29 @@ def _issue(st, group, engine=nisa.engine.unknown):
             ssrc = st["scales"].ap(pattern=[[0, st["T"]], [1, st["ic2"]]], offset=st["sc_offset"], scalar_offset=r,
                                    indirect_dim=st["sc_edim"])
             nisa.dma_copy(dst=sc[:, i, :], src=ssrc, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-        src = st["table"].ap(pattern=[[F, P], [1, off_d]], offset=st["offset"], scalar_offset=r,
-                             indirect_dim=st["edim"])
-        dst = ring.ap(pattern=[[row, P], [1, off_d]], offset=p * F + i * off_d)
-        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    for c in range(st["pieces"]):
+        for i in range(n):
+            r = _id_reg(st, held, s0, n, i, c > 0)
+            src = st["table"].ap(pattern=[[F, P], [1, pc]], offset=st["offset"] + c * pc, scalar_offset=r,
+                                 indirect_dim=st["edim"])
+            dst = ring.ap(pattern=[[row, P], [1, pc]], offset=p * F + (c * n + i) * pc)
+            nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
     for i in range(n):
-        r = held[i]
-        if n > len(st["id_regs"]):      # a later slot of the group took the register over: load it again
-            nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+        r = _id_reg(st, held, s0, n, i, True)
         src = st["table"].ap(pattern=[[F, P], [1, F - off_d]], offset=st["offset"] + off_d, scalar_offset=r,
                              indirect_dim=st["edim"])
         dst = ring.ap(pattern=[[row, P], [1, F - off_d]], offset=p * F + n * off_d + i * (F - off_d))
         nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
     return ((ring, p * F, n), sc)
+
+
+def _id_reg(st, held, s0, n, i, again):
+    """Slot s0 + i's id register ``held[i]`` for another DMA of its block (``again``): loaded again when a later
+    slot of the group took it over (fewer id registers than slots)."""
+    r = held[i]
+    if again and n > len(st["id_regs"]):
+        nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+    return r
 
 
 def _ahead(groups, Ns):
@@ -694,9 +736,9 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
     issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
     right after the down projection of the group whose ring positions it takes -- or, when more than ``WINDOW``
     of them fit, WINDOW groups up front and group g + WINDOW right after group g's silu (ScalarE-triggered, see
-    :func:`_down`). On the PE the gate|up of group
-    g + 1 is issued before the rest of group g (the PE works while ACT / DVE finish group g). Accumulates into
-    acc (``first``: the first matmul overwrites)."""
+    :func:`_activate`). On the PE group g's transposes, then the gate|up of group g + 1, then group g's down
+    projection (the PE works while ACT / DVE finish group g). Accumulates into acc (``first``: the first matmul
+    overwrites)."""
     ng = len(groups)
     ahead = max(len(bufs), _ahead(groups, st["ring"].shape[1]))
     lead = ahead
@@ -707,18 +749,18 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         views.append(bufs[g] if g < len(bufs) else None)
     for g in range(len(bufs), min(lead, ng)):
         views[g] = _issue(st, groups[g])
-    gu_next = _gate_up(xT, views[0][0], geo, groups[0][1])
+    gu = _gate_up(xT, views[0][0], geo, groups[0][1])
     for g in range(ng):
-        gu = gu_next
-        if g + 1 < ng:
-            gu_next = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
         s0, n = groups[g]
         refill = None
         if lead < ahead and g + lead < ng:
             refill = groups[g + lead]
-        v = _down(gu, views[g][0], geo, n, wts, s0, mask, acc, first, st, refill, views[g][1])
+        a_v = _activate(gu, geo, n, wts, s0, st, refill, views[g][1])
         if refill != None:
-            views[g + lead] = v
+            views[g + lead] = a_v[1]
+        if g + 1 < ng:
+            gu = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
+        _project(a_v[0], views[g][0], geo, n, mask, acc, first)
         first = False
         views[g] = None
         if lead == ahead and g + ahead < ng:
@@ -937,7 +979,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
     st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
-          "off_d": geo["off_d"],
+          "off_d": geo["off_d"], "pieces": _pieces(geo),
           "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G,
           "scales": scales, "sc_ring": sc_ring, "T": T, "ic2": 2 * geo["ic"],
           "sc_offset": 0 if scales == None else layer_offset(scales, layer) + pid * 2 * geo["ic"],
