@@ -63,13 +63,16 @@ gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down rows folded ov
 row groups each holding ``H / R`` columns (``geometry``). Each block moves as ``GU_PIECES + 1`` (3) DMAs of
 sub-ranges of its partition rows: its gate|up part in GU_PIECES contraction pieces (``H/P / GU_PIECES`` blocks of
 ``2*ic`` columns each), then its down rows (at the real bf16 shapes three DMAs of 256 KiB, 2 KiB runs per
-partition). A group issues, on one queue, every slot's first piece, then every slot's second piece, then every
-slot's down rows; in the ring the group's region of ``G * F`` elements per partition is laid out in that order
-(``_gu_cols``), so each gate|up matmul reads only the bytes of its own piece and the PE starts on a group's
-gate|up while its later pieces and its down rows are still in flight (the DMAs of one queue move in order). At the
-last group of a layer this takes most of the gate|up and the activation chain off the tail after the last expert
-byte (issue 15: the 4-layer A/B round 1,621.8 -> 1,609.2 us; pieces of 1 KiB runs, GU_PIECES = 4, gain 2.5 us
-more central but lose 10 at the low end, where all DMAs share the bandwidth and the DGE issue time adds up). The
+partition). A group issues, on one queue, every slot's first piece, then every slot's second piece, and then
+the PREVIOUS group's down rows (its own follow the next group's pieces, or end the batch of groups issued
+together); in the ring the group's region of ``G * F`` elements per partition holds the pieces in that order, then
+the down rows (``_gu_cols``), so each gate|up matmul reads only the bytes of its own piece and the PE starts on a
+group's gate|up while its later pieces and its down rows are still in flight (the DMAs of one queue move in
+order). At the last group of a layer this takes the gate|up and most of the activation chain off the tail after
+the last expert byte (issue 15, 4-layer A/B round: 1,621.8 -> 1,614.1 us for gate|up then down, -> 1,609.2 with two
+pieces, -> 1,601.0 with the down rows deferred by a group (with the PE order below); pieces of 1 KiB runs,
+GU_PIECES = 4, gained 2.5 us more central but lost 10 at the low end, where all DMAs share the bandwidth and the DGE
+issue time adds up). The
 blocks stream through ONE ring of ``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB
 per partition) shared by the static and the conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
 later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
@@ -581,6 +584,7 @@ def _activate(gu, geo, n, wts, c0, st=None, refill=None, sc=None):
     view = None
     if refill != None:
         view = _issue(st, refill, nisa.engine.scalar)
+        _flush(st)
     aT = nl.ndarray((P, n, T), dtype=f32, buffer=nl.psum)
     for i in range(n):
         a = nl.ndarray((T, R * ic), dtype=f32, buffer=nl.sbuf)      # silu(g) * w_tok * u, repeated R times
@@ -665,15 +669,17 @@ def _place(st, n):
 
 
 def _issue(st, group, engine=nisa.engine.unknown):
-    """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
-    (round robin over the id registers) that is the ``scalar_offset`` of the HWDGE DMAs of the expert's [P, F]
-    block of this core, two per slot: its gate|up part [P, H/P * 2ic] into the group's gate|up region, then, after
-    every slot's gate|up part, its folded down part [P, H/R] into the group's down region (:func:`_gu_cols`; all on
-    ``engine``'s queue, e.g. ``nisa.engine.scalar``; ``engine.unknown``: the default queue): the DMAs of one queue
-    move in order, so the group's gate|up can run while its down rows are still in flight. With fp8 blocks the same
-    register first addresses the expert's scales row of this core, broadcast to the T token partitions of the scale
-    ring (a stride-0 HBM read, 2ic fp32 per token). Returns the group's (view (ring, element offset, n), scales view
-    [T, n, 2ic] or None)."""
+    """Place a group (first slot, slots) in the ring and DMA its gate|up parts: per slot, its expert id into a
+    register (round robin over the id registers) that is the ``scalar_offset`` of the HWDGE DMAs of the expert's
+    [P, F] block of this core; per contraction piece (:func:`_pieces`), every slot's piece of its gate|up part into
+    the group's region (:func:`_gu_cols`); then the previous group's down rows, deferred by the previous call
+    (:func:`_flush`), and this group's down rows are deferred in turn (issued by the next call or the flush ending
+    the batch). All on ``engine``'s queue (e.g. ``nisa.engine.scalar``; ``engine.unknown``: the default queue),
+    where DMAs move in order: a group's gate|up matmuls run while its later pieces and its down rows are in flight,
+    and the last group of a batch has only its own and the previous group's down rows behind its gate|up. With fp8
+    blocks the same register first addresses the expert's scales row of this core, broadcast to the T token
+    partitions of the scale ring (a stride-0 HBM read, 2ic fp32 per token). Returns the group's (view (ring, element
+    offset, n), scales view [T, n, 2ic] or None)."""
     s0, n = group
     F, off_d = st["F"], st["off_d"]
     ring = st["ring"]
@@ -700,20 +706,39 @@ def _issue(st, group, engine=nisa.engine.unknown):
                                  indirect_dim=st["edim"])
             dst = ring.ap(pattern=[[row, P], [1, pc]], offset=p * F + (c * n + i) * pc)
             nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    _flush(st)        # the previous group's down rows after this group's gate|up pieces
+    st["pending"].append((s0, n, p, held, engine))
+    return ((ring, p * F, n), sc)
+
+
+def _flush(st):
+    """Issue the down-row DMAs that :func:`_issue` deferred (the last group of a batch of consecutive issues: every
+    batch ends with a flush, so no DMA is pending at a compute step or a loop boundary)."""
+    for item in st["pending"]:
+        _issue_down(st, item)
+    st["pending"] = []
+
+
+def _issue_down(st, item):
+    """The down-row DMAs [P, H/R] of a group (first slot, slots, ring position, id registers, engine) into the
+    group's down region (:func:`_gu_cols`)."""
+    s0, n, p, held, engine = item
+    F, off_d = st["F"], st["off_d"]
+    ring = st["ring"]
     for i in range(n):
         r = _id_reg(st, held, s0, n, i, True)
         src = st["table"].ap(pattern=[[F, P], [1, F - off_d]], offset=st["offset"] + off_d, scalar_offset=r,
                              indirect_dim=st["edim"])
-        dst = ring.ap(pattern=[[row, P], [1, F - off_d]], offset=p * F + n * off_d + i * (F - off_d))
+        dst = ring.ap(pattern=[[_row(ring), P], [1, F - off_d]], offset=p * F + n * off_d + i * (F - off_d))
         nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-    return ((ring, p * F, n), sc)
 
 
 def _id_reg(st, held, s0, n, i, again):
     """Slot s0 + i's id register ``held[i]`` for another DMA of its block (``again``): loaded again when a later
-    slot of the group took it over (fewer id registers than slots)."""
+    slot may have taken it over (fewer id registers than two groups' slots: a group's down rows are issued after
+    the next group's gate|up pieces)."""
     r = held[i]
-    if again and n > len(st["id_regs"]):
+    if again and 2 * st["G"] > len(st["id_regs"]):
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
     return r
 
@@ -749,6 +774,7 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         views.append(bufs[g] if g < len(bufs) else None)
     for g in range(len(bufs), min(lead, ng)):
         views[g] = _issue(st, groups[g])
+    _flush(st)        # the last up-front group's down rows
     gu = _gate_up(xT, views[0][0], geo, groups[0][1])
     for g in range(ng):
         s0, n = groups[g]
@@ -765,6 +791,7 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         views[g] = None
         if lead == ahead and g + ahead < ng:
             views[g + ahead] = _issue(st, groups[g + ahead])
+            _flush(st)
 
 
 def _conditional(xT, st, groups, geo, wts, mask, fold):
@@ -979,7 +1006,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
     st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
-          "off_d": geo["off_d"], "pieces": _pieces(geo),
+          "off_d": geo["off_d"], "pieces": _pieces(geo), "pending": [],
           "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G,
           "scales": scales, "sc_ring": sc_ring, "T": T, "ic2": 2 * geo["ic"],
           "sc_offset": 0 if scales == None else layer_offset(scales, layer) + pid * 2 * geo["ic"],
@@ -988,6 +1015,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     first_bufs = []
     for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known
         first_bufs.append(_issue(st, static[g]))
+    _flush(st)
     gate = _shared_gate(gl)
     wsel = _slot_weights(w, keys, S)
 
