@@ -72,10 +72,9 @@ order). At the last group of a layer this takes the gate|up and most of the acti
 the last expert byte (issue 15, 4-layer A/B round: 1,621.8 -> 1,614.1 us for gate|up then down, -> 1,609.2 with two
 pieces, -> 1,601.0 with the down rows deferred by a group (with the PE order below); pieces of 1 KiB runs,
 GU_PIECES = 4, gained 2.5 us more central but lost 10 at the low end, where all DMAs share the bandwidth and the DGE
-issue time adds up). The
-blocks stream through ONE ring of ``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB
-per partition) shared by the static and the conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
-later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
+issue time adds up). The blocks stream through ONE ring of ``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch``
+slots, 8 by default: 48 KiB per partition) shared by the static and the conditional slots: the first groups' DMAs
+are issued as soon as token 0's max8 has given their ids, every later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
 buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
 which more than ``WINDOW`` (4) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
 issued up front and group g + WINDOW's from ScalarE's queue right after group g's ``silu`` (its
