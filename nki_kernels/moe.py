@@ -70,15 +70,16 @@ the down rows (``_gu_cols``), so each gate|up matmul reads only the bytes of its
 group's gate|up while its later pieces and its down rows are still in flight (the DMAs of one queue move in
 order). At the last group of a layer this takes the gate|up and most of the activation chain off the tail after
 the last expert byte (issue 15, 4-layer A/B round: 1,621.8 -> 1,614.1 us for gate|up then down, -> 1,609.2 with two
-pieces, -> 1,601.0 with the down rows deferred by a group (with the PE order below); pieces of 1 KiB runs,
+pieces, -> 1,601.1 with the down rows deferred by a group; pieces of 1 KiB runs,
 GU_PIECES = 4, gained 2.5 us more central but lost 10 at the low end, where all DMAs share the bandwidth and the DGE
 issue time adds up). The blocks stream through ONE ring of ``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch``
 slots, 8 by default: 48 KiB per partition) shared by the static and the conditional slots: the first groups' DMAs
-are issued as soon as token 0's max8 has given their ids, every later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
-buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
-which more than ``WINDOW`` (4) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
-issued up front and group g + WINDOW's from ScalarE's queue right after group g's ``silu`` (its
-ring positions were consumed a group earlier, so nothing else holds it back). The DMAs of one queue move in order
+are issued as soon as token 0's max8 has given their ids, every later group's as soon as the down projection of
+the group whose ring positions it takes has run (the WAR on the buffer; the conditional levels' DMAs are issued
+in program order while the static slots compute). A stream of which more than ``WINDOW`` (4) groups fit in the
+ring keeps only WINDOW of them in flight instead: their DMAs are issued up front and group g + WINDOW's from
+ScalarE's queue right after group g's ``silu`` (its ring positions were consumed a group earlier, so nothing else
+holds it back). The DMAs of one queue move in order
 (SDK nki-dma-overview.rst "DMA Queues"), so the up-front groups land one after the other, the first as soon as its
 own bytes are in; at the default ring (8 slots = 4 groups) every static group is issued up front (issue 15,
 bench/decode_speed.md lever 23). The router and
@@ -93,12 +94,11 @@ ACT for the group, per slot ``a = silu(g) * w_tok * u`` on DVE (fp32) and one PE
 multiply into the block-diagonal stationaries ``Z [P, G, R*T]`` (``Z[g*ic+i, g*T+t] = a[t, i]``) so that ONE
 matmul per 512-column bank with the folded down block (K = 128) yields the folded output ``[R*T, H/R]``:
 ``y[t, g*H/R + c] = out[g*T + t, c]``. At the real shapes (ic = 64, R = 2) this halves the down matmuls and the
-free size of the accumulation. On the PE, group g's transposes, then group g+1's gate|up, then group g's down
-projection (software pipelining in program order, within a straight-line run: the mask multiply runs on DVE while
-the PE does the next gate|up, and after a stream's last gate|up only its last two down projections and one
-transpose remain; 4-layer A/B 1,609.2 -> 1,607.0 us against transposes and down projection both after the next
-gate|up). The folded sum is unfolded into
-``y [T, H]`` at the end by R SBUF->SBUF DMAs.
+free size of the accumulation. On the PE, group g+1's gate|up is issued before group g's transposes and down
+projection (software pipelining in program order, within a straight-line run). (Group g's transposes before
+group g+1's gate|up, its down projection after: 4-layer A/B 1,609.2 -> 1,607.0 us before the down rows were
+deferred a group, then 1,601.0 (1,421.4 - 3,063.3) against 1,601.1 (1,419.0 - 3,061.6) for this order.) The
+folded sum is unfolded into ``y [T, H]`` at the end by R SBUF->SBUF DMAs.
 
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
 reads exactly half of every selected expert: the DMA split is balanced whatever the number of
@@ -760,9 +760,8 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
     issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
     right after the down projection of the group whose ring positions it takes -- or, when more than ``WINDOW``
     of them fit, WINDOW groups up front and group g + WINDOW right after group g's silu (ScalarE-triggered, see
-    :func:`_activate`). On the PE group g's transposes, then the gate|up of group g + 1, then group g's down
-    projection (the PE works while ACT / DVE finish group g). Accumulates into acc (``first``: the first matmul
-    overwrites)."""
+    :func:`_activate`). On the PE the gate|up of group g + 1 is issued before the rest of group g (the PE works
+    while ACT / DVE finish group g). Accumulates into acc (``first``: the first matmul overwrites)."""
     ng = len(groups)
     ahead = max(len(bufs), _ahead(groups, st["ring"].shape[1]))
     lead = ahead
@@ -780,11 +779,12 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         refill = None
         if lead < ahead and g + lead < ng:
             refill = groups[g + lead]
-        a_v = _activate(gu, geo, n, wts, s0, st, refill, views[g][1])
-        if refill != None:
-            views[g + lead] = a_v[1]
+        gu_g = gu
         if g + 1 < ng:
             gu = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
+        a_v = _activate(gu_g, geo, n, wts, s0, st, refill, views[g][1])
+        if refill != None:
+            views[g + lead] = a_v[1]
         _project(a_v[0], views[g][0], geo, n, mask, acc, first)
         first = False
         views[g] = None
