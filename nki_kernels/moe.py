@@ -42,8 +42,8 @@ Slot s then reads expert ``id_s`` ONCE and runs it on all T tokens as a T-wide m
 activation scaled by its own weight (0 when it did not choose the expert).
 
 **Run-time addressing.** ``id_s`` goes to a register (``register_load``) that is the ``scalar_offset`` of the
-expert block's DMA (``experts.ap(..., scalar_offset=reg, indirect_dim=0)``, HWDGE). The k always-valid slots run
-in straight-line code. The conditional slots k..S-1 (a prefix of them is used) run in NESTED runtime loops of 0
+expert block's two DMAs (``experts.ap(..., scalar_offset=reg, indirect_dim=0)``, HWDGE). The k always-valid slots
+run in straight-line code. The conditional slots k..S-1 (a prefix of them is used) run in NESTED runtime loops of 0
 or 1 trips (the nki-library "conditional iteration" pattern), LEVEL = 4 slots per level: the level of slots
 s..s+3 runs iff all four are used, and its body holds the next level; otherwise exactly one of three remainder
 loops after it runs (the one whose r = 1..3 slots are used). The trip counts are computed on chip from the keys
@@ -58,16 +58,28 @@ argument's every element offset fits int32 (SDK-LG "NKI Values"); stacked tables
 of layers (``megakernel.sharded``).
 
 **Weight stream.** Host-side, each expert's slice for (rank, core) is one contiguous ``[P, F]`` block,
-partition-major (a 6 KiB run per partition at the real bf16 shapes, one DMA of 768 KiB per expert per core): the
+partition-major (a 6 KiB run per partition at the real bf16 shapes, 768 KiB per expert per core): the
 gate|up columns contraction-major ``[P, H/P, 2*ic]`` and the down rows folded over the partitions, ``R = P / ic``
-row groups each holding ``H / R`` columns (``geometry``). The blocks stream through ONE ring of ``Ns`` slot
-buffers ``[P, Ns, F]`` (``prefetch`` slots, 8 by default: 48 KiB per partition) shared by the static and the
-conditional slots: the first groups' DMAs are issued as soon as token 0's max8 has given their ids, every
-later group's as soon as the down projection of the group whose ring positions it takes has run (the WAR on the
-buffer; the conditional levels' DMAs are issued in program order while the static slots compute). A stream of
-which more than ``WINDOW`` (4) groups fit in the ring keeps only WINDOW of them in flight instead: their DMAs are
-issued up front and group g + WINDOW's from ScalarE's queue right after group g's ``silu`` (its
-ring positions were consumed a group earlier, so nothing else holds it back). The DMAs of one queue move in order
+row groups each holding ``H / R`` columns (``geometry``). Each block moves as ``GU_PIECES + 1`` (3) DMAs of
+sub-ranges of its partition rows: its gate|up part in GU_PIECES contraction pieces (``H/P / GU_PIECES`` blocks of
+``2*ic`` columns each), then its down rows (at the real bf16 shapes three DMAs of 256 KiB, 2 KiB runs per
+partition). A group issues, on one queue, every slot's first piece, then every slot's second piece, and then
+the PREVIOUS group's down rows (its own follow the next group's pieces, or end the batch of groups issued
+together); in the ring the group's region of ``G * F`` elements per partition holds the pieces in that order, then
+the down rows (``_gu_cols``), so each gate|up matmul reads only the bytes of its own piece and the PE starts on a
+group's gate|up while its later pieces and its down rows are still in flight (the DMAs of one queue move in
+order). At the last group of a layer this takes the gate|up and most of the activation chain off the tail after
+the last expert byte (issue 15, 4-layer A/B round: 1,621.8 -> 1,614.1 us for gate|up then down, -> 1,609.2 with two
+pieces, -> 1,601.1 with the down rows deferred by a group; pieces of 1 KiB runs,
+GU_PIECES = 4, gained 2.5 us more central but lost 10 at the low end, where all DMAs share the bandwidth and the DGE
+issue time adds up). The blocks stream through ONE ring of ``Ns`` slot buffers ``[P, Ns, F]`` (``prefetch``
+slots, 8 by default: 48 KiB per partition) shared by the static and the conditional slots: the first groups' DMAs
+are issued as soon as token 0's max8 has given their ids, every later group's as soon as the down projection of
+the group whose ring positions it takes has run (the WAR on the buffer; the conditional levels' DMAs are issued
+in program order while the static slots compute). A stream of which more than ``WINDOW`` (4) groups fit in the
+ring keeps only WINDOW of them in flight instead: their DMAs are issued up front and group g + WINDOW's from
+ScalarE's queue right after group g's ``silu`` (its ring positions were consumed a group earlier, so nothing else
+holds it back). The DMAs of one queue move in order
 (SDK nki-dma-overview.rst "DMA Queues"), so the up-front groups land one after the other, the first as soon as its
 own bytes are in; at the default ring (8 slots = 4 groups) every static group is issued up front (issue 15,
 bench/decode_speed.md lever 23). The router and
@@ -83,8 +95,10 @@ multiply into the block-diagonal stationaries ``Z [P, G, R*T]`` (``Z[g*ic+i, g*T
 matmul per 512-column bank with the folded down block (K = 128) yields the folded output ``[R*T, H/R]``:
 ``y[t, g*H/R + c] = out[g*T + t, c]``. At the real shapes (ic = 64, R = 2) this halves the down matmuls and the
 free size of the accumulation. On the PE, group g+1's gate|up is issued before group g's transposes and down
-projection (software pipelining in program order, within a straight-line run). The folded sum is unfolded into
-``y [T, H]`` at the end by R SBUF->SBUF DMAs.
+projection (software pipelining in program order, within a straight-line run). (Group g's transposes before
+group g+1's gate|up, its down projection after: 4-layer A/B 1,609.2 -> 1,607.0 us before the down rows were
+deferred a group, then 1,601.0 (1,421.4 - 3,063.3) against 1,601.1 (1,419.0 - 3,061.6) for this order.) The
+folded sum is unfolded into ``y [T, H]`` at the end by R SBUF->SBUF DMAs.
 
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
 reads exactly half of every selected expert: the DMA split is balanced whatever the number of
@@ -98,25 +112,25 @@ keep the cores' loops identical; not done. Each core returns its own partial; th
 ACT table use: ``exp`` (warm-up, softmax numerators, and the gate as ``1 / (1 + exp(-z))``) then ``silu``
 for every expert: two table loads, the first off the critical path, no thrash.
 
-**Traces.** An executing nkisim run traces exactly the slots that ran: one block DMA per DISTINCT selected
-expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless a provider gives them
-(``harness.register_models.MoERouting``, which models the ids, the trip counts and their load order): without
-one, the k always-valid slots fetch expert 0 and no conditional loop runs, i.e. the trace shows the minimum
-traffic (all tokens agreeing on k experts).
+**Traces.** An executing nkisim run traces exactly the slots that ran: one block's two DMAs (gate|up part, down
+part) per DISTINCT selected expert (``routed_expert_bytes``). In shape-only mode the registers read 0 unless a
+provider gives them (``harness.register_models.MoERouting``, which models the ids, the trip counts and their load
+order): without one, the k always-valid slots fetch expert 0 and no conditional loop runs, i.e. the trace shows
+the minimum traffic (all tokens agreeing on k experts).
 
 **fp8 experts** (opt-in, issue 15; it changes the model's output). The routed experts' blocks may be ``FP8``
 (``float8_e4m3``: 384 KiB per expert per core instead of 768) with a small fp32 scales table ``[E, n_cores, 2ic]``
 (:func:`expert_scales`): per gate|up output column, the gate columns' scale and, for the up columns, up scale x the
 scale of the down row of the same intermediate column (the quantiser, ``model.tp.moe.quantize_fp8``, is per
 gate / up output column and per down input row, max-abs / 240). The same register that addresses a slot's block
-addresses its scales row (one DMA of 2ic fp32 broadcast to the T token partitions, issued just before the block's
-on the same queue); one DVE multiply of the group's fp32 gate|up PSUM by them precedes the silu, so ``a`` carries
-the down rows' scale and the down accumulation over the slots needs no rescale. The matmuls take bf16 stationaries
-and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared expert, router and activations stay
-bfloat16; with bfloat16 blocks nothing changes (same instructions). Twin: ``model.tp.moe.moe_rank`` of a quantised
-shard (same rounding points). Host storage: torch has no IEEE-like e4m3, so the layout helpers keep e4m3 codes in
-``torch.float8_e4m3fn`` tensors (every code is within +-240, where the two formats' bytes are the same) and
-:func:`kernel_table` views them as ``float8_e4m3`` for the kernel.
+addresses its scales row (one DMA of 2ic fp32 broadcast to the T token partitions, issued just before the
+block's gate|up part on the same queue); one DVE multiply of the group's fp32 gate|up PSUM by them precedes the
+silu, so ``a`` carries the down rows' scale and the down accumulation over the slots needs no rescale. The
+matmuls take bf16 stationaries and e4m3 moving operands (the two may differ on trn2; fp32 PSUM). The shared
+expert, router and activations stay bfloat16; with bfloat16 blocks nothing changes (same instructions). Twin:
+``model.tp.moe.moe_rank`` of a quantised shard (same rounding points). Host storage: torch has no IEEE-like e4m3,
+so the layout helpers keep e4m3 codes in ``torch.float8_e4m3fn`` tensors (every code is within +-240, where the
+two formats' bytes are the same) and :func:`kernel_table` views them as ``float8_e4m3`` for the kernel.
 """
 
 from __future__ import annotations
@@ -136,6 +150,7 @@ MAX8 = 8           # values per max8 (SDK-ISA max8)
 RING_BUDGET = 120 * 1024   # SBUF bytes per partition the expert ring may take
 GROUP = 2          # slots whose gate|up matmuls share one moving operand (group_size)
 LEVEL = 4          # conditional slots per nesting level (_conditional_levels)
+GU_PIECES = 2       # DMAs per expert block's gate|up part (_issue; at the real bf16 shapes 3 DMAs of 256 KiB per block)
 WINDOW = 4         # slot groups in flight in a stream (_stream; >= 2: group g+1's gate|up precedes g's down)
 FP8 = nl.float8_e4m3      # the opt-in expert block dtype (IEEE-like e4m3, max 240; trn2 has no e4m3fn matmul)
 IDS_NAME = "moe_expert_ids"    # the on-chip tensors the body loads registers from (harness.register_models)
@@ -499,34 +514,67 @@ def _fold_mask(ic, T):
     return mask
 
 
-def _gate_up(xT, buf, geo, n):
-    """PSUM [T, n, 2ic] f32: gate|up of the n slots held in buf [P, >= n, F], ONE matmul per contraction block
-    for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns)."""
+def _row(t):
+    """Elements per partition of the SBUF tile t."""
+    n = 1
+    for d in t.shape[1:]:
+        n = n * d
+    return n
+
+
+def _pieces(geo):
+    """How many contraction pieces each gate|up part moves in (GU_PIECES if it divides H/P, else 1)."""
+    J = geo["off_d"] // (2 * geo["ic"])
+    return GU_PIECES if J % GU_PIECES == 0 else 1
+
+
+def _gu_cols(v, geo, j):
+    """The moving operand [P, n, 2ic] of contraction block j of the n slots of the group view v = (tile, element
+    offset, n): the group's region of n * F elements per partition holds, per contraction piece c (of
+    :func:`_pieces`), the n slots' gate|up columns of that piece [P, H/P/pieces, 2ic] one after the other, then the
+    slots' folded down parts [P, H/R] (a single block [P, F] is a group of one: its own host layout)."""
+    t, o, n = v
+    ic2 = 2 * geo["ic"]
+    jc = geo["off_d"] // ic2 // _pieces(geo)
+    c = j // jc
+    return t.ap(pattern=[[_row(t), P], [jc * ic2, n], [1, ic2]], offset=o + (c * n * jc + j % jc) * ic2)
+
+
+def _down_cols(v, geo, i, c0, cn):
+    """Columns c0 .. c0 + cn - 1 of slot i's folded down part [P, H/R] in the group view v (:func:`_gu_cols`)."""
+    t, o, n = v
+    return t.ap(pattern=[[_row(t), P], [1, cn]], offset=o + n * geo["off_d"] + i * geo["HR"] + c0)
+
+
+def _gate_up(xT, v, geo, n):
+    """PSUM [T, n, 2ic] f32: gate|up of the n slots of the group view v (:func:`_gu_cols`), ONE matmul per
+    contraction block for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns)."""
     _, J, T = xT.shape
     ic2 = 2 * geo["ic"]
     gu = nl.ndarray((T, n, ic2), dtype=nl.float32, buffer=nl.psum)
     for j in range(J):
-        nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=buf[:, 0:n, j * ic2:(j + 1) * ic2],
-                       accumulate=j > 0)
+        nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=_gu_cols(v, geo, j), accumulate=j > 0)
     return gu
 
 
-def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=None):
-    """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
-    a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight), one PE
-    transpose per slot, one mask multiply into the block-diagonal stationaries z [P, n, R*T] (activation
-    dtype), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
-    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites). ``refill``: a group (first slot, slots) whose DMAs
-    are issued on ScalarE's queue right after the silu (:func:`_stream`, into ``st``'s ring); returns its ring view,
-    or None. ``sc``: fp8 blocks (``FP8``) -- the n slots' scales [T, n, 2ic] fp32 (:func:`expert_scales`), which
-    multiply gu first (one DVE op: gate columns by theirs, up columns by up x down-row scales, so the down
-    projection of the e4m3 rows needs no rescale); the stationaries z are then bfloat16."""
+def _down(gu, v, geo, n, wts, c0, mask, acc, first):
+    """The rest of n slots after their gate|up (PSUM gu [T, n, 2ic]): :func:`_activate` then :func:`_project`."""
+    aT = _activate(gu, geo, n, wts, c0)[0]
+    _project(aT, v, geo, n, mask, acc, first)
+
+
+def _activate(gu, geo, n, wts, c0, st=None, refill=None, sc=None):
+    """The activations of n slots after their gate|up (PSUM gu [T, n, 2ic]): silu (ACT, all n at once), per slot
+    a = silu(g) * w_tok * u on DVE (fp32; w_tok = wts[:, c0 + i], the slot's per-token weight) and one PE
+    transpose into a^T. Returns (aT PSUM [P, n, T] f32 for :func:`_project`, the refill's ring view or None).
+    ``refill``: a group (first slot, slots) whose DMAs are issued on ScalarE's queue right after the silu
+    (:func:`_stream`, into ``st``'s ring). ``sc``: fp8 blocks (``FP8``) -- the n slots' scales [T, n, 2ic] fp32
+    (:func:`expert_scales`), which multiply gu first (one DVE op: gate columns by theirs, up columns by up x
+    down-row scales, so the down projection of the e4m3 rows needs no rescale)."""
     T = gu.shape[0]
-    adt = buf.dtype
     f32 = nl.float32
-    ic, R, off_d, S = geo["ic"], geo["R"], geo["off_d"], geo["banks"]
+    ic, R = geo["ic"], geo["R"]
     if sc != None:
-        adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
         gs = nl.ndarray((T, n, 2 * ic), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=gs, data1=gu, data2=sc, op=nl.multiply)
         gu = gs
@@ -535,6 +583,7 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
     view = None
     if refill != None:
         view = _issue(st, refill, nisa.engine.scalar)
+        _flush(st)
     aT = nl.ndarray((P, n, T), dtype=f32, buffer=nl.psum)
     for i in range(n):
         a = nl.ndarray((T, R * ic), dtype=f32, buffer=nl.sbuf)      # silu(g) * w_tok * u, repeated R times
@@ -542,9 +591,22 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
                                   op0=nl.multiply, operand0=wts[:, c0 + i:c0 + i + 1], op1=nl.multiply,
                                   operand1=gu.ap(pattern=[[n * 2 * ic, T], [0, R], [1, ic]], offset=i * 2 * ic + ic))
         nisa.nc_transpose(dst=aT[:, i, :], data=a, engine=nisa.engine.tensor)
-    if S > 1:
-        _down_banks(aT, buf, geo, n, mask, acc, first, adt)
-        return view
+    return (aT, view)
+
+
+def _project(aT, v, geo, n, mask, acc, first):
+    """The down projection of n slots from their a^T (PSUM [P, n, T], :func:`_activate`) and their group view v:
+    one mask multiply into the block-diagonal stationaries z [P, n, R*T] (the activation dtype; bfloat16 beside
+    fp8 blocks), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
+    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites)."""
+    T = aT.shape[2]
+    R = geo["R"]
+    adt = v[0].dtype
+    if adt == FP8:
+        adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
+    if geo["banks"] > 1:
+        _down_banks(aT, v, geo, n, mask, acc, first, adt)
+        return
     z = nl.ndarray((P, n, R * T), dtype=adt, buffer=nl.sbuf)        # block-diagonal stationaries
     if R == 1:
         nisa.tensor_copy(dst=z, src=aT)
@@ -554,14 +616,13 @@ def _down(gu, buf, geo, n, wts, c0, mask, acc, first, st=None, refill=None, sc=N
     for i in range(n):
         for chunk in geo["chunks"]:
             cs, cn = chunk
-            nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=buf[:, i, off_d + cs:off_d + cs + cn],
+            nisa.nc_matmul(dst=acc[:, cs:cs + cn], stationary=z[:, i, :], moving=_down_cols(v, geo, i, cs, cn),
                            accumulate=not first)
         first = False
-    return view
 
 
-def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
-    """:func:`_down`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
+def _down_banks(aT, v, geo, n, mask, acc, first, adt):
+    """:func:`_project`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
     (S = ``geo["banks"]``, ``stacked.fold_banks``): the block-diagonal stationary of slot i is placed once per
     column piece h (width W = H/S of the folded down block) at column offset h*R*T of an otherwise zero
     ``[P, S*T]``, so piece h of fold row group g lands in bank h*R + g: ONE multiply of a^T by the padded mask
@@ -570,7 +631,7 @@ def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
     matmuls), one PSUM bank instead of H/R/512. ``adt``: the stationaries' dtype (the activation dtype; bfloat16
     beside fp8 blocks)."""
     T = aT.shape[2]
-    R, off_d, S = geo["R"], geo["off_d"], geo["banks"]
+    R, S = geo["R"], geo["banks"]
     W = geo["HR"] * R // S
     Hb = S // R
     z = nl.ndarray((P, n, Hb, S * T), dtype=adt, buffer=nl.sbuf)     # zero-padded stationaries
@@ -579,7 +640,7 @@ def _down_banks(aT, buf, geo, n, mask, acc, first, adt):
                        op=nl.multiply)
     for i in range(n):
         for h in range(Hb):
-            nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=buf[:, i, off_d + h * W:off_d + (h + 1) * W],
+            nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=_down_cols(v, geo, i, h * W, W),
                            accumulate=not (first and h == 0))
         first = False
 
@@ -607,30 +668,78 @@ def _place(st, n):
 
 
 def _issue(st, group, engine=nisa.engine.unknown):
-    """Place a group (first slot, slots) in the ring and DMA its blocks: per slot, its expert id into a register
-    (round robin over the id registers) that is the ``scalar_offset`` of one HWDGE DMA of the expert's [P, F]
-    block of this core (triggered from ``engine``'s queue, e.g. ``nisa.engine.scalar``; ``engine.unknown``: the
-    default queue). With fp8 blocks the same register first addresses the expert's scales row of this core,
-    broadcast to the T token partitions of the scale ring (a stride-0 HBM read, 2ic fp32 per token). Returns the
-    group's (ring view [P, n, F], scales view [T, n, 2ic] or None)."""
+    """Place a group (first slot, slots) in the ring and DMA its gate|up parts: per slot, its expert id into a
+    register (round robin over the id registers) that is the ``scalar_offset`` of the HWDGE DMAs of the expert's
+    [P, F] block of this core; per contraction piece (:func:`_pieces`), every slot's piece of its gate|up part into
+    the group's region (:func:`_gu_cols`); then the previous group's down rows, deferred by the previous call
+    (:func:`_flush`), and this group's down rows are deferred in turn (issued by the next call or the flush ending
+    the batch). All on ``engine``'s queue (e.g. ``nisa.engine.scalar``; ``engine.unknown``: the default queue),
+    where DMAs move in order: a group's gate|up matmuls run while its later pieces and its down rows are in flight,
+    and the last group of a batch has only its own and the previous group's down rows behind its gate|up. With fp8
+    blocks the same register first addresses the expert's scales row of this core, broadcast to the T token
+    partitions of the scale ring (a stride-0 HBM read, 2ic fp32 per token). Returns the group's (view (ring, element
+    offset, n), scales view [T, n, 2ic] or None)."""
     s0, n = group
-    F = st["F"]
+    F, off_d = st["F"], st["off_d"]
+    ring = st["ring"]
+    row = _row(ring)
     p = _place(st, n)
-    buf = st["ring"][:, p:p + n, :]
     sc = None
     if st["scales"] != None:
         sc = st["sc_ring"][:, p:p + n, :]
+    pc = off_d // st["pieces"]     # elements per partition of one contraction piece of a gate|up part
+    held = []               # slot i's id register
     for i in range(n):
         r = st["id_regs"][st["next"] % len(st["id_regs"])]
         st["next"] = st["next"] + 1
         nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+        held.append(r)
         if sc != None:
             ssrc = st["scales"].ap(pattern=[[0, st["T"]], [1, st["ic2"]]], offset=st["sc_offset"], scalar_offset=r,
                                    indirect_dim=st["sc_edim"])
             nisa.dma_copy(dst=sc[:, i, :], src=ssrc, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-        src = st["table"].ap(pattern=[[F, P], [1, F]], offset=st["offset"], scalar_offset=r, indirect_dim=st["edim"])
-        nisa.dma_copy(dst=buf[:, i, :], src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
-    return (buf, sc)
+    for c in range(st["pieces"]):
+        for i in range(n):
+            r = _id_reg(st, held, s0, n, i, c > 0)
+            src = st["table"].ap(pattern=[[F, P], [1, pc]], offset=st["offset"] + c * pc, scalar_offset=r,
+                                 indirect_dim=st["edim"])
+            dst = ring.ap(pattern=[[row, P], [1, pc]], offset=p * F + (c * n + i) * pc)
+            nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+    _flush(st)        # the previous group's down rows after this group's gate|up pieces
+    st["pending"].append((s0, n, p, held, engine))
+    return ((ring, p * F, n), sc)
+
+
+def _flush(st):
+    """Issue the down-row DMAs that :func:`_issue` deferred (the last group of a batch of consecutive issues: every
+    batch ends with a flush, so no DMA is pending at a compute step or a loop boundary)."""
+    for item in st["pending"]:
+        _issue_down(st, item)
+    st["pending"] = []
+
+
+def _issue_down(st, item):
+    """The down-row DMAs [P, H/R] of a group (first slot, slots, ring position, id registers, engine) into the
+    group's down region (:func:`_gu_cols`)."""
+    s0, n, p, held, engine = item
+    F, off_d = st["F"], st["off_d"]
+    ring = st["ring"]
+    for i in range(n):
+        r = _id_reg(st, held, s0, n, i, True)
+        src = st["table"].ap(pattern=[[F, P], [1, F - off_d]], offset=st["offset"] + off_d, scalar_offset=r,
+                             indirect_dim=st["edim"])
+        dst = ring.ap(pattern=[[_row(ring), P], [1, F - off_d]], offset=p * F + n * off_d + i * (F - off_d))
+        nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=engine)
+
+
+def _id_reg(st, held, s0, n, i, again):
+    """Slot s0 + i's id register ``held[i]`` for another DMA of its block (``again``): loaded again when a later
+    slot may have taken it over (fewer id registers than two groups' slots: a group's down rows are issued after
+    the next group's gate|up pieces)."""
+    r = held[i]
+    if again and 2 * st["G"] > len(st["id_regs"]):
+        nisa.register_load(r, st["ids"][0:1, s0 + i:s0 + i + 1])
+    return r
 
 
 def _ahead(groups, Ns):
@@ -651,9 +760,8 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
     issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
     right after the down projection of the group whose ring positions it takes -- or, when more than ``WINDOW``
     of them fit, WINDOW groups up front and group g + WINDOW right after group g's silu (ScalarE-triggered, see
-    :func:`_down`). On the PE the gate|up of group
-    g + 1 is issued before the rest of group g (the PE works while ACT / DVE finish group g). Accumulates into
-    acc (``first``: the first matmul overwrites)."""
+    :func:`_activate`). On the PE the gate|up of group g + 1 is issued before the rest of group g (the PE works
+    while ACT / DVE finish group g). Accumulates into acc (``first``: the first matmul overwrites)."""
     ng = len(groups)
     ahead = max(len(bufs), _ahead(groups, st["ring"].shape[1]))
     lead = ahead
@@ -664,22 +772,25 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         views.append(bufs[g] if g < len(bufs) else None)
     for g in range(len(bufs), min(lead, ng)):
         views[g] = _issue(st, groups[g])
-    gu_next = _gate_up(xT, views[0][0], geo, groups[0][1])
+    _flush(st)        # the last up-front group's down rows
+    gu = _gate_up(xT, views[0][0], geo, groups[0][1])
     for g in range(ng):
-        gu = gu_next
-        if g + 1 < ng:
-            gu_next = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
         s0, n = groups[g]
         refill = None
         if lead < ahead and g + lead < ng:
             refill = groups[g + lead]
-        v = _down(gu, views[g][0], geo, n, wts, s0, mask, acc, first, st, refill, views[g][1])
+        gu_g = gu
+        if g + 1 < ng:
+            gu = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
+        a_v = _activate(gu_g, geo, n, wts, s0, st, refill, views[g][1])
         if refill != None:
-            views[g + lead] = v
+            views[g + lead] = a_v[1]
+        _project(a_v[0], views[g][0], geo, n, mask, acc, first)
         first = False
         views[g] = None
         if lead == ahead and g + ahead < ng:
             views[g + ahead] = _issue(st, groups[g + ahead])
+            _flush(st)
 
 
 def _conditional(xT, st, groups, geo, wts, mask, fold):
@@ -887,12 +998,14 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     # 2. routing; the shared expert's gate|up is issued on the PE between the router matmuls and the routing's
     # own later matmuls (the PE would otherwise idle while DVE ranks the experts)
     lg_ps = _router_logits(xT, r_sb)
-    gu_s = _gate_up(xT, sh, geo_s, 1)
+    sh_v = (sh, 0, 1)       # the shared block [P, 1, Fs] as a group view of one slot (_gu_cols)
+    gu_s = _gate_up(xT, sh_v, geo_s, 1)
     gl, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
 
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     nq = -(-(S - top_k) // LEVEL)
     st = {"table": stacked, "offset": base + pid * P * F, "edim": 0 if experts_layer == None else 1, "F": F,
+          "off_d": geo["off_d"], "pieces": _pieces(geo), "pending": [],
           "ring": ring, "pos": 0, "id_regs": regs[nq:], "next": 0, "ids": ids, "k": top_k, "S": S, "G": G,
           "scales": scales, "sc_ring": sc_ring, "T": T, "ic2": 2 * geo["ic"],
           "sc_offset": 0 if scales == None else layer_offset(scales, layer) + pid * 2 * geo["ic"],
@@ -901,6 +1014,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     first_bufs = []
     for g in range(min(_ahead(static, Ns), len(static), WINDOW)):     # DMAs as soon as the ids are known
         first_bufs.append(_issue(st, static[g]))
+    _flush(st)
     gate = _shared_gate(gl)
     wsel = _slot_weights(w, keys, S)
 
@@ -921,7 +1035,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if geo["banks"] > 1:
         mask = mask_s if geo["ic"] == geo_s["ic"] else _bank_mask(mask, geo["R"], stack, T)
     acc_s = _acc_of(accs, geo_s["R"])
-    _down(gu_s, sh, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
+    _down(gu_s, sh_v, geo_s, 1, gate, 0, mask_s, acc_s[1], True)
     _stream(xT, st, static, geo, wsel, mask, _acc_of(accs, geo["R"])[1], geo["R"] != geo_s["R"], first_bufs)
     for a in accs:          # evict every accumulator before the first runtime loop
         a[2] = nl.ndarray(tuple(a[1].shape), dtype=f32, buffer=nl.sbuf)
