@@ -269,6 +269,38 @@ def test_stacked_layers(tiny_params):
         check_close(out.sum(0), moe_rank(shards[layer], x, k), torch.float32)
 
 
+@nki.jit
+def pooled_moe(x, router, experts, shared, top_k, n_regs):
+    """The body with a caller's pool of ``n_regs`` registers (a megakernel passes one pool to every layer)."""
+    T, H = x.shape
+    lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
+    out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
+    xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
+    pool = []
+    for i in range(n_regs):
+        pool.append(nisa.register_alloc())
+    nisa.dma_copy(dst=out[pid], src=moe_tkg_body(xT, router, experts, shared, top_k, regs=tuple(pool)))
+    return out
+
+
+@pytest.mark.parametrize("n_regs", [4, 16])
+def test_small_register_pool(tiny_params, n_regs):
+    """T = 4 on the tiny shapes has 3 nesting levels of conditional slots. With the minimum pool (4: one trip
+    register per level, one id register, reloaded for every DMA of a block) and with 16 (a register per loop,
+    loaded up front, and two groups' id registers) the body gives the same bits as with its own registers."""
+    cfg = preset("tiny")
+    k = cfg.num_experts_per_tok
+    shard = shard_moe(tiny_params[torch.bfloat16], PREFIX, cfg, 1, 2)
+    L = moe_hbm_layout(shard, 2)
+    x = torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    assert len(distinct_experts(shard, x, k)) > k + 2 * moe_mod.LEVEL          # the third level's loops run
+    want = moe_tkg[2](x, L["router"], L["experts"], L["shared"], k)
+    got = pooled_moe[2](x, L["router"], L["experts"], L["shared"], k, n_regs)
+    assert torch.equal(torch.as_tensor(np.asarray(got)), torch.as_tensor(np.asarray(want)))
+    check_close(torch.as_tensor(np.asarray(got)).sum(0), moe_rank(shard, x, k), torch.bfloat16)
+
+
 def test_stacked_table_beyond_int32_is_refused_and_groups_fit():
     """Real per-rank shapes: one layer's experts table is 201,326,592 elements, so at most 10 layers stack into
     one table whose element offsets fit int32 (SDK-LG "NKI Values"); 11 are refused with the group size named,
