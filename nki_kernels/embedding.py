@@ -8,9 +8,12 @@ Layouts
 * ``x``      SBUF ``[T, H]`` activation dtype: token t on partition t (the residual layout of
   nki_kernels/README.md).
 
-The gather is ONE software-DGE ``dma_copy`` whose source access pattern is indexed by the ids tile
-(``vector_offset``, one row id per destination partition, ``indirect_dim=0``): row t of ``x`` <-
-``table[ids[t], :]``. No Python branch looks at the ids; the same instruction stream serves any ids.
+The gather is ONE ``dma_copy`` whose source access pattern is indexed by the ids tile (``indirect_dim=0``): row t of
+``x`` <- ``table[ids[t], :]``. Several ids: vector indirection (``vector_offset``, one row id per destination
+partition, the ids tile aligned with ``x``); one id into a row of a larger tile (``dst=``: the verify gathers each
+draft's row straight from the tile its argmax left): scalar indirection (``scalar_offset``, the 1x1 ids tile; SDK
+dma_copy "Scalar indirection"), which holds wherever the row starts. No Python branch looks at the ids; the same
+instruction stream serves any ids.
 
 Out-of-range ids
 ----------------
@@ -87,8 +90,9 @@ def embedding_body(table, ids_sb, dst=None):
     table:  HBM ``[V, H]`` (activation dtype).
     ids_sb: SBUF ``[T, 1]`` int32, T <= 128, values in ``[0, V)`` (run-time; out-of-range values
             fault the DMA, ``oob_mode.error``; refuse them on the host first, see module doc).
-    dst:    None, or an SBUF ``[T, H]`` view (table dtype) to gather into, e.g. rows of a larger tile whose other
-            rows come from other id tiles (one DMA per tile, each issued as soon as its ids exist).
+    dst:    None, or, for a one-id tile (T = 1), an SBUF ``[1, H]`` view (table dtype) to gather into, e.g. a row of a
+            larger tile whose other rows come from other id tiles (one DMA per tile, each issued as soon as its id
+            exists).
     Returns x: SBUF ``[T, H]``, table dtype, token t on partition t (``dst`` when given).
     """
     V, H = table.shape
@@ -102,7 +106,17 @@ def embedding_body(table, ids_sb, dst=None):
         x = nl.ndarray((T, H), table.dtype, buffer=nl.sbuf, name="embed_x")
     elif tuple(x.shape) != (T, H) or x.dtype != table.dtype:
         raise ValueError(f"embedding: dst {x.dtype}{list(x.shape)} is not [{T}, {H}] {table.dtype}")
-    rows = table.ap(pattern=[[H, T], [1, H]], offset=0, vector_offset=ids_sb, indirect_dim=0)
+    if dst == None:
+        # vector indirection ("each of the hardware partitions gets its own index"): the ids tile is aligned with
+        # the rows it fills
+        rows = table.ap(pattern=[[H, T], [1, H]], offset=0, vector_offset=ids_sb, indirect_dim=0)
+    elif T == 1:
+        # into a row of a larger tile: scalar indirection (SDK dma_copy "Scalar indirection": a 1x1 SBUF offset
+        # applied to every partition), which holds wherever dst starts
+        rows = table.ap(pattern=[[H, 1], [1, H]], offset=0, scalar_offset=ids_sb, indirect_dim=0)
+    else:
+        raise ValueError(f"embedding: dst= takes the row of a one-id tile (scalar indirection); {T} ids gather "
+                         f"into a tile of their own")
     nisa.dma_copy(dst=x, src=rows, oob_mode=nisa.oob_mode.error)
     return x
 

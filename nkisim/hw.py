@@ -79,6 +79,12 @@ DMA_SBUF_PARTITION_FOLD = "error"
 # cache rows the other core is writing): "warn".
 CORE_BARRIER_ORDER = "error"
 CORE_BARRIER_ORDER_ARGUMENTS = "warn"
+# A dma_copy gather / scatter by vector_offset whose on-chip side starts at another partition than its index tile:
+# "error" (default), "warn" or "off". SDK-ISA dma_copy, "Vector indirection": "Each of the hardware partitions gets
+# its own index ... an SBUF tensor of shape (P, 1) containing one row index per partition": documented only with the
+# index tile aligned with the partitions it addresses; which index a partition reads otherwise is not said. When in
+# doubt, refuse: one index row goes through "Scalar indirection" (a 1x1 SBUF scalar_offset) into any partition.
+DMA_VECTOR_OFFSET_ALIGN = "error"
 
 # --- start-partition rule (SDK-ARCH "Accessing SBUF/PSUM tensors using compute engines") ------
 # n partitions in (64, 128] must start at 0; (32, 64] at 0 or 64; (0, 32] at 0/32/64/96.

@@ -136,6 +136,17 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown, 
         if t.buffer not in HBM:
             raise NkiValidationError(f"{op}: the tensor indexed by vector_offset ({vec[0]}) must be in HBM, "
                                      f"got {t.buffer.value}")
+        other_name = "src" if vec[0] == "dst" else "dst"
+        other = src if vec[0] == "dst" else dst
+        if other.buffer in ON_CHIP and vo.buffer in ON_CHIP:
+            p_other = geom(op, other_name, other, start_rule=False)[0]
+            p_index = geom(op, "vector_offset", vo, start_rule=False)[0]
+            if p_other != p_index:
+                by_switch(hw.DMA_VECTOR_OFFSET_ALIGN,
+                          f"{op}: the vector_offset index tile starts at partition {p_index} but the {other_name} it "
+                          f"pairs with at partition {p_other}; vector indirection is documented with the index tile "
+                          f"aligned with the partitions it addresses (SDK-ISA dma_copy \"Vector indirection\"); "
+                          f"one index goes through scalar_offset (switch: nkisim.hw.DMA_VECTOR_OFFSET_ALIGN)")
     if dge_mode == DGE.hwdge and src.dtype != dst.dtype:
         raise NkiValidationError(f"{op}: dge_mode=hwdge moves raw bytes and needs equal dtypes, got src {src.dtype} "
                                  f"and dst {dst.dtype} (cast on an engine or use .view())")

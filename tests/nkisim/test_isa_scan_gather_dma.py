@@ -520,3 +520,31 @@ def test_matmul_double_row(rng):
     refuses(lambda a, b, o: dr(a, b, o, tile_size=(128, 64), tile_position=(0, 0)), [s, m], (32, 48), nl.float32,
             "column tiling")
     refuses(lambda a, b, o: dr(a, b, o, is_transpose=True), [s, m], (32, 48), nl.float32, "cannot be combined")
+
+
+def test_vector_offset_gather_refused_off_its_index_partitions():
+    """A vector_offset gather pairs each hardware partition with its own index (SDK-ISA dma_copy "Vector
+    indirection"): into a destination that starts at another partition than the index tile it is refused; the same
+    row through scalar_offset (a 1x1 SBUF offset) lands anywhere."""
+    table = np.arange(16 * 8, dtype=F32).reshape(16, 8)
+
+    @nki.jit
+    def gather(table, ids, scalar):
+        i = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=i, src=ids)
+        x = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=x, value=0.0)
+        if scalar:
+            src = table.ap(pattern=[[8, 1], [1, 8]], offset=0, scalar_offset=i, indirect_dim=0)
+        else:
+            src = table.ap(pattern=[[8, 1], [1, 8]], offset=0, vector_offset=i, indirect_dim=0)
+        nisa.dma_copy(dst=x[2:3, :], src=src)
+        out = nl.ndarray((4, 8), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=x)
+        return out
+    ids = np.array([[5]], np.int32)
+    with pytest.raises(NkiValidationError, match="DMA_VECTOR_OFFSET_ALIGN"):
+        gather(table, ids, False)
+    got = gather(table, ids, True)
+    np.testing.assert_array_equal(got[2], table[5])
+    assert not got[[0, 1, 3]].any()
