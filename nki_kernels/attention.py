@@ -428,14 +428,17 @@ def _project_and_setup(g, xT, w, norm_w, cos, sin, pos, regs):
     refills, so the runtime scalars, masks and KV buffers are ready long before the tiles; the register loads
     after the refills' triggers in SP's stream (a register load waits there for its value); the o_proj weight
     on ScalarE's DMA queue after the eviction, so the KV tiles (SP's queue) do not move behind its 2 MiB. Without a
-    caller's ring (the first draft's MTP layer, the layerwise launch) the body's own ring is allocated and its first
-    chunks issued before the tables: the tables' small tiles can land in holes the input norm just freed and wait
-    for it (first-fit placement), and in SP's queue the ring's DMAs would wait behind theirs (bench/decode_speed.md
-    lever 33)."""
+    caller's ring (the first draft's MTP layer, the layerwise launch) the body's own ring (``OWN_RING`` slots) is
+    allocated and its first chunks issued before the tables: the tables' small tiles can land in holes the input
+    norm just freed and wait for it (first-fit placement), and in SP's queue the ring's DMAs would wait behind theirs
+    (bench/decode_speed.md lever 33); the tables then go on ScalarE's DMA queue, so the ring's refills, bandwidth-bound
+    from the layer's top, do not queue behind them either (issue 15)."""
     xrep = _replica_tile(g)
+    table_queue = None
     if w["ring"] == None:
-        w["ring"] = _fill_ring(g, w, g.act, _kv_names(g.do_k, g.do_v))
-    _load_tables(g, w, norm_w, cos, sin)
+        w["ring"] = _fill_ring(g, w, g.act, _kv_names(g.do_k, g.do_v), OWN_RING)
+        table_queue = ACT_ENG
+    _load_tables(g, w, norm_w, cos, sin, engine=table_queue)
     _replicate_x(g, xT, xrep)
     rt, vals = _runtime_scalars(g, pos)
     ident = nl.shared_identity_matrix(P, dtype=g.act)
@@ -585,17 +588,15 @@ def _project(g, xT, xrep, w):
     returns (qg_psum [nr, 2, D], v_psum [T, D] or None) for :func:`_project_out`.
 
     The weights stream through a ring of WR SBUF slots of JG input-feature tiles each (this core's heads of
-    wqg, and wk / wv where this core projects them; WR = 3, or the slots of a caller's :func:`attention_ring`,
-    whose first WR chunks' DMAs the caller issued early): the DMA of chunk c + WR is issued after chunk c's
-    matmuls (it reuses that slot), so the chunks arrive in order and the matmuls of chunk c overlap the
-    transfer of the later ones instead of waiting for every weight byte."""
+    wqg, and wk / wv where this core projects them; the body's own ``OWN_RING`` slots, or those of a caller's
+    :func:`attention_ring`; the first WR chunks' DMAs are issued before the projections): the DMA of chunk c + WR
+    is issued after chunk c's matmuls (it reuses that slot), so the chunks arrive in order and the matmuls of chunk
+    c overlap the transfer of the later ones instead of waiting for every weight byte."""
     act, KT, Hc, D, T, nq, nr = g.act, g.KT, g.Hc, g.D, g.T, g.nq, g.nr
     JG, NK, WR = _ring_shape(KT)
     kv_names = _kv_names(g.do_k, g.do_v)
-    ring = w["ring"]
-    if ring == None:
-        ring = _fill_ring(g, w, act, kv_names)
-    elif not WR <= len(ring) <= NK or tuple(ring[0]["wqg"].shape) != (P, JG, 2, Hc, D):
+    ring = w["ring"]                                   # the body's own ring (_project_and_setup) or the caller's
+    if not WR <= len(ring) <= NK or tuple(ring[0]["wqg"].shape) != (P, JG, 2, Hc, D):
         raise ValueError(f"attention: a ring of {len(ring)} slots {list(ring[0]['wqg'].shape)} was passed, expected "
                          f"{WR}..{NK} of [{P}, {JG}, 2, {Hc}, {D}] (attention_ring of the same tensors and core)")
     WR = len(ring)
@@ -626,6 +627,13 @@ EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real
 # nothing: the projections are PE-bound once xT lands (4-layer round 1,631.9 us central either way; issue 15)
 
 
+OWN_RING = 4       # ring slots of the body's own ring (no caller's ring: the first draft's MTP layer, the layerwise
+# launch): the 8 chunks' DMAs are bandwidth-bound from the layer's top, and with the body's 3 slots the 4th chunk's
+# DMA waited for chunk 0's matmuls (xT's replicas) while the queue sat idle. 4-layer round 1,490.1 -> 1,487.5 us
+# central with 4 slots and the tables on ScalarE's queue (4 slots alone 1,488.1; 5 or 6: 1,487.6; 8: 1,490.5,
+# placement); bench/decode_speed.md lever 33 had measured 4 / 6 / 8 before the tables moved (issue 15)
+
+
 def _ring_shape(KT):
     """(JG input tiles per ring chunk, NK chunks, WR ring slots) of the projection weight ring."""
     JG = 2 if KT % 2 == 0 else 1
@@ -642,11 +650,10 @@ def _kv_names(do_k, do_v):
 
 
 def _fill_ring(g, w, act, kv_names, WR=None):
-    """Allocate the WR ring slots of :func:`_project` (default: ``_ring_shape``'s) and issue the DMAs of its first
-    WR chunks."""
+    """Allocate the WR ring slots of :func:`_project` (default: ``_ring_shape``'s; a given WR is clamped to
+    ``_ring_shape``'s WR .. NK) and issue the DMAs of its first WR chunks."""
     JG, NK, WR0 = _ring_shape(g.KT)
-    if WR == None:
-        WR = WR0
+    WR = WR0 if WR == None else max(WR0, min(WR, NK))
     # ONE tile for every slot (slots are views): first-fit placement then needs one hole of the whole ring, so its
     # slots do not land in the small holes the previous layer's residual and all-reduce buffers leave, whose reuse
     # waits for that layer's last add (a WAR that held the early ring's DMAs behind it; issue 15)
