@@ -115,8 +115,10 @@ def residual_rmsnorm_body(x_sb, lanes, w1, eps, stack=1):
     commutative, so both cores agree). Only the peer's 4 transposes and the two small adds follow the sendrecv;
     x's and the lane's transposes (and their ScalarE copies to SBUF: a DVE op reads at most one PSUM operand) run
     while it is in flight. Steps 2-6 are rmsnorm_body's on ``x'^T``, with the squares on VectorE (x'^T is in SBUF:
-    ``x * x``, the product ScalarE's exact ``square`` gives), two hand-offs fewer. One difference: an exactly-zero
-    element of x' keeps its sign here, where rmsnorm_body's identity-matmul transpose can turn -0.0 into +0.0.
+    ``x * x``: nkisim's ScalarE ``square`` is that exact fp32 product; the SDK does not say whether the hardware's
+    is, so on a trn2 the last bit may differ from the layerwise norm's), two hand-offs fewer. One difference: an
+    exactly-zero element of x' keeps its sign here, where rmsnorm_body's identity-matmul transpose can turn -0.0 into
+    +0.0.
     """
     T, H = _check_x(x_sb, stack)
     J = H // P
@@ -193,8 +195,9 @@ def _feature_major(dst_ps, x, ident, stack, transpose_mode):
 
 def _normalise(xf, w_sb, ones, eps, dtype):
     """Steps 2-6 on the feature-major ``xf [P, J, T]`` (fp32 PSUM, or SBUF of x's values) -> ``xT`` in dtype.
-    An SBUF ``xf`` is squared on VectorE (``xf * xf``, the same fp32 product as ScalarE's exact ``square``), so the
-    norm's chain stays on VectorE up to the PE sum; a PSUM one on ScalarE (a DVE op reads at most one PSUM operand)."""
+    An SBUF ``xf`` is squared on VectorE (``xf * xf``: in nkisim the same fp32 product as ScalarE's ``square``, whose
+    hardware accuracy the SDK does not state), so the norm's chain stays on VectorE up to the PE sum; a PSUM one on
+    ScalarE (a DVE op reads at most one PSUM operand)."""
     J, T = xf.shape[1], xf.shape[2]
     H = J * P
     # 2-3. squares and per-partition partial sums over j
