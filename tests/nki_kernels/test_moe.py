@@ -241,14 +241,21 @@ def test_routing_matches_the_twin(E, k, T, lnc, dtype, kind):
     assert torch.equal(gl, gate.float())
 
 
-@nki.jit
-def stacked_moe(x, router, experts, shared, top_k, layer):
-    """The body as a megakernel uses it: weights of all layers stacked, the layer picked by index."""
+def _launch_io(x):
+    """A test launch's (out HBM [lnc, T, H] float32, x's feature-major copy SBUF [P, H/P, T], this core's index)."""
     T, H = x.shape
     lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
     out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
+    return out, xT, pid
+
+
+@nki.jit
+def stacked_moe(x, router, experts, shared, top_k, layer):
+    """The body as a megakernel uses it: weights of all layers stacked, the layer picked by index."""
+    io = _launch_io(x)
+    out, xT, pid = io[0], io[1], io[2]
     y = moe_tkg_body(xT, router, experts, shared, top_k, layer=layer, experts_layer=layer)
     nisa.dma_copy(dst=out[pid], src=y)
     return out
@@ -272,11 +279,8 @@ def test_stacked_layers(tiny_params):
 @nki.jit
 def pooled_moe(x, router, experts, shared, top_k, n_regs):
     """The body with a caller's pool of ``n_regs`` registers (a megakernel passes one pool to every layer)."""
-    T, H = x.shape
-    lnc, pid = (nl.num_programs(0), nl.program_id(0)) if nl.program_ndim() != 0 else (1, 0)
-    out = nl.ndarray((lnc, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
-    xT = nl.ndarray((P, H // P, T), dtype=x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, H // P], [H, T]], offset=0))
+    io = _launch_io(x)
+    out, xT, pid = io[0], io[1], io[2]
     pool = []
     for i in range(n_regs):
         pool.append(nisa.register_alloc())
