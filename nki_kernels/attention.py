@@ -629,8 +629,9 @@ EARLY_RING = 6     # ring slots of attention_ring: 6 of the 8 chunks at the real
 
 OWN_RING = 4       # ring slots of the body's own ring (no caller's ring: the first draft's MTP layer, the layerwise
 # launch): the 8 chunks' DMAs are bandwidth-bound from the layer's top, and with the body's 3 slots the 4th chunk's
-# DMA waited for chunk 0's matmuls (xT's replicas) while the queue sat idle. 4-layer round 1,490.1 -> 1,487.5 us
-# central with 4 slots and the tables on ScalarE's queue (4 slots alone 1,488.1; 5 or 6: 1,487.6; 8: 1,490.5,
+# DMA waited for chunk 0's matmuls (xT's replicas) while the queue sat idle. 4-layer A/B round (context 2,048,
+# expected routing) 1,490.1 (1,344.7 - 3,005.2) -> 1,487.5 (1,345.6 - 3,005.2) us with 4 slots and the tables on
+# ScalarE's queue (4 slots alone 1,488.1; 5 or 6: 1,487.6; 8: 1,490.5,
 # placement); bench/decode_speed.md lever 33 had measured 4 / 6 / 8 before the tables moved (issue 15)
 
 

@@ -53,10 +53,12 @@ Bytes at real shapes (Vc = 31,040, H = 2,048, bf16): the weight stream is 31,040
 Pipelining: the weight blocks stream through a ring of W_BUFS = 4 SBUF buffers (block b's DMA waits only for block
 b-4's matmuls; 64 KiB per partition at H = 2048, bf16). harness.costmodel, one rank (kernel[2]) at real shapes, bf16
 (``python -m harness.bench kernel nki_kernels/lm_head.py::lm_head_argmax_kernel --arg xT=128,16,2:bfloat16 --arg
-w=2,128,496640:bfloat16 --lnc 2``): 414.0 / 414.8 / 416.4 us for T = 1 / 2 / 4 against a 400.5 us HBM roofline
-(254.3 MB at 635 GB/s per rank; 97 %); the argmax tail after the last logits is ~2.5 us. With 2 buffers it is
-433.5 / 434.3 / 435.9 us: block b+2's DMA then waits for block b's 16 matmuls and the ~1.3 us semaphore hand-off,
-so the PE sits on the stream's path; 3 buffers already give the figures above alone. The 4th is slack for other
+w=2,128,496640:bfloat16 --lnc 2``, shape-only, central (low - high)): 414.0 (382.0 - 1,002.8) / 414.8 (382.8 -
+1,003.7) / 416.4 (384.4 - 1,005.3) us for T = 1 / 2 / 4 against a 400.5 us HBM roofline (254.3 MB at 635 GB/s per
+rank; 97 %); the argmax tail after the last logits is ~2.5 us. With 2 buffers it is 433.5 (387.7 - 1,002.8) /
+434.3 (388.5 - 1,003.7) / 435.9 (390.1 - 1,005.3) us: block b+2's DMA then waits for block b's 16 matmuls and
+the ~1.3 us semaphore hand-off, so the PE sits on the stream's path; 3 buffers already give the central figures
+above alone. The 4th is slack for other
 work the round emits between the blocks (``between``, the MTP replay), whose PE instructions delay the blocks'
 matmuls (bench/decode_speed.md lever 34). Under the measured 1.69x PE throttle (the band's high end) the head
 becomes PE-bound: 16 x 31,040 moving columns per core is inherent to streaming the weight as the moving operand
