@@ -51,11 +51,11 @@ from megakernel.plan import ATTENTION, DRAFT, MOE_PREFETCH, REPLAY, VERIFY
 from nki_kernels.attention import (ATTENTION_REGISTERS, attention_body, attention_ring, kv_rows_inputs,
                                    kv_rows_project, kv_rows_write)
 from nki_kernels.collectives import allgather_cores, allreduce_lanes, argmax_combine, combine_lanes, tp_group
-from nki_kernels.common import P, kernel_assert, program_sharding
+from nki_kernels.common import P, carve, kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
 from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, columns_weight, token_major
-from nki_kernels.lm_head import lm_head_argmax_body
+from nki_kernels.lm_head import NB, lm_head_argmax_body, lm_head_ring, ring_depth
 from nki_kernels.moe import moe_tkg_body, moe_weights
 from nki_kernels.rmsnorm import residual_rmsnorm_body, rmsnorm_body
 from nki_kernels.stacked import banks_for, stack_rows
@@ -66,9 +66,9 @@ from nki_kernels.stacked import banks_for, stack_rows
 # partial. A hidden size that does not split into banks of a multiple of 128 columns stays token-major.
 RESIDUAL_BANKS = 4
 # The verify LM-head vocab blocks after which D2's phases 1, 2, 3 are emitted (phase 0 runs before the final norm;
-# ReplayInHead; bench/decode_speed.md levers 27 and 35: each phase's inputs are in by then, so none of its
+# ReplayInHead; bench/decode_speed.md levers 27, 35 and 45: each phase's inputs are in by then, so none of its
 # instructions waits at an engine queue's head in front of the head's)
-REPLAY_PHASES = (4, 10, 16)
+REPLAY_PHASES = (10, 20, 30)
 REPLAY_QUEUE = nisa.engine.scalar   # phase 0's DMAs (weights, tables, p): not in the default queue ahead of the
 #                                     LM head's blocks
 
@@ -398,10 +398,11 @@ def verify(plan, stage, t, id_rows, proposed, rg, regs, core):
     lanes = None
     for i in range(len(layers)):
         out = decoder_layer(plan, layers[i], t, x, rg, regs, pos, cos, sin, core, _next_gdn(layers, i), True,
-                            e if i == 0 else None, lanes)
+                            e if i == 0 else None, lanes, i == len(layers) - 1)
         x = out[0]
         lanes = out[1]
     w_final = _sbuf_copy(t.norms[plan.norms.final], "final_norm_w")
+    ring = regs.head_ring
     side = None
     for s in plan.stages:
         if s.kind == REPLAY:    # D2's loads first: they stream under the last all-reduce and the final norm
@@ -411,7 +412,24 @@ def verify(plan, stage, t, id_rows, proposed, rg, regs, core):
     hidden = token_major(xT)
     if side != None:
         side.h = hidden[0:plan.drafts, :]
-    return token_ids_from_best(_greedy(plan, t, xT, rg, core, side)), hidden
+    return token_ids_from_best(_greedy(plan, t, xT, rg, core, side, ring)), hidden
+
+
+def _head_ring(t, regs, core):
+    """The verify's LM head weight ring in the launch's GDN arena, its first blocks issued now -- in the verify's last
+    layer, an attention layer, after its mixer: the arena is idle from the last GDN layer on (nothing reads or fills it
+    again in the launch), and the HBM is, under the mid-layer all-reduce, the norm and the routing -- or None (no
+    arena). Triggered by GpSimd (software DGE): in ScalarE's or the default queue the 8 MiB per core would hold back
+    the layer's own DMAs (the o_proj weight, the routed experts; the DMAs of one queue move in order, SDK
+    nki-dma-overview.rst "DMA Queues"). Before, the head's first DMAs waited for the exit fence of the layer's last
+    MoE loop and, in tiles of their own, first-fit placement put them where the MoE's tiles had been
+    (bench/decode_speed.md lever 45)."""
+    if regs.gdn == None or regs.gdn_layer != -1:
+        return None
+    w = t.lm_head[core]
+    KT = t.embed.shape[1] // P
+    bufs = carve(regs.gdn.big, (KT, min(NB, w.shape[1] // KT)), w.dtype)
+    return lm_head_ring(w, KT, bufs[0:min(len(bufs), ring_depth(w, KT))])
 
 
 class ReplayInHead(nl.NKIObject):
@@ -487,7 +505,7 @@ def replay(r, phase):
 
 # ---- layers --------------------------------------------------------------------------------------------------
 def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=None, early_ring=False, entry=None,
-                  lanes=None):
+                  lanes=None, last=False):
     """One decoder layer on the residual x, bank-stacked SBUF [S*T, H/S] (S = ``t.stack``, nki_kernels/stacked.py;
     S = 1: token-major [T, H]): x += mixer(norm(x)); x += MoE(norm(x)), each partial (stacked too) all-reduced
     over the TP x LNC cores. ``entry``: at a stage's first layer, the same residual token-major [T, H], which the
@@ -499,7 +517,8 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     stream under the previous all-reduce (the MTP layers' drafts have no SBUF room for it next to the GDN arena:
     they keep the body's own ring). Both norm weights (8 KiB each) are loaded first: the DMAs of one queue move in
     order (SDK nki-dma-overview.rst "DMA Queues"), so behind the ring's chunks the input norm would wait for them
-    (bench/decode_speed.md lever 24).
+    (bench/decode_speed.md lever 24). ``last``: the verify's last layer, which issues the LM head's first weight
+    blocks after an attention mixer (``_head_ring``).
     ``lanes``: the previous layer's MoE reduction still pending (``allreduce_lanes``; None: x is up to date): the
     residual is then x + (lane + peer), the input norm takes it from the lanes (``residual_rmsnorm_body``) and the
     residual's own adds are issued after the mixer, where VectorE waits for the collective. Returns (x, the MoE
@@ -529,6 +548,8 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
                      layer=layer.mixer, weights=wg, stack=t.stack)
     wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
+    if last and layer.kind == ATTENTION:
+        regs.head_ring = _head_ring(t, regs, core)
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
         gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, _gdn_arena(regs, g))
         regs.gdn_layer = next_gdn.mixer
@@ -686,22 +707,23 @@ def _add_into(x, y):
     return out
 
 
-def _greedy(plan, t, xT, rg, core, between=None):
+def _greedy(plan, t, xT, rg, core, between=None, ring=None):
     """The verify's (step's) global argmax over the vocabulary: SBUF [T, 2] float32 (value, index); in a sampled
     launch the Gumbel-max sample with the verify's noise ``t.noise_v`` (a device-committed round: its window
-    entry). ``between``: work emitted inside the LM head (:class:`ReplayInHead`), or None."""
+    entry). ``between``: work emitted inside the LM head (:class:`ReplayInHead`), or None; ``ring``: the head's
+    ``lm_head_ring`` if the caller issued it, or None."""
     noise = None
     if t.noise_v != None:
         slot = _noise_slot(t)
         noise = t.noise_v[core] if slot == None else _window_entry(t.noise_v, core, 0, slot)
-    return _vocab_argmax(plan, t, xT, rg, core, noise, between)
+    return _vocab_argmax(plan, t, xT, rg, core, noise, between, ring)
 
 
-def _vocab_argmax(plan, t, xT, rg, core, noise, between=None):
+def _vocab_argmax(plan, t, xT, rg, core, noise, between=None, ring=None):
     """Global argmax over the vocabulary (split over every core) of the logits (+ ``noise``, this core's
     [P, Cp*T] float32, or None): SBUF [T, 2] float32 (value, index)."""
-    return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core], noise=noise, between=between), plan.vocab_per_core,
-                          rg, plan.tp)
+    return argmax_combine(lm_head_argmax_body(xT, t.lm_head[core], noise=noise, between=between, ring=ring),
+                          plan.vocab_per_core, rg, plan.tp)
 
 
 def _draft_greedy(plan, t, xT, rg, core, i):
@@ -749,6 +771,7 @@ class Registers(nl.NKIObject):
         self.attention = attention
         self.gdn = None
         self.gdn_layer = -1         # the GDN layer whose weight DMAs into the arena are issued and not yet used
+        self.head_ring = None       # the verify's LM head ring in the arena (``_head_ring``), once issued
 
 
 def _allocate(n):

@@ -87,3 +87,22 @@ def own_identity(n: int, dtype, name: str):
     t = nl.ndarray((n, n), dtype, buffer=nl.sbuf, name=name)
     nl.shared_identity_matrix(n=n, dtype=dtype, dst=t)
     return t
+
+
+def carve(tiles, shape, dtype):
+    """Views of shape ``[P, *shape]`` cut in order out of ``tiles`` (SBUF tiles of ``P`` partitions and ``dtype``,
+    each taken as one run per partition; other tiles are skipped): as many whole pieces as each holds. For a caller
+    that lends a launch-wide arena's bytes to other work while the arena is idle (a fixed home: first-fit placement
+    cannot put that work where tiles still in use sit)."""
+    n = 1
+    for d in shape:
+        n *= d
+    out = []
+    for t in tiles:
+        if t.shape[0] != P or t.dtype != dtype:
+            continue
+        m = t.size // P
+        flat = t.reshape((P, m))
+        for i in range(m // n):
+            out.append(flat[:, i * n:(i + 1) * n].reshape((P,) + tuple(shape)))
+    return out

@@ -237,9 +237,11 @@ class GdnWeights(nl.NKIObject):
     ``[D, Hv_c, H]`` (out_proj), the small per-layer parameters ``wc`` ``[D, NH, K]`` (conv taps), ``wn`` ``[D, 1]``
     float32 (gated-norm weight), ``ab`` ``[1, 2, Hv_c]`` float32 (A_log ‖ dt_bias of the core's value heads), and the
     gates' one-hot source ``ident_g``, a ``[MAX_T + 1, MAX_T + 1]`` float32 identity (a constant: loaded when the
-    tiles are allocated)."""
+    tiles are allocated). ``big``: the whole tiles holding the projections (the in_proj tile ``[P, J, N]`` whose
+    views ``w_in_tiles`` are, and ``wo``), for a caller that lends an arena's bytes out between GDN layers."""
 
-    def __init__(self, w_in_tiles, jg, wo, wc, wn, ab, ident_g):
+    def __init__(self, w_in_tiles, jg, wo, wc, wn, ab, ident_g, big):
+        self.big = big
         self.w_in_tiles = w_in_tiles
         self.jg = jg
         self.wo = wo
@@ -264,16 +266,22 @@ def gdn_weight_tiles(w_in, conv_w, w_out):
     jg = (J + n_groups - 1) // n_groups         # hidden tiles per weight DMA
     n_groups = (J + jg - 1) // jg
     tiles = []
+    big = []
     if J * N * isz <= WEIGHT_PREFETCH_BYTES:
+        # ONE tile, the groups its views: the arena's in_proj bytes are contiguous, so a caller may lend them out
+        # whole between GDN layers (the verify's LM head ring after the last one, ``megakernel.round``)
+        w_in = nl.ndarray((P, J, N), adt, buffer=nl.sbuf, name="w_in")
+        big.append(w_in)
         for gi in range(n_groups):
             j0 = gi * jg
-            tiles.append(nl.ndarray((P, min(J, j0 + jg) - j0, N), adt, buffer=nl.sbuf, name=f"w_in_{j0}"))
+            tiles.append(w_in[:, j0:min(J, j0 + jg), :])
     wo = nl.ndarray((D, hv_c, H), adt, buffer=nl.sbuf, name="w_out")
     wc = nl.ndarray((D, NH, K), conv_w.dtype, buffer=nl.sbuf, name="conv_taps")
     wn = nl.ndarray((D, 1), nl.float32, buffer=nl.sbuf, name="norm_w")
     ab = nl.ndarray((1, 2, hv_c), nl.float32, buffer=nl.sbuf, name="A_log_dt_bias")
     ident_g = own_identity(MAX_T + 1, nl.float32, "gate_ident")    # the gates' one-hot stationaries: .ap() on it
-    return GdnWeights(tuple(tiles), jg, wo, wc, wn, ab, ident_g)
+    big.append(wo)
+    return GdnWeights(tuple(tiles), jg, wo, wc, wn, ab, ident_g, tuple(big))
 
 
 def gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out, layer=None, arena=None):

@@ -120,7 +120,29 @@ def select_max_lowest_index(out, vals, idx):
 
 
 # ---- body -----------------------------------------------------------------------------------------
-def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None, between=None):
+def ring_depth(w, KT: int) -> int:
+    """Buffers of :func:`lm_head_argmax_body`'s weight ring for the shard ``w`` (HBM ``[P, KT*Vc]``)."""
+    return min(W_BUFS, len(vocab_blocks(w.shape[1] // KT)))
+
+
+def lm_head_ring(w, KT: int, tiles):
+    """The first buffers of :func:`lm_head_argmax_body`'s weight ring for the shard ``w`` (HBM ``[P, KT*Vc]``), in
+    ``tiles`` (SBUF ``[P, KT, min(NB, Vc)]`` of w's dtype, at most :func:`ring_depth`: e.g. ``common.carve`` of an idle
+    arena),
+    with the DMAs of their blocks issued now, for ``lm_head_argmax_body(..., ring=)``: a caller issues them before
+    the body's inputs are ready, so they stream while those are computed (they depend on nothing else). Triggered
+    from GpSimd (``dge_mode.swdge``): in a hardware-DGE queue these 2 MiB blocks would hold back the caller's later
+    DMAs of that queue (the DMAs of one queue move in order, SDK nki-dma-overview.rst "DMA Queues")."""
+    blocks = vocab_blocks(w.shape[1] // KT)
+    if len(tiles) > ring_depth(w, KT):
+        raise ValueError(f"lm_head: {len(tiles)} ring buffers, at most {ring_depth(w, KT)}")
+    for i in range(len(tiles)):
+        b0, nb = blocks[i]
+        nisa.dma_copy(dst=tiles[i][:, :, 0:nb], src=w[:, KT * b0:KT * (b0 + nb)], dge_mode=nisa.dge_mode.swdge)
+    return tiles
+
+
+def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None, between=None, ring=None):
     """Body: greedy (value, index) of this core's vocabulary shard for each of T tokens.
 
     xT: SBUF ``[P, KT, T]`` activation dtype (normed hidden, feature-major). w: HBM ``[P, KT*Vc]``
@@ -134,6 +156,8 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
     between: None, or an object whose ``step(b, n)`` the body calls after vocab block b of n: other work emitted
     between the blocks in program order, so that it runs on the engines the weight stream leaves idle (the round's
     MTP replay, ``megakernel.round.ReplayInHead``).
+    ring: None, or :func:`lm_head_ring` of ``w``: the weight ring's first buffers with their blocks already issued
+    (the body allocates the others).
     Returns ``best`` SBUF ``[T, 2]`` float32 (value, index).
     """
     Pp, KT, T = xT.shape
@@ -171,15 +195,21 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
 
     # weight ring: W_BUFS block buffers, block b streams into buffer b % W_BUFS (its DMA waits only for
     # the matmuls of block b - W_BUFS), so W_BUFS - 1 block loads run ahead of the PE
-    nbuf = min(W_BUFS, len(vocab_blocks(vc)))
-    wring = []
-    for i in range(nbuf):
+    nbuf = ring_depth(w, KT)
+    wring = [] if ring == None else list(ring)
+    issued = len(wring)
+    for b in wring:
+        if issued > nbuf or tuple(b.shape) != (P, KT, min(NB, vc)) or b.dtype != act:
+            raise ValueError(f"lm_head: a ring of {issued} buffers {list(b.shape)} {b.dtype} was passed, expected at "
+                             f"most {nbuf} of [{P}, {KT}, {min(NB, vc)}] {act} (lm_head_ring of the same weight)")
+    for i in range(issued, nbuf):
         wring.append(nl.ndarray((P, KT, min(NB, vc)), act, buffer=nl.sbuf, name=f"lm_head_w{i}"))
     blocks = vocab_blocks(vc)
     for bi in range(len(blocks)):
         b0, nb = blocks[bi]
         wt = wring[bi % nbuf][:, :, 0:nb]
-        nisa.dma_copy(dst=wt, src=w[:, KT * b0:KT * (b0 + nb)])
+        if bi >= issued:
+            nisa.dma_copy(dst=wt, src=w[:, KT * b0:KT * (b0 + nb)])
         if noise != None and bi == 0:     # behind the first weight block: hidden under the stream
             noise_sb = nl.ndarray((P, Cp * T), nl.float32, buffer=nl.sbuf, name="sample_noise")
             nisa.dma_copy(dst=noise_sb, src=noise)

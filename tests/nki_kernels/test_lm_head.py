@@ -17,13 +17,16 @@ import numpy as np
 import pytest
 import torch
 
+import nki
+import nki.isa as nisa
+import nki.language as nl
 import nkisim
 from compare import assert_close
 from model.config import preset
 from model.params import random_params
 from model.tp import embed_head as eh
 from nki_kernels import lm_head as lm
-from nki_kernels.common import P
+from nki_kernels.common import P, carve
 from nki_kernels.host import feature_major
 
 N_CORES = 8
@@ -220,3 +223,46 @@ def test_real_shape_trace_counts_and_bytes():
     for inst in (0, 1):
         hbm_read = sum(i["bytes"].get("shared_hbm", {}).get("read", 0) for i in tr.instructions if i["inst"] == inst)
         assert hbm_read == vc * H * 2 + H * T * 2
+
+
+@nki.jit
+def _head_with_ring(xT, w, n_ring):
+    """lm_head_argmax_body with its first ``n_ring`` weight blocks issued ahead (``lm_head_ring``) into buffers
+    carved out of one larger SBUF tile (``common.carve``, as the megakernel carves the GDN arena) -> best [T, 2]."""
+    _, KT, T = xT.shape
+    vc = w.shape[1] // KT
+    xs = nl.ndarray(tuple(xT.shape), xT.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xs, src=xT)
+    arena = nl.ndarray((P, n_ring * KT * min(lm.NB, vc) + 7), w.dtype, buffer=nl.sbuf)   # +7: a remainder left out
+    bufs = carve([arena], (KT, min(lm.NB, vc)), w.dtype)
+    ring = lm.lm_head_ring(w, KT, bufs[0:n_ring])
+    best = lm.lm_head_argmax_body(xs, w, ring=ring)
+    out = nl.ndarray((T, 2), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=best)
+    return out
+
+
+@pytest.mark.parametrize("n_ring", [1, 3])
+def test_ring_issued_ahead_is_bit_identical(n_ring):
+    """A ring whose first blocks the caller issued (fewer than the body's depth, or all of it) gives the same bits
+    as the body's own ring: same blocks, same matmuls, in the same order."""
+    vc, H, T = 1300, 256, 2                # 3 vocab blocks: the body's ring is 3 deep
+    g = torch.Generator().manual_seed(13)
+    w = lm.lm_head_layout((torch.randn(vc, H, generator=g) / H ** 0.5).to(torch.bfloat16))
+    h = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    want = _np32(lm.lm_head_argmax_kernel(feature_major(h), w[None])[0])
+    with nkisim.trace.capture() as tr:
+        got = _np32(_head_with_ring(feature_major(h), w, n_ring))
+    assert np.isfinite(got).all() and np.abs(got[:, 0]).max() > 0
+    np.testing.assert_array_equal(got, want)
+    weight_dmas = [i for i in tr.instructions if i["op"] == "dma_copy" and i["bytes"].get("shared_hbm", {}).get("read")
+                   and i.get("dge_mode") != "swdge"]
+    assert sum(i.get("dge_mode") == "swdge" for i in tr.instructions) == n_ring       # the ring's, from GpSimd
+    assert len(weight_dmas) == 3 - n_ring + 1          # the body's own blocks + xT's load
+
+
+def test_ring_deeper_than_the_body_refused():
+    vc, H, T = 600, 128, 1                 # 2 vocab blocks
+    w = lm.lm_head_layout(torch.zeros(vc, H, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="at most 2"):
+        _head_with_ring(feature_major(torch.zeros(T, H, dtype=torch.bfloat16)), w, 3)
