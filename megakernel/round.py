@@ -53,7 +53,7 @@ from nki_kernels.attention import (ATTENTION_REGISTERS, attention_body, attentio
 from nki_kernels.collectives import allgather_cores, allreduce_lanes, argmax_combine, combine_lanes, tp_group
 from nki_kernels.common import P, carve, kernel_assert, program_sharding
 from nki_kernels.embedding import embedding_body, load_token_ids, subset_ids_from_best, token_ids_from_best
-from nki_kernels.gdn import gdn_body, gdn_weight_tiles, gdn_weights
+from nki_kernels.gdn import gdn_body, gdn_out_proj, gdn_weight_tiles, gdn_weights
 from nki_kernels.linear import columns_body, columns_weight, token_major
 from nki_kernels.lm_head import NB, lm_head_argmax_body, lm_head_ring, ring_depth
 from nki_kernels.moe import moe_tkg_body, moe_weights
@@ -512,7 +512,7 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     input norm reads (so the stacking copies of the stage entry run beside the norm and the mixer), else None.
     ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``; None: none); its weights are issued
     into the launch's arena as soon as this layer's mixer is done, so they stream under the all-reduces, the norm
-    and the routing instead of at the top of that layer. ``early_ring`` (the verify's layers): an attention layer's
+    and the routing instead of at the top of that layer -- all but its out_proj weight, issued at its own top. ``early_ring`` (the verify's layers): an attention layer's
     projection ring (``attention_ring``) is allocated and its first chunks issued before the input norm, so they
     stream under the previous all-reduce (the MTP layers' drafts have no SBUF room for it next to the GDN arena:
     they keep the body's own ring). Both norm weights (8 KiB each) are loaded first: the DMAs of one queue move in
@@ -529,6 +529,8 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     if layer.kind != ATTENTION:     # GDN weights into the launch's arena (issue 15): prefetched by the previous GDN
         if regs.gdn_layer != layer.mixer:   # layer of the stage, else issued here, before the norm
             gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], layer.mixer, _gdn_arena(regs, g))
+        else:                               # prefetched without its out_proj weight: issued now
+            gdn_out_proj(g[5], layer.mixer, regs.gdn)
         wg = regs.gdn
         regs.gdn_layer = -1
     w_norm = _sbuf_copy(t.norms[layer.in_norm], "in_norm_w")
@@ -551,7 +553,7 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     if last and layer.kind == ATTENTION:
         regs.head_ring = _head_ring(t, regs, core)
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
-        gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, _gdn_arena(regs, g))
+        gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, _gdn_arena(regs, g), out_proj=False)
         regs.gdn_layer = next_gdn.mixer
     mixer_lanes = allreduce_lanes(y, rg)
     if lanes != None:       # the previous reduction's residual update, after the mixer's VectorE work (y stays

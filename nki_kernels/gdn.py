@@ -284,14 +284,15 @@ def gdn_weight_tiles(w_in, conv_w, w_out):
     return GdnWeights(tuple(tiles), jg, wo, wc, wn, ab, ident_g, tuple(big))
 
 
-def gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out, layer=None, arena=None):
+def gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out, layer=None, arena=None, out_proj=True):
     """Issue the DMAs of this core's weights of layer ``layer`` (HBM, host layout; None: unstacked tensors) into
     ``arena`` (:func:`gdn_weight_tiles`) or fresh tiles -> :class:`GdnWeights`, to pass to :func:`gdn_body` (a
     caller may issue them early: prefetch). They are triggered from ScalarE's DMA queue: the DMAs of one queue move
     in order (SDK nki-dma-overview.rst "DMA Queues"), so this 8 MiB stream must not sit in the queue of the small
     DMAs the next steps wait for (norm weights, router, the routed experts), which the compiler's default queue
     carries (bench/decode_speed.md lever 23); the layer's small parameters go first in it (the projections need
-    the big ones only group by group; bench/decode_speed.md lever 29)."""
+    the big ones only group by group; bench/decode_speed.md lever 29). ``out_proj=False``: all but the out_proj
+    weight, which the caller issues later with :func:`gdn_out_proj` (it is read only at the mixer's end)."""
     w_in, w_out, conv_w = layer_of(w_in, layer), layer_of(w_out, layer), layer_of(conv_w, layer)
     A_log, dt_bias, norm_w = layer_of(A_log, layer), layer_of(dt_bias, layer), layer_of(norm_w, layer)
     small = (("A_log", A_log), ("dt_bias", dt_bias), ("norm_w", norm_w))
@@ -314,8 +315,19 @@ def gdn_weights(w_in, conv_w, A_log, dt_bias, norm_w, w_out, layer=None, arena=N
         wt = wts.w_in_tiles[gi]
         nisa.dma_copy(dst=wt, src=w_in[core, :, j0:j0 + wt.shape[1], :], dge_mode=nisa.dge_mode.hwdge,
                       engine=nisa.engine.scalar)
-    nisa.dma_copy(dst=wts.wo, src=w_out[core], dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+    if out_proj:
+        gdn_out_proj(w_out, None, wts)
     return wts
+
+
+def gdn_out_proj(w_out, layer, wts):
+    """Issue the DMA of this core's out_proj weight of layer ``layer`` (HBM; None: an unstacked tensor) into ``wts``
+    (:class:`GdnWeights`), from ScalarE's DMA queue like :func:`gdn_weights`. A prefetching caller issues it at the
+    layer's own top: in the previous layer it was the tail of the 8 MiB prefetch, still in flight when that layer's
+    routed-expert stream began, and moved beside it at half the rate (bench/decode_speed.md lever 46)."""
+    _, core = program_sharding()
+    nisa.dma_copy(dst=wts.wo, src=layer_of(w_out, layer)[core], dge_mode=nisa.dge_mode.hwdge,
+                  engine=nisa.engine.scalar)
 
 
 def _project_chunk(accs, xT, tiles, jg, k, N):
