@@ -97,11 +97,16 @@ ACT for the group, per slot ``a = silu(g) * w_tok * u`` on DVE (fp32) and one PE
 multiply into the block-diagonal stationaries ``Z [P, G, R*T]`` (``Z[g*ic+i, g*T+t] = a[t, i]``) so that ONE
 matmul per 512-column bank with the folded down block (K = 128) yields the folded output ``[R*T, H/R]``:
 ``y[t, g*H/R + c] = out[g*T + t, c]``. At the real shapes (ic = 64, R = 2) this halves the down matmuls and the
-free size of the accumulation. On the PE, group g+1's gate|up is issued before group g's transposes and down
-projection (software pipelining in program order, within a straight-line run). (Group g's transposes before
-group g+1's gate|up, its down projection after: 4-layer A/B 1,609.2 -> 1,607.0 us before the down rows were
-deferred a group, then 1,601.0 (1,421.4 - 3,063.3) against 1,601.1 (1,419.0 - 3,061.6) for this order.) The
-folded sum is unfolded into ``y [T, H]`` at the end by R SBUF->SBUF DMAs.
+free size of the accumulation. On the PE (software pipelining in program order, within a straight-line run): the
+matmuls of group g+1's first gate|up piece, then group g's transposes, then the rest of group g+1's gate|up, then
+group g's down projection. The bytes of the first piece land first, so the PE works on them while ACT / DVE finish
+group g, and group g's transposes wait for no piece still in flight: at a stream's end the last group's gate|up no
+longer holds back the previous group's chain. A stream's last group takes one mask multiply per slot, so its
+first slot's down matmuls need not wait for the second slot's transpose. (Issue 15, 4-layer A/B round: 1,490.8
+(1,345.2 - 3,008.5) -> 1,487.9 (1,344.8 - 2,990.2) us against the whole gate|up of group g+1 before group g's
+transposes; the split at the last pair of a stream only: 1,487.9 (1,344.4 - 2,996.8); the whole gate|up after the
+transposes at the last pair: 1,489.5.) The folded sum is unfolded into ``y [T, H]`` at the end by R SBUF->SBUF
+DMAs.
 
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
 reads exactly half of every selected expert: the DMA split is balanced whatever the number of
@@ -549,13 +554,18 @@ def _down_cols(v, geo, i, c0, cn):
     return t.ap(pattern=[[_row(t), P], [1, cn]], offset=o + n * geo["off_d"] + i * geo["HR"] + c0)
 
 
-def _gate_up(xT, v, geo, n):
+def _gate_up(xT, v, geo, n, j0=0, j1=None, gu=None):
     """PSUM [T, n, 2ic] f32: gate|up of the n slots of the group view v (:func:`_gu_cols`), ONE matmul per
-    contraction block for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns)."""
+    contraction block for all n slots (moving operand [P, n, 2ic], n * 2ic <= 512 columns). Blocks j0 .. j1 - 1
+    only (default: all), into ``gu`` when given (a later part of the same accumulation, issued later in program
+    order), else into a new PSUM tile."""
     _, J, T = xT.shape
     ic2 = 2 * geo["ic"]
-    gu = nl.ndarray((T, n, ic2), dtype=nl.float32, buffer=nl.psum)
-    for j in range(J):
+    if gu == None:
+        gu = nl.ndarray((T, n, ic2), dtype=nl.float32, buffer=nl.psum)
+    if j1 == None:
+        j1 = J
+    for j in range(j0, j1):
         nisa.nc_matmul(dst=gu, stationary=xT[:, j, :], moving=_gu_cols(v, geo, j), accumulate=j > 0)
     return gu
 
@@ -597,25 +607,32 @@ def _activate(gu, geo, n, wts, c0, st=None, refill=None, sc=None):
     return (aT, view)
 
 
-def _project(aT, v, geo, n, mask, acc, first):
+def _project(aT, v, geo, n, mask, acc, first, per_slot=False):
     """The down projection of n slots from their a^T (PSUM [P, n, T], :func:`_activate`) and their group view v:
     one mask multiply into the block-diagonal stationaries z [P, n, R*T] (the activation dtype; bfloat16 beside
     fp8 blocks), and per slot one matmul per 512-column bank with the folded down block accumulated into acc
-    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites)."""
+    (PSUM [R*T, H/R]; ``first``: the first matmul overwrites). ``per_slot``: one mask multiply per slot instead
+    (a stream's last group: slot 0's matmuls need not wait for slot 1's transpose; same values)."""
     T = aT.shape[2]
     R = geo["R"]
     adt = v[0].dtype
     if adt == FP8:
         adt = nl.bfloat16          # fp8 blocks run with bfloat16 activations (moe_tkg_body checks)
     if geo["banks"] > 1:
-        _down_banks(aT, v, geo, n, mask, acc, first, adt)
+        _down_banks(aT, v, geo, n, mask, acc, first, adt, per_slot)
         return
     z = nl.ndarray((P, n, R * T), dtype=adt, buffer=nl.sbuf)        # block-diagonal stationaries
-    if R == 1:
-        nisa.tensor_copy(dst=z, src=aT)
-    else:
-        nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, R], [1, T]], offset=0),
-                           data2=mask.ap(pattern=[[R * T, P], [0, n], [T, R], [1, T]], offset=0), op=nl.multiply)
+    parts = [(0, n)]
+    if per_slot:
+        parts = _groups(0, n, 1)
+    for part in parts:
+        i0, m = part
+        if R == 1:
+            nisa.tensor_copy(dst=z[:, i0:i0 + m, :], src=aT[:, i0:i0 + m, :])
+        else:
+            nisa.tensor_tensor(dst=z[:, i0:i0 + m, :],
+                               data1=aT.ap(pattern=[[n * T, P], [T, m], [0, R], [1, T]], offset=i0 * T),
+                               data2=mask.ap(pattern=[[R * T, P], [0, m], [T, R], [1, T]], offset=0), op=nl.multiply)
     for i in range(n):
         for chunk in geo["chunks"]:
             cs, cn = chunk
@@ -624,7 +641,7 @@ def _project(aT, v, geo, n, mask, acc, first):
         first = False
 
 
-def _down_banks(aT, v, geo, n, mask, acc, first, adt):
+def _down_banks(aT, v, geo, n, mask, acc, first, adt, per_slot=False):
     """:func:`_project`'s stationaries and matmuls into the bank-stacked accumulator acc PSUM ``[S*T, H/S]``
     (S = ``geo["banks"]``, ``stacked.fold_banks``): the block-diagonal stationary of slot i is placed once per
     column piece h (width W = H/S of the folded down block) at column offset h*R*T of an otherwise zero
@@ -632,15 +649,21 @@ def _down_banks(aT, v, geo, n, mask, acc, first, adt):
     (:func:`_bank_mask`) writes every element, zeros included (no memset per group, so no WAR chain on the
     previous group's stationaries). Same moving columns as the folded layout (W = 512 at the real shapes: the same
     matmuls), one PSUM bank instead of H/R/512. ``adt``: the stationaries' dtype (the activation dtype; bfloat16
-    beside fp8 blocks)."""
+    beside fp8 blocks); ``per_slot``: one multiply per slot (:func:`_project`)."""
     T = aT.shape[2]
     R, S = geo["R"], geo["banks"]
     W = geo["HR"] * R // S
     Hb = S // R
     z = nl.ndarray((P, n, Hb, S * T), dtype=adt, buffer=nl.sbuf)     # zero-padded stationaries
-    nisa.tensor_tensor(dst=z, data1=aT.ap(pattern=[[n * T, P], [T, n], [0, Hb * S], [1, T]], offset=0),
-                       data2=mask.ap(pattern=[[Hb * S * T, P], [0, n], [S * T, Hb], [1, S * T]], offset=0),
-                       op=nl.multiply)
+    parts = [(0, n)]
+    if per_slot:
+        parts = _groups(0, n, 1)
+    for part in parts:
+        i0, m = part
+        nisa.tensor_tensor(dst=z[:, i0:i0 + m, :, :],
+                           data1=aT.ap(pattern=[[n * T, P], [T, m], [0, Hb * S], [1, T]], offset=i0 * T),
+                           data2=mask.ap(pattern=[[Hb * S * T, P], [0, m], [S * T, Hb], [1, S * T]], offset=0),
+                           op=nl.multiply)
     for i in range(n):
         for h in range(Hb):
             nisa.nc_matmul(dst=acc, stationary=z[:, i, h, :], moving=_down_cols(v, geo, i, h * W, W),
@@ -763,8 +786,9 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
     issued before the call; the rest of the groups that fit in the ring are issued up front, every later one
     right after the down projection of the group whose ring positions it takes -- or, when more than ``WINDOW``
     of them fit, WINDOW groups up front and group g + WINDOW right after group g's silu (ScalarE-triggered, see
-    :func:`_activate`). On the PE the gate|up of group g + 1 is issued before the rest of group g (the PE works
-    while ACT / DVE finish group g). Accumulates into acc (``first``: the first matmul overwrites)."""
+    :func:`_activate`). On the PE the first gate|up piece of group g + 1 is issued before group g's transposes and
+    the rest of it after them (module docstring "Expert compute"). Accumulates into acc (``first``: the first
+    matmul overwrites)."""
     ng = len(groups)
     ahead = max(len(bufs), _ahead(groups, st["ring"].shape[1]))
     lead = ahead
@@ -776,6 +800,8 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
     for g in range(len(bufs), min(lead, ng)):
         views[g] = _issue(st, groups[g])
     _flush(st)        # the last up-front group's down rows
+    J = xT.shape[1]
+    jp = J // _pieces(geo)      # contraction blocks in a gate|up part's first piece
     gu = _gate_up(xT, views[0][0], geo, groups[0][1])
     for g in range(ng):
         s0, n = groups[g]
@@ -783,12 +809,14 @@ def _stream(xT, st, groups, geo, wts, mask, acc, first, bufs):
         if lead < ahead and g + lead < ng:
             refill = groups[g + lead]
         gu_g = gu
-        if g + 1 < ng:
-            gu = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1])
+        if g + 1 < ng:      # group g + 1's first contraction piece: its bytes land first
+            gu = _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1], 0, jp)
         a_v = _activate(gu_g, geo, n, wts, s0, st, refill, views[g][1])
+        if g + 1 < ng:      # ... the rest after group g's transposes
+            _gate_up(xT, views[g + 1][0], geo, groups[g + 1][1], jp, J, gu)
         if refill != None:
             views[g + lead] = a_v[1]
-        _project(a_v[0], views[g][0], geo, n, mask, acc, first)
+        _project(a_v[0], views[g][0], geo, n, mask, acc, first, g + 1 == ng)
         first = False
         views[g] = None
         if lead == ahead and g + ahead < ng:
