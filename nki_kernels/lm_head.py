@@ -368,15 +368,19 @@ def rank_noise_layout(noise, n_cores: int) -> torch.Tensor:
     return torch.stack([noise_layout(g[:, c * vc:(c + 1) * vc]) for c in range(n_cores)])
 
 
-def quantize_head(w) -> tuple[torch.Tensor, float]:
-    """A head's rows ``[V, H]`` -> (e4m3 codes ``[V, H]`` in ``model.tp.moe.FP8_CODES`` storage, per-tensor scale s):
-    s = max |w| / 240 in fp32 (1 for an all-zero head), codes = round-to-nearest-even(w / s) (module docstring
-    "fp8 draft head"). The same quantiser as the fp8 experts (``model.tp.moe.quantize_channels``) over one channel."""
-    codes, scale = quantize_channels(as_torch(w).reshape(1, -1), 1)
-    return codes.reshape(w.shape), float(scale[0])
+def quantize_head(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """One core's head rows ``[Vc, H]`` -> (e4m3 codes ``[Vc, H]`` in ``model.tp.moe.FP8_CODES`` storage, the shard's
+    scale s, a float32 scalar tensor): s = max |w| / 240 (1 for an all-zero shard), codes = round-to-nearest-even(w /
+    s) (module docstring "fp8 draft head"; every core undoes its own s, so the cores' logits compare in the original
+    units). The fp8 experts' quantiser (``model.tp.moe.quantize_channels``) over one channel; torch ops only, so it
+    runs on ``meta`` tensors too."""
+    w = as_torch(w)
+    codes, scale = quantize_channels(w.reshape(1, -1), 1)
+    return codes.reshape(w.shape), scale.reshape(())
 
 
-def fp8_head_scale_layout(scale: float, n_cores: int) -> torch.Tensor:
-    """The fp8 head's per-tensor scale -> the wrapper's ``w_scale`` ``[n_cores, P, 1]`` float32 (s in every row: the
-    eviction reads rows 0..T-1 as its per-partition scale column)."""
-    return torch.full((n_cores, P, 1), float(scale), dtype=torch.float32)
+def fp8_head_scale_layout(scales) -> torch.Tensor:
+    """The cores' fp8 head scales (scalars, core order) -> the wrapper's ``w_scale`` ``[n_cores, P, 1]`` float32 (each
+    core's s in every row: the eviction reads rows 0..T-1 as its per-partition scale column)."""
+    s = torch.stack([torch.as_tensor(x, dtype=torch.float32).reshape(()) for x in scales])
+    return s.reshape(-1, 1, 1).expand(-1, P, 1).contiguous()
