@@ -102,6 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "checkpoint, python -m model.draft_vocab); the verify keeps the full vocabulary, so the "
                          "output is unchanged; N a multiple of 2 x --tp (default: off, full vocabulary; with "
                          "--temperature > 0: layerwise / megakernel only)")
+    ap.add_argument("--draft-head", default="bf16", choices=["bf16", "fp8"],
+                    help="the drafts' LM head: bf16 (default, the verify's own) or fp8 (opt-in: e4m3 codes, one scale "
+                         "per core shard, half the draft head's bytes; --variant megakernel, bf16 checkpoints, "
+                         "speculation only; the verify keeps the bf16 head, so the output is unchanged and only "
+                         "acceptance can drop)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature (default 0: greedy); > 0 samples, losslessly: xla by the rejection "
                          "rule, layerwise / megakernel by shared Gumbel noise in the kernels (one --variant)")
@@ -172,13 +177,24 @@ def build_variants(names, cfg, params, args) -> dict:
         try:
             commit = {"device_commit": True} if args.device_commit and name == "megakernel" else {}
             out[name] = prefill.make_variant(name, cfg, params, args.tp, args.prefill, args.prefill_chunk,
-                                             drafts=args.num_draft_tokens, **draft_vocab_kw(cfg, args), **commit)
+                                             drafts=args.num_draft_tokens, **draft_vocab_kw(cfg, args),
+                                             **draft_head_kw(name, args), **commit)
         except ValueError as e:
             if str(e).startswith(("--prefill", "prefill:")):
                 raise UsageError(str(e)) from None
             raise UsageError(f"--variant {name}: {e} (every variant is sharded over --tp {args.tp} ranks x 2 "
                              f"cores; try a smaller --tp)") from None
     return out
+
+
+def draft_head_kw(name: str, args) -> dict:
+    """``{"draft_fp8": True}`` for --draft-head fp8 (variant ``name``), or {} for the default bf16 head."""
+    if getattr(args, "draft_head", "bf16") == "bf16":
+        return {}
+    if args.no_spec or name != "megakernel":
+        raise UsageError(f"--draft-head fp8 is the megakernel's drafts' head: it needs speculation (no --no-spec) and "
+                         f"--variant megakernel (found {name})")
+    return {"draft_fp8": True}
 
 
 def draft_vocab_kw(cfg, args) -> dict:

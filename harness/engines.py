@@ -99,6 +99,7 @@ class HostEngine:
     name = "base"
     sampler = "gumbel"
     sampling = None
+    draft_fp8 = False       # the drafts' head in fp8 (megakernel only: MegakernelEngine's draft_fp8)
 
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
                  drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None):
@@ -107,7 +108,8 @@ class HostEngine:
         self.slots = drafts + 1
         self.dtype = params["model.embed_tokens.weight"].dtype
         nd = 0 if draft_ids is None else len(draft_ids)
-        self.plans = {m: rp.plan_for(cfg, m, tp, lnc, drafts=drafts, draft_vocab=nd)
+        self.plans = {m: rp.plan_for(cfg, m, tp, lnc, drafts=drafts, draft_vocab=nd,
+                                     draft_fp8=self.draft_fp8 and m == "round")
                       for m in (("round", "step") if cfg.mtp_num_hidden_layers else ("step",))}
         self.weights = [self.rank_weights(params, r) for r in range(tp)]
         self.states: list[dict[str, torch.Tensor]] = []
@@ -115,7 +117,7 @@ class HostEngine:
         self.launches = 0
 
     def rank_weights(self, params, rank: int) -> dict:
-        return rank_weights(self.cfg, params, rank, self.tp, self.lnc, self.draft_ids)
+        return rank_weights(self.cfg, params, rank, self.tp, self.lnc, self.draft_ids, self.draft_fp8)
 
     def start(self, max_len: int) -> None:
         self.max_len = max_len
@@ -180,7 +182,8 @@ class MegakernelEngine(HostEngine):
     name = "megakernel"
 
     def __init__(self, cfg, params, tp: int = 4, lnc: int = 2, drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None,
-                 device_commit: bool = False, noise_window: int | None = None):
+                 device_commit: bool = False, noise_window: int | None = None, draft_fp8: bool = False):
+        self.draft_fp8 = bool(draft_fp8)        # before the plans and weights (HostEngine.__init__)
         super().__init__(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)
         self.device_commit = bool(device_commit)
         self.noise_window = rp.check_noise_window(rp.noise_window(drafts) if noise_window is None else noise_window,
@@ -193,7 +196,8 @@ class MegakernelEngine(HostEngine):
                 raise ValueError(f"{self.name}: device-side commit needs speculative rounds (the checkpoint has no "
                                  f"MTP head)")
             self.plans["chain"] = rp.plan_for(cfg, "round", tp, lnc, drafts=drafts, device_commit=True,
-                                              draft_vocab=0 if draft_ids is None else len(draft_ids))
+                                              draft_vocab=0 if draft_ids is None else len(draft_ids),
+                                              draft_fp8=self.draft_fp8)
 
     def start(self, max_len: int) -> None:
         super().start(max_len)
@@ -259,7 +263,7 @@ class MegakernelEngine(HostEngine):
     def _run(self, plan, inputs):
         import nkisim
         from megakernel.round import KERNELS
-        names = rp.kernel_weights(plan.mode) + rp.EXPERTS + (rp.DRAFT_VOCAB if plan.draft_vocab_per_core else ())
+        names = rp.kernel_weights(plan.mode) + rp.EXPERTS + rp.draft_weights(plan)
         names += rp.EXPERT_SCALES       # present only for fp8 experts
         rt = {k: v for k, v in inputs.items() if k != "noise"}
         window = [{}] * self.tp
@@ -452,21 +456,26 @@ ENGINES = {"xla": XlaEngine, "layerwise": LayerwiseEngine, "megakernel": Megaker
 
 def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
                 drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False,
-                noise_window: int | None = None) -> HostEngine:
+                noise_window: int | None = None, draft_fp8: bool = False) -> HostEngine:
     """An in-process engine by name (:data:`ENGINE_NAMES`), sharded over ``tp`` ranks x ``lnc`` cores, running rounds
     of ``drafts`` chained drafts, each the argmax over ``draft_ids`` (an FR-Spec draft vocabulary,
     ``model.draft_vocab.load``) or over the full vocabulary (None); ``device_commit`` (megakernel only): rounds
     accepted and committed on device, launched back to back (module docstring), sampled ones with a noise window of
-    ``noise_window`` entries (None: ``plan.noise_window``)."""
+    ``noise_window`` entries (None: ``plan.noise_window``). ``draft_fp8`` (megakernel only): the drafts' head in fp8
+    (``nki_kernels.lm_head`` "fp8 draft head"; bfloat16 checkpoints)."""
     if name not in ENGINES:
         raise ValueError(f"unknown variant {name!r}; expected one of {ENGINE_NAMES}")
     rp.kv_groups(cfg, tp)
     kv_heads(cfg, 0, tp)
+    if draft_fp8 and name != "megakernel":
+        raise ValueError(f"an fp8 draft head runs in the megakernel variant only, not {name}")
     if device_commit:
         if name != "megakernel":
             raise ValueError(f"device-side commit runs in the megakernel variant only, not {name}")
         return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, device_commit=True,
-                                noise_window=noise_window)
+                                noise_window=noise_window, draft_fp8=draft_fp8)
     if noise_window is not None:
         raise ValueError("a noise window is for device-committed sampled rounds (device_commit)")
+    if draft_fp8:
+        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, draft_fp8=True)
     return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)

@@ -78,12 +78,13 @@ def _shape_dtype(t):
 
 @functools.lru_cache(maxsize=8)
 def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str = "bfloat16",
-                 draft_vocab: int = 0, fp8_experts: bool = False) -> tuple:
+                 draft_vocab: int = 0, fp8_experts: bool = False, draft_fp8: bool = False) -> tuple:
     """Per rank: {name: ShapeDtype} of every stacked weight (``megakernel.sharded.rank_weights`` run on ``meta``
     tensors, so the real layout helpers give the shapes) and of the decode state of a sequence of ``context``
     tokens plus the round's two (``megakernel.plan.state_specs``). ``draft_vocab`` > 0 adds an FR-Spec draft head of
     that many ids (ids 0..N-1 stand in: the cost does not depend on which rows). ``fp8_experts``: the routed experts
-    quantised (``model.tp.moe.quantize_fp8``: e4m3 tables and their scales, opt-in; it changes the output)."""
+    quantised (``model.tp.moe.quantize_fp8``: e4m3 tables and their scales, opt-in; it changes the output).
+    ``draft_fp8``: the drafts' head in fp8 (``megakernel.sharded.rank_weights``; opt-in, the output is unchanged)."""
     import torch
 
     import nkisim
@@ -99,7 +100,8 @@ def rank_tensors(cfg, tp: int = 4, lnc: int = 2, context: int = 2048, dtype: str
     state = {s.name: nkisim.ShapeDtype(s.shape, dtype if s.dtype == "activation" else s.dtype)
              for s in state_specs(cfg, tp, context + 2)}
     ids = np.arange(draft_vocab, dtype=np.int32) if draft_vocab else None
-    return tuple({**{k: _shape_dtype(v) for k, v in rank_weights(cfg, params, r, tp, lnc, ids).items()}, **state}
+    return tuple({**{k: _shape_dtype(v) for k, v in rank_weights(cfg, params, r, tp, lnc, ids, draft_fp8).items()},
+                  **state}
                  for r in range(tp))
 
 
@@ -126,15 +128,15 @@ def _runtime(cfg, context: int, dtype: str, mode: str = "round", device_commit: 
 # ---- the round megakernel -------------------------------------------------------------------------
 def round_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
                dtype: str = "bfloat16", max_context: int | None = None, draft_vocab: int = 0,
-               device_commit: bool = False, fp8_experts: bool = False) -> KernelCase:
+               device_commit: bool = False, fp8_experts: bool = False, draft_fp8: bool = False) -> KernelCase:
     """The round megakernel as shipped (``megakernel.round.round_kernel``, runtime loops) at position p =
     ``context``. ``max_context`` plans the attention's unrolled shape-only specialisation instead (the pre-issue-13
     costing, kept for comparison: ``harness.costmodel.compose.corrections``). ``draft_vocab``: ids of an FR-Spec
     draft vocabulary (0: the drafts use the full LM head). ``device_commit``: the opt-in device-committed round
     (``megakernel.plan`` ``device_commit``; its inputs from the control state). ``fp8_experts``: the opt-in fp8
-    experts tables (:func:`rank_tensors`)."""
+    experts tables (:func:`rank_tensors`). ``draft_fp8``: the opt-in fp8 draft head (``megakernel.plan`` ``draft_fp8``)."""
     return launch_case(cfg, "round", context, routing, tp, lnc, dtype, max_context, draft_vocab, device_commit,
-                       fp8_experts)
+                       fp8_experts, draft_fp8)
 
 
 def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int = 4, lnc: int = 2,
@@ -144,18 +146,19 @@ def step_case(cfg, context: int = 2048, routing: Routing | None = None, tp: int 
 
 
 def launch_case(cfg, mode: str, context: int, routing: Routing | None, tp: int, lnc: int, dtype: str,
-                max_context, draft_vocab: int = 0, device_commit: bool = False, fp8_experts: bool = False
-                ) -> KernelCase:
+                max_context, draft_vocab: int = 0, device_commit: bool = False, fp8_experts: bool = False,
+                draft_fp8: bool = False) -> KernelCase:
     from harness.costmodel.layers import stage_tagger
     from megakernel import plan as rp
     from megakernel.round import KERNELS
     routing = routing or Routing("expected", 2 if mode == "round" else 1, cfg.num_experts_per_tok, cfg.num_experts)
-    plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab, device_commit=device_commit)
+    plan = rp.plan_for(cfg, mode, tp, lnc, max_context, draft_vocab=draft_vocab, device_commit=device_commit,
+                       draft_fp8=draft_fp8)
     run = _runtime(cfg, context, dtype, mode, device_commit)
     nd = draft_vocab if plan.draft_vocab_per_core else 0
     skip = set(rp.WEIGHTS) - set(rp.kernel_weights(mode))       # a step takes no MTP weights
     per_rank = [{"plan": plan, **{k: v for k, v in t.items() if k not in skip}, **run}
-                for t in rank_tensors(cfg, tp, lnc, context, dtype, nd, fp8_experts)]
+                for t in rank_tensors(cfg, tp, lnc, context, dtype, nd, fp8_experts, draft_fp8)]
     case = KernelCase(f"{mode} megakernel", KERNELS[mode], per_rank, tp, lnc,
                       RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
                       notes={"shipped": "max_context=None (runtime loops)" if max_context is None else

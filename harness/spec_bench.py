@@ -8,7 +8,8 @@ For each K (default 1, 2, 3):
   sampled instead, with the mean optimum 1 - TV(p, q) of draft 1 beside it; ``--variant megakernel`` /
   ``layerwise`` (under nkisim, slow) then measures the kernels' shared-Gumbel scheme, whose optimum is computed on
   the host from the reference model's target and MTP distributions at each round's position (teacher-forced over
-  the committed tokens);
+  the committed tokens); ``--draft-head fp8`` (megakernel only): the drafts' head in fp8 (``nki_kernels.lm_head``
+  "fp8 draft head"), in the acceptance and in the predicted round;
 * predicted round time: the shipped round megakernel with K draft stages and a verify of K + 1 tokens, traced
   shape-only at Qwen3.6-35B-A3B's full size (TP=4 x LNC=2, context ``--context``, expected routing) and run through
   the cost model: low / central / high band (``harness.costmodel.predict_band``);
@@ -74,10 +75,11 @@ def draft1_figures(ref, ids: list[int], tokens: list[int], accepted_per_round: l
 
 
 def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tokens: int, quiet: bool,
-                       temperature: float = 0.0, variant: str = "xla") -> dict:
+                       temperature: float = 0.0, variant: str = "xla", draft_fp8: bool = False) -> dict:
     """{K: acceptance figures} of speculative decoding of the embedded checkpoint on held-out prompts: greedy
     (checked against plain greedy decoding) or sampled at ``temperature`` (seed = prompt index; with the mean
-    1 - TV(p, q) of draft 1, the optimum its acceptance is compared with), by ``variant`` at TP=1."""
+    1 - TV(p, q) of draft 1, the optimum its acceptance is compared with), by ``variant`` at TP=1 (``draft_fp8``:
+    with the fp8 draft head)."""
     import torch
     from tqdm import tqdm
 
@@ -91,7 +93,7 @@ def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tok
     root, files = tt.stdlib_files()
     picked = tt.eval_prompts(root, [f for f in files if tt.is_held_out(f)], prompts, prompt_len)
     cfg, params = load_checkpoint(EMBEDDED_MODEL, dtype=torch.bfloat16)
-    decoders = {k: make_decoder(variant, cfg, params, tp=1, drafts=k) for k in drafts}
+    decoders = {k: make_decoder(variant, cfg, params, tp=1, drafts=k, draft_fp8=draft_fp8) for k in drafts}
     ref = ReferenceModel(cfg, params)
     acc = {k: {"accepted_per_round": [], "differing_prompts": 0, "optimum": [], "coupling": []} for k in drafts}
     sampling = Sampling(temperature) if temperature > 0 else None
@@ -119,9 +121,11 @@ def measure_acceptance(drafts: list[int], prompts: int, prompt_len: int, new_tok
     return out
 
 
-def round_case(cfg, drafts: int, context: int, tp: int = 4, lnc: int = 2, dtype: str = "bfloat16"):
+def round_case(cfg, drafts: int, context: int, tp: int = 4, lnc: int = 2, dtype: str = "bfloat16",
+               draft_fp8: bool = False):
     """The shipped round megakernel with ``drafts`` chained drafts at position ``context``, shape-only, at the
-    per-rank shapes of ``cfg`` (``harness.kernel_cases`` for the weights; the decode state with K + 1 slots)."""
+    per-rank shapes of ``cfg`` (``harness.kernel_cases`` for the weights; the decode state with K + 1 slots);
+    ``draft_fp8``: with the fp8 draft head."""
     import torch
 
     import nkisim
@@ -130,23 +134,24 @@ def round_case(cfg, drafts: int, context: int, tp: int = 4, lnc: int = 2, dtype:
     from harness.register_models import RoundRegisters, Routing
     from megakernel import plan as rp
     from megakernel.round import KERNELS
-    plan = rp.round_plan(cfg, tp, lnc, drafts=drafts)
+    plan = rp.round_plan(cfg, tp, lnc, drafts=drafts, draft_fp8=draft_fp8)
     routing = Routing("expected", drafts + 1, cfg.num_experts_per_tok, cfg.num_experts)
     state = {s.name: nkisim.ShapeDtype(s.shape, dtype if s.dtype == "activation" else s.dtype)
              for s in rp.state_specs(cfg, tp, context + drafts + 1, drafts + 1)}
     act = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     run = rp.round_inputs(cfg, act, _token(cfg), torch.zeros(1, cfg.hidden_size), context, 0, drafts=drafts)
-    per_rank = [{"plan": plan, **t, **state, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype)]
+    per_rank = [{"plan": plan, **t, **state, **run} for t in rank_tensors(cfg, tp, lnc, context, dtype,
+                                                                              draft_fp8=draft_fp8)]
     return KernelCase(f"round megakernel K={drafts}", KERNELS["round"], per_rank, tp, lnc,
                       RoundRegisters(context, routing, plan), stage_tagger(plan), context, routing, plan.tokens,
                       plan=plan)
 
 
-def predict_round(cfg, drafts: int, context: int) -> dict:
+def predict_round(cfg, drafts: int, context: int, draft_fp8: bool = False) -> dict:
     """Predicted round time band (us) of the K-draft round at full size, with its per-stage split."""
     from harness.costmodel import predict_band
     from harness.costmodel import constants as C
-    case = round_case(cfg, drafts, context)
+    case = round_case(cfg, drafts, context, draft_fp8=draft_fp8)
     t0 = time.time()
     tr = case.trace()
     band = predict_band(tr, stages=case.stages, name=f"round K={drafts}")
@@ -163,10 +168,10 @@ def predict_round(cfg, drafts: int, context: int) -> dict:
 
 
 def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_tokens: int, predict: bool,
-        quiet: bool, temperature: float = 0.0, variant: str = "xla") -> dict:
+        quiet: bool, temperature: float = 0.0, variant: str = "xla", draft_fp8: bool = False) -> dict:
     from model.config import preset
     t0 = time.time()
-    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet, temperature, variant)
+    acc = measure_acceptance(drafts, prompts, prompt_len, new_tokens, quiet, temperature, variant, draft_fp8)
     rows = []
     cfg = preset("qwen3.6-35b-a3b") if predict else None
     for k in drafts:
@@ -174,7 +179,7 @@ def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_toke
         if predict:
             if not quiet:
                 print(f"spec: tracing the K={k} round at full size (shape-only) ...", file=sys.stderr, flush=True)
-            row.update(predict_round(cfg, k, context))
+            row.update(predict_round(cfg, k, context, draft_fp8))
             r = row["round_us"]
             # more time per round -> fewer tokens/s: the low time end gives the high rate
             row["tokens_per_s"] = {"low": row["tokens_per_round"] * 1e6 / r["high"],
@@ -195,6 +200,7 @@ def run(drafts: list[int], context: int, prompts: int, prompt_len: int, new_toke
                                       if temperature > 0 else "greedy"),
                                   "prompts": prompts, "prompt_bytes": prompt_len, "new_tokens": new_tokens,
                                   "split": "held-out stdlib files of scripts/train_tiny.py"},
+            "draft_head": "fp8" if draft_fp8 else "bf16",
             "rows": rows, "best_drafts_central": best,
             "caveats": list(CAVEATS),
             "elapsed_s": round(time.time() - t0, 1)}
@@ -234,6 +240,9 @@ def add_arguments(p):
     p.add_argument("--variant", default="xla", choices=["xla", "layerwise", "megakernel"],
                    help="the variant whose acceptance is measured, TP=1 (default xla; the kernel variants run under "
                         "nkisim: about a second per round)")
+    p.add_argument("--draft-head", default="bf16", choices=["bf16", "fp8"],
+                   help="the drafts' LM head: bf16 (default, the verify's) or fp8 (opt-in, nki_kernels.lm_head "
+                        "'fp8 draft head'; megakernel variant only; the output is unchanged, only acceptance can drop)")
     p.add_argument("--no-predict", action="store_true", help="acceptance only: skip the full-size round traces "
                                                              "(minutes each)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
@@ -255,8 +264,11 @@ def cmd(a):
             raise BadInput(f"spec: --{name.replace('_', '-')} must be >= 1, found {getattr(a, name)}")
     if not a.temperature >= 0:
         raise BadInput(f"spec: --temperature must be >= 0, found {a.temperature}")
+    if a.draft_head == "fp8" and a.variant != "megakernel":
+        raise BadInput(f"spec: --draft-head fp8 runs in the megakernel variant only (--variant megakernel), not "
+                       f"{a.variant}")
     out = run(drafts, a.context, a.prompts, a.prompt_bytes, a.new_tokens, not a.no_predict, a.quiet or a.json,
-              a.temperature, a.variant)
+              a.temperature, a.variant, a.draft_head == "fp8")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out) if a.json else table(out))

@@ -278,14 +278,16 @@ class Decoder:
 
 def make_decoder(name: str, cfg, params: dict[str, torch.Tensor], tp: int = 4, lnc: int = 2,
                  drafts: int = rp.DEFAULT_DRAFTS, draft_ids=None, device_commit: bool = False,
-                 noise_window: int | None = None) -> Decoder:
+                 noise_window: int | None = None, draft_fp8: bool = False) -> Decoder:
     """A variant by name (``harness.engines.ENGINE_NAMES``) with rounds of ``drafts`` chained drafts (over the FR-Spec
     draft vocabulary ``draft_ids``, or the full one): its in-process engine, prefilled on the host.
     ``device_commit``: device-committed rounds (megakernel only), sampled ones with a noise window of
-    ``noise_window`` entries (None: ``plan.noise_window``)."""
+    ``noise_window`` entries (None: ``plan.noise_window``). ``draft_fp8``: the drafts' head in fp8 (megakernel only,
+    ``harness.engines.make_engine``)."""
     from harness.engines import make_engine
     return Decoder(make_engine(name, cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids,
-                               device_commit=device_commit, noise_window=noise_window), ReferenceModel(cfg, params))
+                               device_commit=device_commit, noise_window=noise_window, draft_fp8=draft_fp8),
+                   ReferenceModel(cfg, params))
 
 
 @dataclass

@@ -110,6 +110,7 @@ WEIGHTS = ("embed", "lm_head", "norms", "mtp_fc", "gdn_w_in", "gdn_conv_w", "gdn
 EXPERTS = tuple(f"moe_experts_{t}" for t in range(MOE_TABLES))
 EXPERT_SCALES = ("moe_scales",)   # the opt-in fp8 experts' scales [M, ...] (a launch's last parameter when given)
 DRAFT_VOCAB = ("draft_head", "draft_ids")   # a round's optional FR-Spec draft head and its ids (after the experts)
+DRAFT_FP8 = ("draft_head", "draft_scale")   # a round's optional fp8 draft head and its scales (round_kernel's last)
 NOISE = ("noise_v", "noise_d1")   # a sampled launch's optional Gumbel noise (:func:`noise_specs`; last parameters)
 STATE = ("gdn_window", "gdn_state", "attn_k", "attn_v")
 # A device-committed round's decode-control state and RoPE tables (:func:`control_specs`, :func:`rope_table`; the
@@ -179,10 +180,13 @@ class Plan(nl.NKIObject):
     """A launch: ``mode`` (round | step), its stages, and the compile-time settings every stage shares.
     ``tokens``: the verify's T; ``drafts``: the draft stages K (0 in a step; T = K + 1 in a round);
     ``draft_vocab_per_core``: rows of the FR-Spec draft head per core (``model.draft_vocab``; 0: the drafts use the
-    full LM head); ``device_commit``: a round that accepts and commits on device (module docstring)."""
+    full LM head); ``device_commit``: a round that accepts and commits on device (module docstring);
+    ``draft_fp8``: the drafts' head (the full one or the FR-Spec subset) in fp8 (``nki_kernels.lm_head`` "fp8 draft
+    head"; the verify keeps the bf16 head)."""
 
     def __init__(self, mode: str, stages: tuple, tp: int, lnc: int, eps: float, top_k: int, vocab_per_core: int,
-                 norms: NormRows, max_context=None, draft_vocab_per_core: int = 0, device_commit: bool = False):
+                 norms: NormRows, max_context=None, draft_vocab_per_core: int = 0, device_commit: bool = False,
+                 draft_fp8: bool = False):
         self.mode = mode
         self.stages = stages
         self.tp = tp
@@ -196,6 +200,7 @@ class Plan(nl.NKIObject):
         self.drafts = _count(stages, DRAFT)
         self.draft_vocab_per_core = draft_vocab_per_core
         self.device_commit = bool(device_commit)
+        self.draft_fp8 = bool(draft_fp8)
 
 
 def _count(stages, kind: str) -> int:
@@ -298,12 +303,23 @@ def draft_vocab_per_core(cfg: ModelConfig, draft_vocab: int, n_cores: int) -> in
     return draft_vocab // n_cores
 
 
+def draft_weights(plan: Plan) -> tuple:
+    """The names of the drafts' own head weights a round takes (``DRAFT_VOCAB`` / ``DRAFT_FP8``; () when the drafts
+    use the verify's LM head)."""
+    names = DRAFT_VOCAB if plan.draft_vocab_per_core else ()
+    if plan.draft_fp8:
+        names += tuple(n for n in DRAFT_FP8 if n not in names)
+    return names
+
+
 def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: int, draft_vocab: int = 0,
-          device_commit: bool = False) -> Plan:
+          device_commit: bool = False, draft_fp8: bool = False) -> Plan:
     if mode not in ("round", "step"):
         raise ValueError(f"plan: mode must be 'round' or 'step', got {mode!r}")
     if device_commit and mode != "round":
         raise ValueError("plan: device-side commit is a round's (a step has no drafts to accept)")
+    if draft_fp8 and mode != "round":
+        raise ValueError("plan: an fp8 draft head is a round's (a step has no drafts)")
     check_drafts(drafts)
     experts_tables(cfg, tp, lnc)
     trunk = _trunk(cfg, kv_groups(cfg, tp), experts_per_table(cfg, tp, lnc))
@@ -318,16 +334,17 @@ def _plan(cfg: ModelConfig, mode: str, tp: int, lnc: int, max_context, drafts: i
         stages = (Stage("V", VERIFY, 1, trunk, "v"),)
     return Plan(mode, stages, tp, lnc, cfg.rms_norm_eps, cfg.num_experts_per_tok, vocab_per_core(cfg, tp * lnc),
                 NormRows(cfg.num_hidden_layers, mtp), max_context,
-                draft_vocab_per_core(cfg, draft_vocab, tp * lnc) if mode == "round" else 0, device_commit)
+                draft_vocab_per_core(cfg, draft_vocab, tp * lnc) if mode == "round" else 0, device_commit, draft_fp8)
 
 
 def round_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None, drafts: int = DEFAULT_DRAFTS,
-               draft_vocab: int = 0, device_commit: bool = False) -> Plan:
+               draft_vocab: int = 0, device_commit: bool = False, draft_fp8: bool = False) -> Plan:
     """The speculative round: ``drafts`` (K) chained D1 stages + V (K + 1 tokens) + D2 (K tokens).
     ``max_context`` (shape-only costing only) unrolls the attention loops for that context; the shipped kernel
     has None. ``draft_vocab``: ids of the FR-Spec draft vocabulary (0: the drafts use the full LM head).
-    ``device_commit``: the round accepts and commits on device (module docstring)."""
-    return _plan(cfg, "round", tp, lnc, max_context, drafts, draft_vocab, device_commit)
+    ``device_commit``: the round accepts and commits on device (module docstring). ``draft_fp8``: the drafts' head in
+    fp8 (:class:`Plan`)."""
+    return _plan(cfg, "round", tp, lnc, max_context, drafts, draft_vocab, device_commit, draft_fp8)
 
 
 def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> Plan:
@@ -336,8 +353,9 @@ def step_plan(cfg: ModelConfig, tp: int = 4, lnc: int = 2, max_context=None) -> 
 
 
 def plan_for(cfg: ModelConfig, mode: str, tp: int = 4, lnc: int = 2, max_context=None,
-             drafts: int = DEFAULT_DRAFTS, draft_vocab: int = 0, device_commit: bool = False) -> Plan:
-    return _plan(cfg, mode, tp, lnc, max_context, drafts, draft_vocab, device_commit)
+             drafts: int = DEFAULT_DRAFTS, draft_vocab: int = 0, device_commit: bool = False,
+             draft_fp8: bool = False) -> Plan:
+    return _plan(cfg, mode, tp, lnc, max_context, drafts, draft_vocab, device_commit, draft_fp8)
 
 
 def stage_functions(plan: Plan) -> dict:

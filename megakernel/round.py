@@ -104,6 +104,7 @@ class LaunchTensors(nl.NKIObject):
         self.sin_d1 = sin_d1
         self.draft_head = None                      # the FR-Spec draft head and its token ids (round, optional)
         self.draft_ids = None
+        self.draft_scale = None                     # the fp8 draft head's scales (round, optional)
         self.noise_v = None                         # a sampled launch's Gumbel noise (plan.noise_specs, optional)
         self.noise_d1 = None
         self.control = None                         # a device-committed round's control state (plan.control_specs)
@@ -123,7 +124,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                  gdn_state, attn_k, attn_v, pending, read_slot, pos, cos_v, sin_v, hidden, force, pos_d1, cos_d1,
                  sin_d1, moe_experts_0, moe_experts_1=None, moe_experts_2=None, moe_experts_3=None,
                  moe_experts_4=None, draft_head=None, draft_ids=None, noise_v=None, noise_d1=None, control=None,
-                 control_hidden=None, rope_cos=None, rope_sin=None, moe_scales=None):
+                 control_hidden=None, rope_cos=None, rope_sin=None, moe_scales=None, draft_scale=None):
     """One speculative round (``plan.mode == "round"``, K = ``plan.drafts``) on one core. Returns (drafts [K, 1]
     int32, targets [K + 1, 1] int32, hidden [K + 1, H], gdn_window, gdn_state, attn_k, attn_v). With ``noise_v``
     and ``noise_d1`` (``plan.noise_specs``) the drafts and targets are Gumbel-max samples (``harness.sampling``).
@@ -132,7 +133,8 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
     (``plan.control_specs``, ``plan.rope_table``), and the launch also returns (emitted [1, K + 2] int32, control,
     control_hidden); sampled, ``noise_v`` / ``noise_d1`` are the noise window (``plan.noise_window_specs``) and the
     round takes entry pos & (W - 1). With fp8 experts tables (opt-in, ``nki_kernels.moe`` "fp8 experts")
-    ``moe_scales`` [M, ...] holds their scales."""
+    ``moe_scales`` [M, ...] holds their scales. With ``plan.draft_fp8`` ``draft_head`` holds fp8 codes and
+    ``draft_scale`` [lnc, P, 1] their scales (``nki_kernels.lm_head`` "fp8 draft head")."""
     kernel_assert(plan.mode == "round", f"round_kernel: a {plan.mode} plan (use step_kernel)")
     kernel_assert((noise_v == None) == (noise_d1 == None), "round_kernel: a sampled round takes noise_v and noise_d1")
     given = (control != None, control_hidden != None, rope_cos != None, rope_sin != None)
@@ -155,6 +157,7 @@ def round_kernel(plan, embed, lm_head, norms, mtp_fc, gdn_w_in, gdn_conv_w, gdn_
                       pos_d1, cos_d1, sin_d1)
     t.draft_head = draft_head
     t.draft_ids = draft_ids
+    t.draft_scale = draft_scale
     t.noise_v = noise_v
     t.noise_d1 = noise_d1
     t.control = control
@@ -734,17 +737,23 @@ def _draft_greedy(plan, t, xT, rg, core, i):
     lowest token id (the ids are ascending), among equal logits -- mapped to its token id. The verify always uses
     the full head (:func:`_greedy`), so the decoded tokens do not depend on it. Sampled rounds: the Gumbel-max
     sample with draft i's noise ``t.noise_d1[core, i]`` (over the draft head's rows; a device-committed round: row i
-    of its window entry)."""
+    of its window entry). ``plan.draft_fp8``: the draft head (full or subset) holds fp8 codes, ``t.draft_scale`` their
+    scales (``nki_kernels.lm_head`` "fp8 draft head")."""
     noise = None
     if t.noise_d1 != None:
         slot = _noise_slot(t)
         noise = t.noise_d1[core, i] if slot == None else _window_entry(t.noise_d1, core, i, slot)
-    if plan.draft_vocab_per_core == 0:
+    if plan.draft_vocab_per_core == 0 and not plan.draft_fp8:
         return _vocab_argmax(plan, t, xT, rg, core, noise)
-    kernel_assert(t.draft_head != None and t.draft_ids != None,
+    kernel_assert(t.draft_head != None and (t.draft_ids != None or plan.draft_vocab_per_core == 0),
                   "megakernel: the plan has a draft vocabulary but the launch passes no draft_head / draft_ids")
-    best = argmax_combine(lm_head_argmax_body(xT, t.draft_head[core], noise=noise), plan.draft_vocab_per_core, rg,
-                          plan.tp)
+    kernel_assert((t.draft_scale != None) == plan.draft_fp8,
+                  f"megakernel: draft_scale goes with an fp8 draft head (plan.draft_fp8 = {plan.draft_fp8})")
+    scale = t.draft_scale[core] if plan.draft_fp8 else None
+    best = argmax_combine(lm_head_argmax_body(xT, t.draft_head[core], noise=noise, w_scale=scale),
+                          plan.draft_vocab_per_core or plan.vocab_per_core, rg, plan.tp)
+    if plan.draft_vocab_per_core == 0:
+        return best
     return subset_ids_from_best(best, t.draft_ids)
 
 

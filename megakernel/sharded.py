@@ -36,7 +36,7 @@ from model.tp.moe import shard_moe
 from nki_kernels.attention import attention_layout
 from nki_kernels.gdn import gdn_weight_layout
 from nki_kernels.linear import column_layout
-from nki_kernels.lm_head import rank_lm_head_layout
+from nki_kernels.lm_head import fp8_head_scale_layout, quantize_head, rank_lm_head_layout
 from nki_kernels.moe import moe_hbm_layout
 from nki_kernels.rmsnorm import rmsnorm_weight_layout
 
@@ -92,11 +92,14 @@ def norm_names(cfg: ModelConfig) -> list[str]:
 
 
 def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, tp: int, lnc: int,
-                 draft_ids=None) -> dict[str, torch.Tensor]:
+                 draft_ids=None, draft_fp8: bool = False) -> dict[str, torch.Tensor]:
     """Every stacked weight tensor of rank ``rank`` (module docstring), in ``plan.WEIGHTS`` order then the
     experts tables in use. Torch ops only, so it also runs on ``meta`` tensors (full-size shapes without data).
     ``draft_ids``: an FR-Spec draft vocabulary (``model.draft_vocab.load``, ascending), adding ``draft_head``
-    [lnc, P, KT*Vd/(tp*lnc)] (its LM-head rows split over the cores like ``lm_head``) and ``draft_ids`` [Vd, 1] int32."""
+    [lnc, P, KT*Vd/(tp*lnc)] (its LM-head rows split over the cores like ``lm_head``) and ``draft_ids`` [Vd, 1] int32.
+    ``draft_fp8``: the drafts' head (those rows, or the full LM head) as fp8 codes in ``draft_head`` plus
+    ``draft_scale`` [lnc, P, 1] float32 (``nki_kernels.lm_head.quantize_head``, one scale per core shard; the codes in
+    ``model.tp.moe.FP8_CODES`` storage, ``nki_kernels.moe.kernel_table`` views them for the kernel)."""
     H = cfg.hidden_size
     n_cores = tp * lnc
     if H % n_cores:
@@ -126,11 +129,19 @@ def rank_weights(cfg: ModelConfig, params: dict[str, torch.Tensor], rank: int, t
     per = rp.experts_per_table(cfg, tp, lnc)
     for t in range(rp.experts_tables(cfg, tp, lnc)):
         w[f"moe_experts_{t}"] = torch.stack([lay["experts"] for lay in moe[t * per:(t + 1) * per]])
-    if draft_ids is not None:
+    if draft_ids is not None or draft_fp8:
         from model.draft_vocab import draft_head_rows
-        w["draft_head"] = rank_lm_head_layout(tuple(draft_head_rows(params, cfg, draft_ids, rank * lnc + c, n_cores)
-                                                    for c in range(lnc)))
-        w["draft_ids"] = torch.as_tensor(draft_ids, dtype=torch.int32).reshape(-1, 1).contiguous()
+        rows = [shard_lm_head(params, cfg, rank * lnc + c, n_cores) if draft_ids is None else
+                draft_head_rows(params, cfg, draft_ids, rank * lnc + c, n_cores) for c in range(lnc)]
+        if draft_fp8:
+            if rows[0].dtype != torch.bfloat16:
+                raise ValueError(f"megakernel: an fp8 draft head runs against bfloat16 activations; the checkpoint is "
+                                 f"{rows[0].dtype}")
+            rows, scales = zip(*(quantize_head(r) for r in rows))
+            w["draft_scale"] = fp8_head_scale_layout(scales)
+        w["draft_head"] = rank_lm_head_layout(tuple(rows))
+        if draft_ids is not None:
+            w["draft_ids"] = torch.as_tensor(draft_ids, dtype=torch.int32).reshape(-1, 1).contiguous()
     return w
 
 

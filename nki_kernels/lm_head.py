@@ -63,17 +63,35 @@ work the round emits between the blocks (``between``, the MTP replay), whose PE 
 matmuls (bench/decode_speed.md lever 34). Under the measured 1.69x PE throttle (the band's high end) the head
 becomes PE-bound: 16 x 31,040 moving columns per core is inherent to streaming the weight as the moving operand
 (the weight-stationary alternative needs 3,880 matmuls).
+
+fp8 draft head (opt-in, issue 15 lever "Draft LM head"; only for the DRAFTS, whose tokens the exact verify checks, so
+greedy output is unchanged and only acceptance can drop). ``w`` holds ``FP8`` (``float8_e4m3``) codes of the head rows
+quantised with ONE per-tensor scale s (:func:`quantize_head`: max |W| / 240, round to nearest even) and the bf16 xT
+stays the stationary operand (nc_matmul inputs may differ in dtype except fp32/tf32, nki-reference.md); PSUM holds
+x . codes in fp32 and the ACT eviction multiplies by s (``activation(scale=)``, a ``[T, 1]`` fp32 column, DMA'd once
+from ``w_scale``) before the rounding to bf16, so logits -- and the Gumbel noise added to them when sampling -- are in
+the original units. Why per-tensor: the greedy draft's argmax is invariant to one positive scale and the eviction
+undoes it for free; e4m3 keeps 3 mantissa bits at any scale, so per-row scales would only help rows far below the
+largest (below 2^-6 s the codes are subnormal) and would cost a DVE multiply per block on the path (the per-row scale
+runs along the free axis of ``lg``). Bytes halve (63.6 MB per core, 8 KiB blocks) but the 16 matmuls x 512 moving
+columns per block are unchanged, so the PE binds: block b's transposes are therefore emitted after block b+1's
+matmuls (otherwise the in-order PE waits for every block's ACT eviction: 344.3 us). harness.costmodel, one rank, same
+command with ``--arg w=2,128,496640:float8_e4m3 --arg w_scale=2,128,1:float32``: 281.7 (278.2 - 780.8) / 282.5
+(279.0 - 781.6) / 284.1 (280.6 - 783.2) us for T = 1 / 2 / 4 (bf16: 414.0 / 414.8 / 416.4), PE busy 269.5 us
+(976 matmuls 246.7 + 243 transposes), HBM roofline 200.2 us. The bf16 and fp32 paths emit exactly as before.
 """
 
 from __future__ import annotations
 
 import torch
 
+from model.tp.moe import quantize_channels
 import nki
 import nki.isa as nisa
 import nki.language as nl
 from nki_kernels.common import MOVING_MAX, P, program_sharding
 from nki_kernels.host import as_torch
+from nki_kernels.moe import FP8, kernel_table
 
 NB = MOVING_MAX          # vocab columns per matmul: the moving free size = one PSUM bank of fp32
 W_BUFS = 4               # weight-block ring depth (16 KiB per partition each at H = 2048, bf16); see module doc
@@ -142,11 +160,36 @@ def lm_head_ring(w, KT: int, tiles):
     return tiles
 
 
-def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None, between=None, ring=None):
+def transpose_block(lt, S, ident, logits_out, b0, nb, ps, lg):
+    """Step 2 of the module docstring for the vocab block ``[b0, b0+nb)``: its 128-column chunks into ``lt``
+    ``[P, Cp*S]`` PSUM (vocab on partitions). ``ps`` ``[T, nb]`` PSUM fp32: the block's sums; ``lg`` ``[T, nb]`` SBUF:
+    its rounded logits (bf16; ``ident`` the ``[T, T]`` identity), or None (float32 activations: ``ident`` None, each
+    chunk evicted from ``ps`` here, into ``logits_out`` too when given)."""
+    T = ps.shape[0]
+    for q0 in range(0, nb, P):
+        wc = min(P, nb - q0)
+        c = (b0 + q0) // P
+        dst = lt[0:wc, c * S:c * S + T]
+        if ident != None:
+            nisa.nc_matmul(dst=dst, stationary=lg[:, q0:q0 + wc], moving=ident, accumulate=False)
+        else:
+            # nc_transpose needs a dense source (partition stride == free size, trn2 pitfall):
+            # evict each 128-column chunk into its own tile
+            lgc = nl.ndarray((T, wc), nl.float32, buffer=nl.sbuf, name="logits_chunk")
+            nisa.activation(dst=lgc, op=nl.copy, data=ps[:, q0:q0 + wc])
+            if logits_out != None:
+                nisa.dma_copy(dst=logits_out[:, b0 + q0:b0 + q0 + wc], src=lgc)
+            nisa.nc_transpose(dst=dst, data=lgc, engine=nisa.engine.tensor)
+
+
+def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None, between=None, w_scale=None,
+                        ring=None):
     """Body: greedy (value, index) of this core's vocabulary shard for each of T tokens.
 
     xT: SBUF ``[P, KT, T]`` activation dtype (normed hidden, feature-major). w: HBM ``[P, KT*Vc]``
-    block-packed shard (:func:`lm_head_layout`), same dtype. index_base: compile-time int added to the
+    block-packed shard (:func:`lm_head_layout`), same dtype -- or, with ``w_scale``, the fp8 draft head (module
+    docstring "fp8 draft head"): ``FP8`` codes against bfloat16 xT, ``w_scale`` HBM ``[P, 1]`` float32 holding the
+    per-tensor scale s in every row (:func:`fp8_head_scale_layout`). index_base: compile-time int added to the
     local index (0 when :func:`nki_kernels.collectives.argmax_combine` adds the core offsets).
     logits_out: optional HBM ``[T, Vc]`` (activation dtype) receiving the rounded logits (tests, top-k
     on the host). noise: optional HBM ``[P, Cp*T]`` float32, vocab on partitions like ``lt``
@@ -167,7 +210,14 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
         raise ValueError(f"lm_head: {T} tokens, expected 1..{P}")
     if w.shape[0] != P or w.shape[1] % KT:
         raise ValueError(f"lm_head: weight shard {list(w.shape)} is not [P={P}, KT*Vc] with KT={KT}")
-    if w.dtype != xT.dtype:
+    if w_scale != None:
+        if w.dtype != FP8 or xT.dtype != nl.bfloat16:
+            raise TypeError(f"lm_head: an fp8 head needs {FP8} weights and bfloat16 activations, got {w.dtype} "
+                            f"weights and {xT.dtype} activations")
+        if tuple(w_scale.shape) != (P, 1) or w_scale.dtype != nl.float32:
+            raise ValueError(f"lm_head: fp8 head scale {list(w_scale.shape)} {w_scale.dtype} is not [P={P}, 1] "
+                             f"float32 (fp8_head_scale_layout)")
+    elif w.dtype != xT.dtype:
         raise TypeError(f"lm_head: weight dtype {w.dtype} differs from activation dtype {xT.dtype}")
     act = xT.dtype
     vc = w.shape[1] // KT
@@ -199,11 +249,18 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
     wring = [] if ring == None else list(ring)
     issued = len(wring)
     for b in wring:
-        if issued > nbuf or tuple(b.shape) != (P, KT, min(NB, vc)) or b.dtype != act:
+        if issued > nbuf or tuple(b.shape) != (P, KT, min(NB, vc)) or b.dtype != w.dtype:
             raise ValueError(f"lm_head: a ring of {issued} buffers {list(b.shape)} {b.dtype} was passed, expected at "
-                             f"most {nbuf} of [{P}, {KT}, {min(NB, vc)}] {act} (lm_head_ring of the same weight)")
+                             f"most {nbuf} of [{P}, {KT}, {min(NB, vc)}] {w.dtype} (lm_head_ring of the same weight)")
     for i in range(issued, nbuf):
-        wring.append(nl.ndarray((P, KT, min(NB, vc)), act, buffer=nl.sbuf, name=f"lm_head_w{i}"))
+        wring.append(nl.ndarray((P, KT, min(NB, vc)), w.dtype, buffer=nl.sbuf, name=f"lm_head_w{i}"))
+    scale = 1.0
+    if w_scale != None:     # fp8 head: the eviction multiplies the PSUM sums of the codes by s (fp32, ACT)
+        scale = nl.ndarray((T, 1), nl.float32, buffer=nl.sbuf, name="lm_head_scale")
+        nisa.dma_copy(dst=scale, src=w_scale[0:T, :])
+    # fp8: the PE binds, so block b's transposes are emitted after block b+1's matmuls (the PE then never waits
+    # for block b's eviction; the block's PSUM and logits tiles live one block longer); bf16: in block order
+    pending = None
     blocks = vocab_blocks(vc)
     for bi in range(len(blocks)):
         b0, nb = blocks[bi]
@@ -216,27 +273,22 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
         ps = nl.ndarray((T, nb), nl.float32, buffer=nl.psum, name="logits_psum")
         for j in range(KT):
             nisa.nc_matmul(dst=ps, stationary=xT[:, j, :], moving=wt[:, j, :], accumulate=(j > 0))
+        lg = None
         if ident != None:
             lg = nl.ndarray((T, nb), act, buffer=nl.sbuf, name="logits")
-            nisa.activation(dst=lg, op=nl.copy, data=ps)      # round to the activation dtype
+            nisa.activation(dst=lg, op=nl.copy, data=ps, scale=scale)      # (x s,) round to the activation dtype
             if logits_out != None:
                 nisa.dma_copy(dst=logits_out[:, b0:b0 + nb], src=lg)
-        for q0 in range(0, nb, P):
-            wc = min(P, nb - q0)
-            c = (b0 + q0) // P
-            dst = lt[0:wc, c * S:c * S + T]
-            if ident != None:
-                nisa.nc_matmul(dst=dst, stationary=lg[:, q0:q0 + wc], moving=ident, accumulate=False)
-            else:
-                # nc_transpose needs a dense source (partition stride == free size, trn2 pitfall):
-                # evict each 128-column chunk into its own tile
-                lgc = nl.ndarray((T, wc), act, buffer=nl.sbuf, name="logits_chunk")
-                nisa.activation(dst=lgc, op=nl.copy, data=ps[:, q0:q0 + wc])
-                if logits_out != None:
-                    nisa.dma_copy(dst=logits_out[:, b0 + q0:b0 + q0 + wc], src=lgc)
-                nisa.nc_transpose(dst=dst, data=lgc, engine=nisa.engine.tensor)
+        if pending != None:
+            transpose_block(lt, S, ident, logits_out, *pending)
+        pending = (b0, nb, ps, lg)
+        if w_scale == None:
+            transpose_block(lt, S, ident, logits_out, *pending)
+            pending = None
         if between != None:
             between.step(bi, len(blocks))
+    if pending != None:
+        transpose_block(lt, S, ident, logits_out, *pending)
 
     scores, stride = lt, S
     if noise_sb != None:    # Gumbel-max: logits + noise, fp32 (padding: -FLT_MAX + 0 stays the minimum);
@@ -273,11 +325,13 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
 
 # ---- wrapper --------------------------------------------------------------------------------------
 @nki.jit
-def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False, noise=None):
+def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False, noise=None, w_scale=None):
     """Wrapper: xT HBM ``[P, KT, T]``, w HBM ``[n_cores, P, KT*Vc]`` (one block-packed shard per
     physical core) -> ``best [n_cores, T, 2]`` float32 (value, vocab_base + core*Vc + local index), and
     with ``with_logits=True`` also ``logits [n_cores, T, Vc]`` (activation dtype). ``noise``: optional
     HBM ``[n_cores, P, Cp*T]`` float32 (:func:`rank_noise_layout`): Gumbel-max sampling instead of argmax.
+    ``w_scale``: the fp8 head's scale HBM ``[n_cores, P, 1]`` float32 (:func:`fp8_head_scale_layout`) with ``w``
+    ``FP8`` codes (``nki_kernels.moe.kernel_table`` of the block-packed :func:`quantize_head` codes).
 
     Launch ``lm_head_argmax_kernel(...)`` for one core (n_cores = 1) or ``[2]`` for a rank's two cores;
     ``vocab_base`` = the first vocab row of this launch (rank * 2 * Vc for a rank).
@@ -295,7 +349,8 @@ def lm_head_argmax_kernel(xT, w, vocab_base=0, with_logits=False, noise=None):
     nisa.dma_copy(dst=xs, src=xT)
     best = lm_head_argmax_body(xs, w[core], index_base=vocab_base + core * vc,
                                logits_out=logits[core] if with_logits else None,
-                               noise=noise[core] if noise != None else None)
+                               noise=noise[core] if noise != None else None,
+                               w_scale=w_scale[core] if w_scale != None else None)
     nisa.dma_copy(dst=best_out[core], src=best)
     if with_logits:
         return best_out, logits
@@ -342,3 +397,21 @@ def rank_noise_layout(noise, n_cores: int) -> torch.Tensor:
     if vc * n_cores != g.shape[1]:
         raise ValueError(f"lm_head: noise over {g.shape[1]} vocab rows does not split over {n_cores} cores")
     return torch.stack([noise_layout(g[:, c * vc:(c + 1) * vc]) for c in range(n_cores)])
+
+
+def quantize_head(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """One core's head rows ``[Vc, H]`` -> (e4m3 codes ``[Vc, H]`` in ``model.tp.moe.FP8_CODES`` storage, the shard's
+    scale s, a float32 scalar tensor): s = max |w| / 240 (1 for an all-zero shard), codes = round-to-nearest-even(w /
+    s) (module docstring "fp8 draft head"; every core undoes its own s, so the cores' logits compare in the original
+    units). The fp8 experts' quantiser (``model.tp.moe.quantize_channels``) over one channel; torch ops only, so it
+    runs on ``meta`` tensors too."""
+    w = as_torch(w)
+    codes, scale = quantize_channels(w.reshape(1, -1), 1)
+    return codes.reshape(w.shape), scale.reshape(())
+
+
+def fp8_head_scale_layout(scales) -> torch.Tensor:
+    """The cores' fp8 head scales (scalars, core order) -> the wrapper's ``w_scale`` ``[n_cores, P, 1]`` float32 (each
+    core's s in every row: the eviction reads rows 0..T-1 as its per-partition scale column)."""
+    s = torch.stack([torch.as_tensor(x, dtype=torch.float32).reshape(()) for x in scales])
+    return s.reshape(-1, 1, 1).expand(-1, P, 1).contiguous()

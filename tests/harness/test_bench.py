@@ -229,3 +229,8 @@ def test_nkisim_speed_quick_writes_only_where_asked(tmp_path, capsys):
     assert "instr_per_s_traced" in text
     code, _, err = run(capsys, "nkisim-speed", "--context", "0")
     assert code == 2 and err.startswith("error: nkisim-speed: --context")
+
+
+def test_spec_fp8_draft_head_needs_the_megakernel(capsys):
+    code, out, err = run(capsys, "spec", "--draft-head", "fp8", "--variant", "xla", "--no-predict")
+    assert code != 0 and "--draft-head fp8 runs in the megakernel variant only" in err

@@ -131,3 +131,10 @@ def test_matches_transformers_generate_on_save_pretrained_checkpoint(tiny_cfg, t
     assert code == 0, err
     got = json.loads(stdout)["tokens"]
     assert got == expected
+
+
+@pytest.mark.parametrize("extra", [["--variant", "xla"], ["--variant", "megakernel", "--no-spec"]],
+                         ids=["xla", "no-spec"])
+def test_fp8_draft_head_is_the_megakernels_drafts(ckpt, capsys, extra):
+    code, out, err = run(capsys, "--model-path", ckpt, "--prompt-ids", "4,5", "--draft-head", "fp8", *extra)
+    assert code == 2 and out == "" and "--draft-head fp8" in err and len(err.strip().splitlines()) == 1

@@ -113,9 +113,11 @@ def test_kernel_arguments_are_the_shipped_kernels_parameters(tiny_cfg, mode):
     # what the in-process engines launch with: every weight, every state, the mode's inputs; the tiny model uses
     # one experts table, the other four stay at their default None, and so do the optional FR-Spec draft head, a
     # sampled launch's Gumbel noise (the NxDI graphs decode greedily), a device-committed round's control state
-    # and RoPE tables (the NxDI graphs are host-driven) and the opt-in fp8 experts' scales (bf16 experts here)
+    # and RoPE tables (the NxDI graphs are host-driven), the opt-in fp8 experts' scales (bf16 experts here) and the
+    # opt-in fp8 draft head's scales
     unused = {"plan", "moe_experts_1", "moe_experts_2", "moe_experts_3", "moe_experts_4"}
-    optional = ((set(rp.DRAFT_VOCAB) | set(rp.CONTROL) | set(rp.ROPE_TABLES) if mode == "round" else set())
+    optional = ((set(rp.DRAFT_VOCAB) | set(rp.DRAFT_FP8) | set(rp.CONTROL) | set(rp.ROPE_TABLES) if mode == "round"
+                 else set())
                 | (set(rp.NOISE) & set(sig)) | set(rp.EXPERT_SCALES))
     assert "noise_v" in optional
     assert set(sig) - set(kwargs) == unused | optional

@@ -266,3 +266,62 @@ def test_ring_deeper_than_the_body_refused():
     w = lm.lm_head_layout(torch.zeros(vc, H, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="at most 2"):
         _head_with_ring(feature_major(torch.zeros(T, H, dtype=torch.bfloat16)), w, 3)
+
+
+def fp8_twin_logits(h, codes, scale):
+    """Torch twin of the fp8 draft head: bf16 h against the e4m3 codes in fp32, times s, rounded to bf16."""
+    return ((h.float() @ codes.float().t()) * scale).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("vc, T", [(700, 3), (34, 1)])
+def test_fp8_head_matches_twin(vc, T):
+    """The fp8 draft head (module docstring "fp8 draft head"): codes + per-tensor scale against a bf16 xT. Logits
+    vs the twin within one bf16 ulp, the argmax exact on the kernel's own logits (lowest index), and the logits
+    close to the bf16 head's (e4m3: 2^-4 relative per weight)."""
+    from nki_kernels.moe import kernel_table
+    H = 256
+    g = torch.Generator().manual_seed(vc + 1)
+    w = (torch.randn(vc, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    h = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    codes, s = lm.quantize_head(w)
+    assert codes.dtype == torch.float8_e4m3fn and codes.float().abs().max() <= 240 and float(s) > 0
+    best, logits = lm.lm_head_argmax_kernel(feature_major(h), kernel_table(lm.lm_head_layout(codes)[None]),
+                                            vocab_base=2 * vc, with_logits=True,
+                                            w_scale=lm.fp8_head_scale_layout([s]))
+    best, kl = _np32(best[0]), _np32(logits[0])
+    tl = fp8_twin_logits(h, codes, float(s)).numpy()
+    assert np.isfinite(kl).all() and np.abs(kl).max() > 0
+    assert_close(kl, tl, rtol=2.0 ** -7, atol=1e-5, name="fp8 logits vs twin")
+    np.testing.assert_array_equal(best[:, 0], kl.max(-1))
+    np.testing.assert_array_equal(best[:, 1], kl.argmax(-1) + 2 * vc)
+    exact = eh.core_logits(h, w).numpy()
+    assert np.abs(kl - exact).max() <= 0.1 * np.abs(exact).max()
+
+
+def test_fp8_head_ties_lowest_index():
+    """Integer codes with scale 1 (exact): equal maxima in different blocks -> the lowest index."""
+    from nki_kernels.moe import kernel_table
+    vc, H = 700, 128
+    w = torch.zeros(vc, H)
+    w[:, 0] = torch.arange(vc) % 5
+    w[[40, 600], 0] = 4.0          # background logits 0..4; rows 40 and 600 (blocks 0 and 1) both reach 4 + 5 = 9
+    w[[40, 600], 1] = 5.0
+    h = torch.zeros(1, H)
+    h[0, 0], h[0, 1] = 1.0, 1.0
+    codes = w.to(torch.float8_e4m3fn)
+    best = lm.lm_head_argmax_kernel(feature_major(h.to(torch.bfloat16)), kernel_table(lm.lm_head_layout(codes)[None]),
+                                    w_scale=lm.fp8_head_scale_layout([1.0]))
+    np.testing.assert_array_equal(_np32(best[0]), [[9.0, 40.0]])
+
+
+def test_fp8_head_argument_checks():
+    from nki_kernels.moe import kernel_table
+    codes = kernel_table(lm.lm_head_layout(torch.zeros(64, 256).to(torch.float8_e4m3fn))[None])
+    sc = lm.fp8_head_scale_layout([1.0])
+    with pytest.raises(TypeError, match="an fp8 head needs float8_e4m3 weights and bfloat16 activations"):
+        lm.lm_head_argmax_kernel(np.zeros((128, 2, 1), np.float32), codes, w_scale=sc)
+    xT = feature_major(torch.zeros(1, 256, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="an fp8 head needs"):
+        lm.lm_head_argmax_kernel(xT, lm.lm_head_layout(torch.zeros(64, 256, dtype=torch.bfloat16))[None], w_scale=sc)
+    with pytest.raises(ValueError, match=r"fp8 head scale \[64, 1\]"):
+        lm.lm_head_argmax_kernel(xT, codes, w_scale=sc[:, :64])
