@@ -1,7 +1,7 @@
 """Benchmarks that print tables and write JSON / PNG under bench/ (DESIGN.md §5). No hardware is involved: every
 time is the trn2 cost model's (harness.costmodel) on nkisim traces, as a band (low / central / high).
 
-    python -m harness.bench predict [--context 2048] [--routing expected|min|max] [--json]
+    python -m harness.bench predict [--context 2048] [--routing expected|min|max] [--draft-head bf16|fp8] [--json]
     python -m harness.bench predict --trace T.json ...
     python -m harness.bench kernel FILE::FUNCTION --arg x=128,512:bfloat16 ... [--int n=4] [--lnc 1|2] [--tp N] [--json]
     python -m harness.bench calibrate [--sdk PATH] [--nki-library PATH] [--seed PATH]
@@ -129,6 +129,14 @@ def cmd_predict(a):
             draft_vocab_per_core(cfg, a.draft_vocab, a.tp * 2)
         except ValueError as e:
             raise BadInput(f"predict: --draft-vocab: {e}") from None
+    if a.draft_head == "fp8":
+        if a.device_commit or a.corrections or a.fp8_experts:
+            raise BadInput("predict: --draft-head fp8 predicts the host-driven bf16 round alone (no --device-commit, "
+                           "--fp8-experts or --corrections)")
+        mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab,
+                                      draft_fp8=True)
+        bar.close()
+        return _predict_draft_fp8(a, cfg, mk, routing, t0)
     if a.fp8_experts:
         if a.device_commit or a.corrections:
             raise BadInput("predict: --fp8-experts predicts the host-driven round alone (no --device-commit, "
@@ -235,6 +243,20 @@ def _predict_draft_vocab(a, cfg, mk, routing, t0):
     return _write_variant(a, out, BENCH / "costmodel_predict_draft_vocab.json", (
         f"megakernel round, FR-Spec draft head of {a.draft_vocab} ids ({a.model}, TP={a.tp} x LNC=2, context "
         f"{a.context}, routing {a.routing}, commit {out['measured_commit']})",
+        f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
+        f"acceptance {a.acceptance} (assumed)"))
+
+
+def _predict_draft_fp8(a, cfg, mk, routing, t0):
+    """``predict --draft-head fp8``: the round whose drafts argmax over the opt-in fp8 draft head (``nki_kernels.lm_head``
+    "fp8 draft head"; with ``--draft-vocab N`` over N ids) -> bench/costmodel_predict_draft_fp8.json, megakernel only.
+    Output unchanged (the verify keeps the bf16 head); the acceptance it keeps is not modelled."""
+    out = _megakernel_variant(a, cfg, mk, routing, t0, draft_head="float8_e4m3",
+                              numerics="tokens unchanged (the verify keeps the bf16 head); the drafts' acceptance "
+                                       "with the fp8 head is not modelled (acceptance below is assumed)")
+    return _write_variant(a, out, BENCH / "costmodel_predict_draft_fp8.json", (
+        f"megakernel round, fp8 draft head{f' of {a.draft_vocab} ids' if a.draft_vocab else ''} ({a.model}, "
+        f"TP={a.tp} x LNC=2, context {a.context}, routing {a.routing}, commit {out['measured_commit']})",
         f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
         f"acceptance {a.acceptance} (assumed)"))
 
@@ -468,6 +490,11 @@ def main(argv=None):
                    help="predict the megakernel round whose MTP drafts argmax over an FR-Spec draft head of N ids "
                         "(model.draft_vocab; the verify keeps the full vocabulary); writes "
                         "bench/costmodel_predict_draft_vocab.json only (no layerwise, no plots). Default off")
+    p.add_argument("--draft-head", default="bf16", choices=["bf16", "fp8"],
+                   help="fp8: predict the megakernel round whose MTP drafts argmax over the opt-in fp8 (e4m3) copy of "
+                        "their head (with --draft-vocab N: of the N ids; the verify keeps the bf16 head, so the "
+                        "tokens are unchanged); writes bench/costmodel_predict_draft_fp8.json only (no layerwise, no "
+                        "plots). Default bf16")
     p.add_argument("--device-commit", action="store_true",
                    help="predict the opt-in device-committed round (accept and commit on device, rounds launched back "
                         "to back) and its end-to-end band (host enqueue hidden .. the measured host-driven gap); "

@@ -96,14 +96,14 @@ V_STAGES = ("V", "V norms", "V GDN", "V all-reduce", "V MoE", "V attention", "V 
 
 # ---- the megakernel ------------------------------------------------------------------------------
 def megakernel_round(cfg, context=2048, routing=None, tp=C.TP_RANKS, lnc=C.LNC, dtype="bfloat16", progress=None,
-                     draft_vocab=0, device_commit=False, fp8_experts=False):
+                     draft_vocab=0, device_commit=False, fp8_experts=False, draft_fp8=False):
     """Trace the shipped round megakernel (``harness.kernel_cases.round_case``; ``draft_vocab``: an FR-Spec draft head
     of that many ids, 0: off; ``device_commit``: the opt-in device-committed round, whose summary adds the chained
-    end-to-end band, :meth:`RoundEstimate.chained`; ``fp8_experts``: the opt-in fp8 experts tables) and predict its
-    band."""
+    end-to-end band, :meth:`RoundEstimate.chained`; ``fp8_experts``: the opt-in fp8 experts tables; ``draft_fp8``: the
+    opt-in fp8 draft head) and predict its band."""
     from harness import kernel_cases
     case = kernel_cases.round_case(cfg, context, routing, tp, lnc, dtype, draft_vocab=draft_vocab,
-                                   device_commit=device_commit, fp8_experts=fp8_experts)
+                                   device_commit=device_commit, fp8_experts=fp8_experts, draft_fp8=draft_fp8)
     if progress:
         progress("tracing the round megakernel")
     tr = case.trace()

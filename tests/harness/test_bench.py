@@ -121,6 +121,7 @@ def test_kernel_command_honours_the_package_context(tmp_path, capsys):
     (["predict", "--context", "0"], "--context"),
     (["predict", "--trace", "/nonexistent/t.json"], "no such trace"),
     (["predict", "--fp8-experts", "--device-commit"], "--fp8-experts"),
+    (["predict", "--draft-head", "fp8", "--device-commit"], "--draft-head fp8"),
 ])
 def test_bad_input_is_one_line_and_exit_2(add_file, capsys, argv, needle):
     code, out, err = run(capsys, *[a.replace("{f}", str(add_file)) for a in argv])
@@ -234,3 +235,22 @@ def test_nkisim_speed_quick_writes_only_where_asked(tmp_path, capsys):
 def test_spec_fp8_draft_head_needs_the_megakernel(capsys):
     code, out, err = run(capsys, "spec", "--draft-head", "fp8", "--variant", "xla", "--no-predict")
     assert code != 0 and "--draft-head fp8 runs in the megakernel variant only" in err
+
+
+@pytest.mark.slow       # ~20 s: a tiny-model round trace
+def test_predict_draft_fp8_writes_its_own_json(tmp_path, monkeypatch, capsys):
+    """``predict --draft-head fp8``: its own JSON (the headline JSON and plots are the default round's), with a band and
+    fewer HBM bytes per rank than the bf16-draft round (the draft head streams one byte per weight, not two)."""
+    from harness.costmodel import compose
+    from model.config import preset
+    monkeypatch.setattr(bench, "BENCH", tmp_path)
+    code, out, err = run(capsys, "predict", "--model", "tiny", "--context", "600", "--draft-head", "fp8", "--json",
+                         "--quiet")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["draft_head"] == "float8_e4m3" and "tokens unchanged" in d["numerics"]
+    assert d["round_us"]["low"] <= d["round_us"]["central"] <= d["round_us"]["high"]
+    assert json.loads((tmp_path / "costmodel_predict_draft_fp8.json").read_text())["round_us"] == d["round_us"]
+    assert not (tmp_path / "costmodel_predict.json").exists() and not (tmp_path / "costmodel_stages.png").exists()
+    bf16 = compose.megakernel_round(preset("tiny"), 600)
+    assert d["hbm_MB_per_rank"] < bf16.hbm_bytes_per_rank / 1e6
