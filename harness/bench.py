@@ -129,14 +129,10 @@ def cmd_predict(a):
             draft_vocab_per_core(cfg, a.draft_vocab, a.tp * 2)
         except ValueError as e:
             raise BadInput(f"predict: --draft-vocab: {e}") from None
-    if a.draft_head == "fp8":
-        if a.device_commit or a.corrections or a.fp8_experts:
-            raise BadInput("predict: --draft-head fp8 predicts the host-driven bf16 round alone (no --device-commit, "
-                           "--fp8-experts or --corrections)")
-        mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab,
-                                      draft_fp8=True)
-        bar.close()
-        return _predict_draft_fp8(a, cfg, mk, routing, t0)
+    draft_fp8 = a.draft_head == "fp8"
+    if draft_fp8 and (a.device_commit or a.corrections or a.fp8_experts):
+        raise BadInput("predict: --draft-head fp8 predicts the host-driven bf16 round alone (no --device-commit, "
+                       "--fp8-experts or --corrections)")
     if a.fp8_experts:
         if a.device_commit or a.corrections:
             raise BadInput("predict: --fp8-experts predicts the host-driven round alone (no --device-commit, "
@@ -150,10 +146,11 @@ def cmd_predict(a):
                                       draft_vocab=a.draft_vocab, device_commit=True)
         bar.close()
         return _predict_device_commit(a, mk, routing, t0)
-    mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab)
-    if a.draft_vocab:
+    mk = compose.megakernel_round(cfg, a.context, routing, a.tp, 2, progress=progress, draft_vocab=a.draft_vocab,
+                                  draft_fp8=draft_fp8)
+    if a.draft_vocab or draft_fp8:
         bar.close()
-        return _predict_draft_vocab(a, cfg, mk, routing, t0)
+        return _predict_drafts(a, cfg, mk, routing, t0)
     t_mk = time.time() - t0
     lw = compose.layerwise_round(cfg, a.context, routing, a.tp, 2, progress=progress)
     bar.close()
@@ -233,30 +230,26 @@ def _megakernel_variant(a, cfg, mk, routing, t0, **fields):
     return out
 
 
-def _predict_draft_vocab(a, cfg, mk, routing, t0):
-    """``predict --draft-vocab N``: the round whose drafts use an FR-Spec draft head of N ids ->
-    bench/costmodel_predict_draft_vocab.json, megakernel only (the layerwise variant keeps the full head; the
-    headline JSON and plots stay the default round's). Output unchanged; the acceptance it keeps is not modelled."""
-    out = _megakernel_variant(a, cfg, mk, routing, t0,
-                              numerics="tokens unchanged (the verify keeps the full vocabulary); the drafts' "
-                                       "acceptance with the subset is not modelled (acceptance below is assumed)")
-    return _write_variant(a, out, BENCH / "costmodel_predict_draft_vocab.json", (
-        f"megakernel round, FR-Spec draft head of {a.draft_vocab} ids ({a.model}, TP={a.tp} x LNC=2, context "
-        f"{a.context}, routing {a.routing}, commit {out['measured_commit']})",
-        f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
-        f"acceptance {a.acceptance} (assumed)"))
-
-
-def _predict_draft_fp8(a, cfg, mk, routing, t0):
-    """``predict --draft-head fp8``: the round whose drafts argmax over the opt-in fp8 draft head (``nki_kernels.lm_head``
-    "fp8 draft head"; with ``--draft-vocab N`` over N ids) -> bench/costmodel_predict_draft_fp8.json, megakernel only.
-    Output unchanged (the verify keeps the bf16 head); the acceptance it keeps is not modelled."""
-    out = _megakernel_variant(a, cfg, mk, routing, t0, draft_head="float8_e4m3",
-                              numerics="tokens unchanged (the verify keeps the bf16 head); the drafts' acceptance "
-                                       "with the fp8 head is not modelled (acceptance below is assumed)")
-    return _write_variant(a, out, BENCH / "costmodel_predict_draft_fp8.json", (
-        f"megakernel round, fp8 draft head{f' of {a.draft_vocab} ids' if a.draft_vocab else ''} ({a.model}, "
-        f"TP={a.tp} x LNC=2, context {a.context}, routing {a.routing}, commit {out['measured_commit']})",
+def _predict_drafts(a, cfg, mk, routing, t0):
+    """``predict --draft-vocab N`` and / or ``--draft-head fp8``: the round whose drafts argmax over an FR-Spec draft
+    head of N ids (``model.draft_vocab``) and / or the opt-in fp8 draft head (``nki_kernels.lm_head`` "fp8 draft
+    head") -> bench/costmodel_predict_draft_vocab.json (the FR-Spec head alone) or costmodel_predict_draft_fp8.json,
+    megakernel only (the headline JSON and plots stay the default round's). Output unchanged: the verify keeps the
+    full bf16 head; the acceptance the drafts keep is not modelled."""
+    fp8 = a.draft_head == "fp8"
+    heads = []
+    if a.draft_vocab:
+        heads.append(f"an FR-Spec draft head of {a.draft_vocab} ids")
+    if fp8:
+        heads.append("an fp8 draft head")
+    what = " and ".join(heads)
+    out = _megakernel_variant(a, cfg, mk, routing, t0, **({"draft_head": "float8_e4m3"} if fp8 else {}),
+                              numerics=f"tokens unchanged (the verify keeps the full bf16 head); the drafts' acceptance "
+                                       f"with {what} is not modelled (acceptance below is assumed)")
+    path = BENCH / ("costmodel_predict_draft_fp8.json" if fp8 else "costmodel_predict_draft_vocab.json")
+    return _write_variant(a, out, path, (
+        f"megakernel round, drafts over {what} ({a.model}, TP={a.tp} x LNC=2, context {a.context}, routing "
+        f"{a.routing}, commit {out['measured_commit']})",
         f"  round            {_band(out['round_us'])}   tokens/s {out['tokens_per_s']['central']:,.0f} at "
         f"acceptance {a.acceptance} (assumed)"))
 
