@@ -66,11 +66,11 @@ becomes PE-bound: 16 x 31,040 moving columns per core is inherent to streaming t
 
 fp8 draft head (opt-in, issue 15 lever "Draft LM head"; only for the DRAFTS, whose tokens the exact verify checks, so
 greedy output is unchanged and only acceptance can drop). ``w`` holds ``FP8`` (``float8_e4m3``) codes of the head rows
-quantised with ONE per-tensor scale s (:func:`quantize_head`: max |W| / 240, round to nearest even) and the bf16 xT
+quantised with ONE scale s per core shard (:func:`quantize_head`: max |W| / 240, round to nearest even) and the bf16 xT
 stays the stationary operand (nc_matmul inputs may differ in dtype except fp32/tf32, nki-reference.md); PSUM holds
 x . codes in fp32 and the ACT eviction multiplies by s (``activation(scale=)``, a ``[T, 1]`` fp32 column, DMA'd once
 from ``w_scale``) before the rounding to bf16, so logits -- and the Gumbel noise added to them when sampling -- are in
-the original units. Why per-tensor: the greedy draft's argmax is invariant to one positive scale and the eviction
+the original units. Why one scale per shard: each core's argmax is invariant to its positive scale and the eviction
 undoes it for free; e4m3 keeps 3 mantissa bits at any scale, so per-row scales would only help rows far below the
 largest (below 2^-6 s the codes are subnormal) and would cost a DVE multiply per block on the path (the per-row scale
 runs along the free axis of ``lg``). Bytes halve (63.6 MB per core, 8 KiB blocks) but the 16 matmuls x 512 moving
@@ -189,7 +189,7 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
     xT: SBUF ``[P, KT, T]`` activation dtype (normed hidden, feature-major). w: HBM ``[P, KT*Vc]``
     block-packed shard (:func:`lm_head_layout`), same dtype -- or, with ``w_scale``, the fp8 draft head (module
     docstring "fp8 draft head"): ``FP8`` codes against bfloat16 xT, ``w_scale`` HBM ``[P, 1]`` float32 holding the
-    per-tensor scale s in every row (:func:`fp8_head_scale_layout`). index_base: compile-time int added to the
+    shard's scale s in every row (:func:`fp8_head_scale_layout`). index_base: compile-time int added to the
     local index (0 when :func:`nki_kernels.collectives.argmax_combine` adds the core offsets).
     logits_out: optional HBM ``[T, Vc]`` (activation dtype) receiving the rounded logits (tests, top-k
     on the host). noise: optional HBM ``[P, Cp*T]`` float32, vocab on partitions like ``lt``
