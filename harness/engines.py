@@ -469,13 +469,11 @@ def make_engine(name: str, cfg: ModelConfig, params: dict[str, torch.Tensor], tp
     kv_heads(cfg, 0, tp)
     if draft_fp8 and name != "megakernel":
         raise ValueError(f"an fp8 draft head runs in the megakernel variant only, not {name}")
-    if device_commit:
-        if name != "megakernel":
-            raise ValueError(f"device-side commit runs in the megakernel variant only, not {name}")
-        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, device_commit=True,
-                                noise_window=noise_window, draft_fp8=draft_fp8)
-    if noise_window is not None:
+    if device_commit and name != "megakernel":
+        raise ValueError(f"device-side commit runs in the megakernel variant only, not {name}")
+    if noise_window is not None and not device_commit:
         raise ValueError("a noise window is for device-committed sampled rounds (device_commit)")
-    if draft_fp8:
-        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids, draft_fp8=True)
+    if name == "megakernel":
+        return MegakernelEngine(cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids,
+                                device_commit=device_commit, noise_window=noise_window, draft_fp8=draft_fp8)
     return ENGINES[name](cfg, params, tp=tp, lnc=lnc, drafts=drafts, draft_ids=draft_ids)

@@ -515,7 +515,8 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     input norm reads (so the stacking copies of the stage entry run beside the norm and the mixer), else None.
     ``next_gdn``: the GDN layer to run next (``_next_gdn``, ``_first_gdn``; None: none); its weights are issued
     into the launch's arena as soon as this layer's mixer is done, so they stream under the all-reduces, the norm
-    and the routing instead of at the top of that layer -- all but its out_proj weight, issued at its own top. ``early_ring`` (the verify's layers): an attention layer's
+    and the routing instead of at the top of that layer -- all but its out_proj weight, issued at its own top.
+    ``early_ring`` (the verify's layers): an attention layer's
     projection ring (``attention_ring``) is allocated and its first chunks issued before the input norm, so they
     stream under the previous all-reduce (the MTP layers' drafts have no SBUF room for it next to the GDN arena:
     they keep the body's own ring). Both norm weights (8 KiB each) are loaded first: the DMAs of one queue move in

@@ -64,21 +64,22 @@ matmuls (bench/decode_speed.md lever 34). Under the measured 1.69x PE throttle (
 becomes PE-bound: 16 x 31,040 moving columns per core is inherent to streaming the weight as the moving operand
 (the weight-stationary alternative needs 3,880 matmuls).
 
-fp8 draft head (opt-in, issue 15 lever "Draft LM head"; only for the DRAFTS, whose tokens the exact verify checks, so
-greedy output is unchanged and only acceptance can drop). ``w`` holds ``FP8`` (``float8_e4m3``) codes of the head rows
-quantised with ONE scale s per core shard (:func:`quantize_head`: max |W| / 240, round to nearest even) and the bf16 xT
-stays the stationary operand (nc_matmul inputs may differ in dtype except fp32/tf32, nki-reference.md); PSUM holds
-x . codes in fp32 and the ACT eviction multiplies by s (``activation(scale=)``, a ``[T, 1]`` fp32 column, DMA'd once
-from ``w_scale``) before the rounding to bf16, so logits -- and the Gumbel noise added to them when sampling -- are in
-the original units. Why one scale per shard: each core's argmax is invariant to its positive scale and the eviction
-undoes it for free; e4m3 keeps 3 mantissa bits at any scale, so per-row scales would only help rows far below the
-largest (below 2^-6 s the codes are subnormal) and would cost a DVE multiply per block on the path (the per-row scale
-runs along the free axis of ``lg``). Bytes halve (63.6 MB per core, 8 KiB blocks) but the 16 matmuls x 512 moving
-columns per block are unchanged, so the PE binds: block b's transposes are therefore emitted after block b+1's
-matmuls (otherwise the in-order PE waits for every block's ACT eviction: 344.3 us). harness.costmodel, one rank, same
-command with ``--arg w=2,128,496640:float8_e4m3 --arg w_scale=2,128,1:float32``: 281.7 (278.2 - 780.8) / 282.5
-(279.0 - 781.6) / 284.1 (280.6 - 783.2) us for T = 1 / 2 / 4 (bf16: 414.0 / 414.8 / 416.4), PE busy 269.5 us
-(976 matmuls 246.7 + 243 transposes), HBM roofline 200.2 us. The bf16 and fp32 paths emit exactly as before.
+fp8 draft head (opt-in, issue 15 lever "Draft LM head"; only for the DRAFTS, whose tokens the exact verify checks,
+so greedy output is unchanged and only acceptance can drop). ``w`` holds ``FP8`` (``float8_e4m3``) codes of the head
+rows quantised with ONE scale s per core shard (:func:`quantize_head`: max |W| / 240, round to nearest even) and the
+bf16 xT stays the stationary operand (nc_matmul inputs may differ in dtype except fp32/tf32, nki-reference.md); PSUM
+holds x . codes in fp32 and the ACT eviction multiplies by s (``activation(scale=)``, a ``[T, 1]`` fp32 column,
+DMA'd once from ``w_scale``) before the rounding to bf16, so logits -- and the Gumbel noise added to them when
+sampling -- are in the original units. Why one scale per shard: each core's argmax is invariant to its positive
+scale and the eviction undoes it for free; e4m3 keeps 3 mantissa bits at any scale, so per-row scales would only
+help rows far below the largest (below 2^-6 s the codes are subnormal) and would cost a DVE multiply per block on
+the path (the per-row scale runs along the free axis of ``lg``). Bytes halve (63.6 MB per core, 8 KiB blocks) but
+the 16 matmuls x 512 moving columns per block are unchanged, so the PE binds: block b's transposes are therefore
+emitted after block b+1's matmuls (otherwise the in-order PE waits for every block's ACT eviction: 344.3 us central,
+one rank, T = 1). harness.costmodel, one rank, same command with ``--arg w=2,128,496640:float8_e4m3 --arg
+w_scale=2,128,1:float32``: 281.7 (278.2 - 780.8) / 282.5 (279.0 - 781.6) / 284.1 (280.6 - 783.2) us for T = 1 / 2 /
+4 (bf16: 414.0 / 414.8 / 416.4), PE busy 269.5 us (976 matmuls 246.7 + 243 transposes), HBM roofline 200.2 us. The
+bf16 and fp32 paths emit exactly as before.
 """
 
 from __future__ import annotations
@@ -248,10 +249,12 @@ def lm_head_argmax_body(xT, w, index_base: int = 0, logits_out=None, noise=None,
     nbuf = ring_depth(w, KT)
     wring = [] if ring == None else list(ring)
     issued = len(wring)
+    fits = issued <= nbuf
     for b in wring:
-        if issued > nbuf or tuple(b.shape) != (P, KT, min(NB, vc)) or b.dtype != w.dtype:
-            raise ValueError(f"lm_head: a ring of {issued} buffers {list(b.shape)} {b.dtype} was passed, expected at "
-                             f"most {nbuf} of [{P}, {KT}, {min(NB, vc)}] {w.dtype} (lm_head_ring of the same weight)")
+        fits = fits and tuple(b.shape) == (P, KT, min(NB, vc)) and b.dtype == w.dtype
+    if not fits:
+        raise ValueError(f"lm_head: the ring passed is not at most {nbuf} buffers of [{P}, {KT}, {min(NB, vc)}] "
+                         f"{w.dtype} (lm_head_ring of the same weight)")
     for i in range(issued, nbuf):
         wring.append(nl.ndarray((P, KT, min(NB, vc)), w.dtype, buffer=nl.sbuf, name=f"lm_head_w{i}"))
     scale = 1.0

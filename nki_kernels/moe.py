@@ -101,12 +101,12 @@ free size of the accumulation. On the PE (software pipelining in program order, 
 matmuls of group g+1's first gate|up piece, then group g's transposes, then the rest of group g+1's gate|up, then
 group g's down projection. The bytes of the first piece land first, so the PE works on them while ACT / DVE finish
 group g, and group g's transposes wait for no piece still in flight: at a stream's end the last group's gate|up no
-longer holds back the previous group's chain. A stream's last group takes one mask multiply per slot, so its
-first slot's down matmuls need not wait for the second slot's transpose. (Issue 15, 4-layer A/B round: 1,490.8
-(1,345.2 - 3,008.5) -> 1,487.9 (1,344.8 - 2,990.2) us against the whole gate|up of group g+1 before group g's
-transposes; the split at the last pair of a stream only: 1,487.9 (1,344.4 - 2,996.8); the whole gate|up after the
-transposes at the last pair: 1,489.5.) The folded sum is unfolded into ``y [T, H]`` at the end by R SBUF->SBUF
-DMAs.
+longer holds back the previous group's chain. A stream's last group takes one mask multiply per slot, so its first
+slot's down matmuls need not wait for the second slot's transpose. (Issue 15, 4-layer A/B round, context 2,048,
+expected routing, central (low - high): 1,490.8 (1,345.2 - 3,008.5) -> 1,487.9 (1,344.8 - 2,990.2) us against the
+whole gate|up of group g+1 before group g's transposes; the split at the last pair of a stream only: 1,487.9
+(1,344.4 - 2,996.8); the whole gate|up after the transposes at the last pair: 1,489.5.) The folded sum is unfolded
+into ``y [T, H]`` at the end by R SBUF->SBUF DMAs.
 
 **LNC = 2.** The two cores split the rank's intermediate columns (64 + 64 of 128), so each core
 reads exactly half of every selected expert: the DMA split is balanced whatever the number of
