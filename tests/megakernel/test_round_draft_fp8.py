@@ -38,7 +38,8 @@ def test_round_with_the_fp8_draft_head_keeps_the_verify(tiny):
     assert r.targets == want.targets and torch.isfinite(r.hidden).all() and r.hidden.abs().max() > 0.1
 
 
-@pytest.mark.parametrize("subset", [None, np.arange(0, 256, 4, dtype=np.int32)], ids=["full", "fr-spec"])
+@pytest.mark.parametrize("subset", [None, pytest.param(np.arange(0, 256, 4, dtype=np.int32), marks=pytest.mark.slow)],
+                         ids=["full", "fr-spec"])       # the combination with FR-Spec (~7 s) in the slow tier
 def test_tokens_equal_plain_greedy_with_the_fp8_draft_head(tiny, subset):
     """Real MTP drafts through the fp8 head (alone and on an FR-Spec subset): the output is plain greedy decoding."""
     cfg, params = tiny
