@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from decoding import ReferenceDecoder, reference_greedy
+from harness.sampling import Sampling
 from harness.speculative import generate, make_decoder
 from megakernel import plan as rp
 from megakernel.sharded import rank_weights
@@ -72,3 +73,21 @@ def test_fp8_draft_head_bad_inputs(tiny_cfg, tiny):
         rp.plan_for(cfg, "step", tp=4, draft_fp8=True)
     with pytest.raises(ValueError, match="fp8 draft head runs in the megakernel variant only"):
         make_decoder("xla", cfg, tiny[1], tp=4, draft_fp8=True)
+
+
+def test_sampled_tokens_do_not_depend_on_the_fp8_draft_head(tiny):
+    """Gumbel-max sampling (shared noise per position): the fp8 head draws the drafts from its own logits plus the
+    noise in the original units (``lm_head_argmax_body(w_scale=)``), the bf16 verify decides, so the sampled tokens
+    equal those of the same run with the bf16 draft head; only the drafts (and so the acceptance) may differ."""
+    cfg, params = tiny
+    s = Sampling(1.0, seed=4)
+    runs = []
+    for fp8 in (False, True):
+        v = make_decoder("megakernel", cfg, params, tp=1, draft_fp8=fp8)
+        runs.append(generate(v, PROMPT, 8, spec=True, sampling=s))
+    assert runs[1].tokens == runs[0].tokens and len(runs[0].tokens) == 8
+    assert runs[0].tokens != reference_greedy(cfg, params, PROMPT, 8)        # a sample, not the greedy output
+    acc = runs[1].accepted_per_round
+    assert 1 <= min(acc) and max(acc) <= 2
+    # the drafts are samples too: a draft that ignored the noise would rarely equal the sampled target
+    assert sum(a - 1 for a in acc) >= len(acc) // 2
