@@ -553,11 +553,14 @@ def decoder_layer(plan, layer, t, x, rg, regs, pos, cos, sin, core, next_gdn=Non
     else:
         y = gdn_body(xT, g[0], g[1], g[2], g[3], g[4], g[5], t.gdn_window, t.gdn_state, t.read_slot, plan.eps,
                      layer=layer.mixer, weights=wg, stack=t.stack)
+    # the GDN arena's first use allocates it before the MoE weights' tiles: placed after them (1 MiB of router per
+    # core), it leaves the verify's attention layer no room for the expert ring
+    arena = _gdn_arena(regs, g) if next_gdn != None else None
     wm = moe_weights(t.moe_router, t.moe_shared, layer.moe)     # router + shared expert: under the all-reduce
     if last and layer.kind == ATTENTION:
         regs.head_ring = _head_ring(t, regs, core)
     if next_gdn != None:            # its DMAs wait only for this mixer's reads of the arena (WAR)
-        gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, _gdn_arena(regs, g), out_proj=False)
+        gdn_weights(g[0], g[1], g[2], g[3], g[4], g[5], next_gdn.mixer, arena, out_proj=False)
         regs.gdn_layer = next_gdn.mixer
     mixer_lanes = allreduce_lanes(y, rg)
     if lanes != None:       # the previous reduction's residual update, after the mixer's VectorE work (y stays

@@ -13,15 +13,20 @@ partial ``y [T, H]`` float32. P = 128 partitions.
 
 Design
 ------
-**Router.** Under LNC = 2 each core reads half of the router rows (512 KiB of the 1 MiB bf16 at the
-real shapes) and computes those logits, and the halves are swapped with ``sendrecv``; every later
-routing step runs on both cores on identical data, so both cores agree. The shared-expert gate
-weight rides as an extra column of each core's router block (one accumulation over the H/P
-contraction blocks gives logits and gate logit). Logits are rounded to the activation dtype by one DVE pass that
-also reduces them to the negated max, which rides in the swapped tile (the softmax max is then one [T, 1] op
-after the swap, no pass over all E logits), and the softmax numerators ``p = exp(l - max)`` are fp32 (``exp``
-with the per-token max as bias); the softmax denominator is not needed (same top-k set; it cancels in the
-renormalised weights). The top-k SET is exact with lower-index ties and needs nothing but ``max8`` values
+**Router.** The host table holds one router block per core (``router_block``: half of the experts' rows under
+LNC = 2, plus the shared-expert gate as an extra column), but every core reads ALL the blocks (1 MiB bf16 at the
+real shapes, prefetched off the path by ``moe_weights``) and computes all E logits: one accumulation over the H/P
+contraction blocks whose moving operand spans every block (258 columns, one PSUM bank) gives the logits and the
+gate logit. Both cores run the same matmuls in the same order on the same data, so they route identically with
+no exchange on the routing's path (before: the halves were swapped with ``sendrecv`` after their rounding, and the
+softmax max taken over the halves' maxima; issue 15, 4-layer A/B round 1,469.4 (1,340.5 - 2,966.6) -> 1,468.1
+(1,342.9 - 2,958.2) us: the wider matmuls cost 0.55 us per layer, the swap, its hand-offs and the max of the halves
+saved about 1.0; the extra 0.5 MiB per core of HBM traffic costs a little at the band's low end). Logits are
+rounded to the activation dtype by one DVE pass that also reduces them to the negated max, and the softmax
+numerators ``p = exp(l - max)`` are fp32 (``exp`` with the per-token max as bias); the 8 largest ``p`` are the
+same ``exp`` of the 8 largest logits (``exp`` is monotone), so their ``max8`` runs on the logits while ScalarE
+computes ``p`` (-> 1,467.2 (1,342.3 - 2,956.2)); the softmax denominator is not needed (same top-k set; it cancels
+in the renormalised weights). The top-k SET is exact with lower-index ties and needs nothing but ``max8`` values
 (documented: the 8 largest values, descending): with ``vk`` = the k-th value of max8(p), the key
 ``(p > vk) + (p >= vk) * (E - e) / 2^m`` (2^m >= E; exact) is unique per expert where non-zero and orders
 every ``p > vk`` above every tie ``p == vk``, the ties lowest index first; its k-th largest value (a second
@@ -321,28 +326,30 @@ def _groups(s0, s1, G):
 
 
 def _router_logits(xT, r_sb):
-    """PSUM [T, E/lnc + 1] f32: this core's logits | the shared-expert gate logit."""
+    """PSUM [T, lnc, E/lnc + 1] f32 from the router table r_sb [P, lnc, H/P, E/lnc + 1] (:func:`moe_weights`): block c's
+    logits (experts c*E/lnc ..) | the shared-expert gate logit, every block in one moving operand per contraction
+    block (one accumulation group, the PSUM free size 2 * (E/2 + 1) = 258 fp32 at the real shapes: one bank)."""
     _, J, T = xT.shape
-    lg_ps = nl.ndarray((T, r_sb.shape[2]), dtype=nl.float32, buffer=nl.psum)
+    lg_ps = nl.ndarray((T, r_sb.shape[1], r_sb.shape[3]), dtype=nl.float32, buffer=nl.psum)
     for j in range(J):
-        nisa.nc_matmul(dst=lg_ps, stationary=xT[:, j, :], moving=r_sb[:, j, :], accumulate=j > 0)
+        nisa.nc_matmul(dst=lg_ps, stationary=xT[:, j, :], moving=r_sb[:, :, j, :], accumulate=j > 0)
     return lg_ps
 
 
-def _top_k(lg_ps, top_k, S, lnc, pid, adt):
-    """Routing on SBUF from this core's logits (PSUM, see :func:`_router_logits`).
+def _top_k(lg_ps, top_k, S, pid, adt):
+    """Routing on SBUF from all E logits (PSUM [T, lnc, E/lnc + 1], see :func:`_router_logits`).
 
     Returns (gl [T, 1] activation dtype: the shared-expert gate logit, w [T, E] activation dtype: each token's
     renormalised weight of every expert (0 if not selected), keys [1, 8 * rounds] f32: the distinct selected
     experts' keys E - e, token 0's k first (in the top-k key's order), then the other tokens' further experts in
     descending order (0 past the last), ids [1, S] int32: slot s's expert E - keys[s]
     (E for an unused slot, never loaded), trips [1, 2 ceil((S - k) / 2)] int32 or None: the trip counts of
-    the conditional loops, see :func:`_conditional_levels`). The halves of the logits are exchanged between the cores
-    (sendrecv), so both cores route identically. The ids of the first k slots are decoded from the top-k key's
-    max8 values, so their DMAs can start before the selection mask and the union exist.
+    the conditional loops, see :func:`_conditional_levels`). Every core computes all E logits with the same matmuls
+    in the same order, so both cores route identically with no exchange. The ids of the first k slots are decoded
+    from the top-k key's max8 values, so their DMAs can start before the selection mask and the union exist.
     """
-    T = lg_ps.shape[0]
-    Eh = lg_ps.shape[1] - 1
+    T, lnc = lg_ps.shape[0], lg_ps.shape[1]
+    Eh = lg_ps.shape[2] - 1
     E = Eh * lnc
     f32 = nl.float32
     k = top_k
@@ -358,41 +365,31 @@ def _top_k(lg_ps, top_k, S, lnc, pid, adt):
         m2 = 2 * m2
     nisa.tensor_scalar(dst=revs, data=rev, op0=nl.multiply, operand0=1.0 / m2)
 
-    # logits rounded to the activation dtype, each rounding pass also yielding -max of its logits (the max of the
-    # rounded values: rounding is monotone); the softmax max is the smaller of the halves' -max
+    # logits rounded to the activation dtype by one pass that also yields -max of them (the max of the rounded
+    # values: rounding is monotone), read past the blocks' gate columns
     gl = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)            # the shared-expert gate logit
-    if lnc == 1:
-        lg = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
-        nmx = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
-        nisa.tensor_scalar_reduce(dst=lg, data=lg_ps[:, 0:E], op0=nl.multiply, operand0=1.0, reduce_op=nl.maximum,
-                                  reduce_res=nmx, reduce_res_negate=True)
-        nisa.tensor_copy(dst=gl, src=lg_ps[:, E:E + 1])
-        halves = ((0, lg),)
-    else:                   # whole tiles through sendrecv (a strided part of a tile is not delivered)
-        mine = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)      # [this core's logits | -(max of them)]
-        nisa.tensor_scalar_reduce(dst=mine[:, 0:Eh], data=lg_ps[:, 0:Eh], op0=nl.multiply, operand0=1.0,
-                                  reduce_op=nl.maximum, reduce_res=mine[:, Eh:Eh + 1], reduce_res_negate=True)
-        theirs = nl.ndarray((T, Eh + 1), dtype=adt, buffer=nl.sbuf)
-        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
-        nisa.tensor_copy(dst=gl, src=lg_ps[:, Eh:Eh + 1])             # (while the halves fly)
-        nmx = nl.ndarray((T, 1), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=nmx, data1=mine[:, Eh:Eh + 1], data2=theirs[:, Eh:Eh + 1], op=nl.minimum)
-        halves = ((pid, mine), (1 - pid, theirs))
+    lg = nl.ndarray((T, E), dtype=adt, buffer=nl.sbuf)
+    nmx = nl.ndarray((T, 1), dtype=adt, buffer=nl.sbuf)
+    nisa.tensor_scalar_reduce(dst=lg.reshape((T, lnc, Eh)), data=lg_ps[:, :, 0:Eh], op0=nl.multiply, operand0=1.0,
+                              reduce_op=nl.maximum, reduce_res=nmx, reduce_res_negate=True)
 
-    # softmax numerators (fp32): p = exp(l - max), one exp per half under LNC = 2 (straight from the swapped tiles:
-    # no copy into lg on the way). The top-k set of the softmax is that of p, and the renormalised weights
-    # p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
+    # softmax numerators (fp32): p = exp(l - max). The top-k set of the softmax is that of p, and the renormalised
+    # weights p_top / sum(p_top) do not depend on the softmax denominator, which cancels: it is not computed
     p = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)
-    for c_half in halves:
-        c, half = c_half
-        nisa.activation(dst=p[:, c * Eh:(c + 1) * Eh], op=nl.exp, data=half[:, 0:Eh], bias=nmx)
+    nisa.activation(dst=p, op=nl.exp, data=lg, bias=nmx)
+    # v8 = max8(p) without VectorE waiting for p: exp(. - max) is monotone, so the 8 largest p are, in order, the
+    # same ScalarE exp of the 8 largest logits (max8 on lg runs on VectorE while ScalarE computes p); then the gate
+    # logit, from this core's own block
+    l8 = nl.ndarray((T, MAX8), dtype=adt, buffer=nl.sbuf)
+    nisa.max8(dst=l8, src=lg)
+    nisa.tensor_copy(dst=gl, src=lg_ps[:, pid, Eh:Eh + 1])          # (while VectorE waits for v8)
+    v8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=v8, op=nl.exp, data=l8, bias=nmx)
 
     # exact top-k set, ties to the lower index: with vk the k-th largest p, the key comp = (p > vk) + (p >= vk) * revs
     # is 1 + revs for p > vk, revs for p == vk, 0 below (unique per expert where non-zero: revs < 1 + revs' for all
     # pairs); its k largest values are the selection (every p > vk, then the tied experts lowest index first), and
     # ck = the k-th largest is the threshold: selected iff comp >= ck
-    v8 = nl.ndarray((T, MAX8), dtype=f32, buffer=nl.sbuf)
-    nisa.max8(dst=v8, src=p)
     vk = v8[:, k - 1:k]
     tied = nl.ndarray((T, E), dtype=f32, buffer=nl.sbuf)         # VectorE: GpSimd runs no float tensor_tensor
     nisa.scalar_tensor_tensor(dst=tied, data=p, op0=nl.greater_equal, operand0=vk, op1=nl.multiply, operand1=revs)
@@ -905,8 +902,8 @@ def _acc_of(accs, R):
 
 class MoEWeights(nl.NKIObject):
     """SBUF tiles of one layer's routing-independent MoE weights on this core (:func:`moe_weights`): ``router``
-    [P, H/P, E/lnc + 1] (the core's router rows | the shared-expert gate) and ``shared`` [P, 1, Fs] (the shared
-    expert's block)."""
+    [P, lnc, H/P, E/lnc + 1] (every core's router block: its experts' rows | the shared-expert gate) and ``shared``
+    [P, 1, Fs] (this core's block of the shared expert)."""
 
     def __init__(self, router, shared):
         self.router = router
@@ -914,14 +911,18 @@ class MoEWeights(nl.NKIObject):
 
 
 def moe_weights(router, shared, layer=None):
-    """Issue the DMAs of this core's router block and shared-expert block (one HWDGE DMA each, contiguous runs
-    per partition) into fresh SBUF tiles; returns :class:`MoEWeights` for ``moe_tkg_body(..., weights=)``. A
-    megakernel calls it before the layer's post-attention norm so the 1.3 MiB per core fly under the mixer.
+    """Issue the DMAs of the whole router (every core's block: each core computes all E logits, so the cores need no
+    exchange to route alike) and of this core's shared-expert block (one HWDGE DMA per block, contiguous runs per
+    partition) into fresh SBUF tiles; returns :class:`MoEWeights` for ``moe_tkg_body(..., weights=)``. A megakernel
+    calls it before the layer's post-attention norm so the 1.8 MiB per core fly under the mixer.
     router / shared as for :func:`moe_tkg_body` (stacked with ``layer``)."""
     router, shared = layer_of(router, layer), layer_of(shared, layer)
     _, pid = program_sharding()
-    r_sb = nl.ndarray(tuple(router.shape[1:]), dtype=router.dtype, buffer=nl.sbuf, name="moe_router_w")
-    nisa.dma_copy(dst=r_sb, src=router[pid], dge_mode=nisa.dge_mode.hwdge)
+    n_cores = router.shape[0]
+    r_sb = nl.ndarray((P, n_cores, router.shape[2], router.shape[3]), dtype=router.dtype, buffer=nl.sbuf,
+                      name="moe_router_w")
+    for c in range(n_cores):
+        nisa.dma_copy(dst=r_sb[:, c, :, :], src=router[c], dge_mode=nisa.dge_mode.hwdge)
     sh = nl.ndarray((P, 1, shared.shape[2]), dtype=shared.dtype, buffer=nl.sbuf, name="moe_shared_w")
     nisa.dma_copy(dst=sh[:, 0, :], src=shared[pid], dge_mode=nisa.dge_mode.hwdge)
     return MoEWeights(r_sb, sh)
@@ -933,7 +934,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
 
     xT:      SBUF [P, H/P, T] activation dtype (bfloat16 or float32), element (p, j, t) = x[t, j*P + p]
     router:  HBM [n_cores, P, H/P, E/n_cores + 1] (``router_block``): each core's router rows and the
-             shared-expert gate
+             shared-expert gate (every core reads every block: :func:`moe_weights`)
     experts: HBM [E, n_cores, P, F] (``expert_blocks``), n_cores = the launch's LNC degree -- a whole
              tensor, or with ``experts_layer`` a stacked table [G, E, n_cores, P, F] of G layers (the
              run-time-addressed DMA uses ``.ap()``, which addresses the base tensor, not a view)
@@ -993,8 +994,9 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if (experts.dtype == FP8) != (scales != None):
         raise ValueError(f"moe_tkg: experts are {experts.dtype} and scales are {'given' if scales != None else 'None'}"
                          f": {FP8} experts take a scales table (expert_scales), other experts none")
-    if not 1 <= top_k <= MAX8 or E < MAX8 or E + 1 > PSUM_BANK:
-        raise ValueError(f"moe_tkg: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E < {PSUM_BANK}")
+    if not 1 <= top_k <= MAX8 or E < MAX8 or E + n_cores > PSUM_BANK:     # the logits | gates: one PSUM bank
+        raise ValueError(f"moe_tkg: top_k={top_k}, E={E}: need 1 <= top_k <= {MAX8} and {MAX8} <= E <= "
+                         f"{PSUM_BANK} - n_cores")
     if not 1 <= T <= 16:
         raise ValueError(f"moe_tkg: {T} tokens; the decode kernel handles 1..16")
     check_stack(stack, T, H, "moe_tkg")
@@ -1038,9 +1040,9 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     if weights == None:
         weights = moe_weights(router, shared)
     r_sb, sh = weights.router, weights.shared
-    if tuple(r_sb.shape) != (P, J, E // lnc + 1) or tuple(sh.shape) != (P, 1, Fs):
+    if tuple(r_sb.shape) != (P, lnc, J, E // lnc + 1) or tuple(sh.shape) != (P, 1, Fs):
         raise ValueError(f"moe_tkg: prefetched weights {list(r_sb.shape)} / {list(sh.shape)} do not match "
-                         f"[{P}, {J}, {E // lnc + 1}] / [{P}, 1, {Fs}]")
+                         f"[{P}, {lnc}, {J}, {E // lnc + 1}] / [{P}, 1, {Fs}]")
     warm = nl.ndarray((1, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(dst=warm, value=0.0)
     nisa.activation(dst=warm, op=nl.exp, data=warm)
@@ -1050,7 +1052,7 @@ def moe_tkg_body(xT, router, experts, shared, top_k, prefetch=8, regs=None, laye
     lg_ps = _router_logits(xT, r_sb)
     sh_v = (sh, 0, 1)       # the shared block [P, 1, Fs] as a group view of one slot (_gu_cols)
     gu_s = _gate_up(xT, sh_v, geo_s, 1)
-    gl, w, keys, ids, trips = _top_k(lg_ps, top_k, S, lnc, pid, adt)
+    gl, w, keys, ids, trips = _top_k(lg_ps, top_k, S, pid, adt)
 
     # 3. the expert stream through the ring of Ns slot buffers; the always-valid slots 0..k-1 first
     per = 1                 # trip registers per level: one per loop when the pool also leaves two groups' id registers

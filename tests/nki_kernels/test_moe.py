@@ -179,9 +179,10 @@ def routing_probe(x, router, top_k):
     out = nl.ndarray((lnc, T, E + S + 1), dtype=nl.float32, buffer=nl.shared_hbm)
     xT = nl.ndarray((P, 1, T), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=xT, src=x.ap(pattern=[[1, P], [P, 1], [P, T]], offset=0))
-    r_sb = nl.ndarray(tuple(router.shape[1:]), dtype=router.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=r_sb, src=router[pid])
-    gl, w, keys, ids, trips = moe_mod._top_k(moe_mod._router_logits(xT, r_sb), top_k, S, lnc, pid, x.dtype)
+    r_sb = nl.ndarray((P, lnc, 1, router.shape[3]), dtype=router.dtype, buffer=nl.sbuf)
+    for c in range(lnc):
+        nisa.dma_copy(dst=r_sb[:, c, :, :], src=router[c])
+    gl, w, keys, ids, trips = moe_mod._top_k(moe_mod._router_logits(xT, r_sb), top_k, S, pid, x.dtype)
     o = nl.ndarray((T, E + S + 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=o, value=-1.0)
     nisa.tensor_copy(dst=o[:, 0:E], src=w)
