@@ -97,9 +97,11 @@ from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, own_identi
 from nki_kernels.stacked import bank_block, broadcast_banks, check_stack, diagonal
 
 MAX_T = 4
-Z_PIECES = (10, 4, 16)  # z's deferred matmuls: 10/16 after the u transposes, 4/16 after the l2norm's sum, the rest
-                        # after round 0's reads: the PE's idle time there (sized by the 4-layer A/B round at the real
-                        # shapes, T = 2; bench/decode_speed.md)
+Z_PIECES = (4, 8, 3, 16)  # z's deferred matmuls: 8/16 after the v heads' transposes, 8/16 after round 0's reads, the
+                        # rest after round 0's delta broadcast: the PE's idle time there (sized by the 4-layer A/B round
+                        # at the real shapes, T = 2; bench/decode_speed.md)
+CONV_SPLIT = (5, 13, 16)  # the q/k heads' transposes after 4/16 of the v heads' conv matmuls, the l2norm's sum after
+                          # 12/16: the q/k conv, SiLU and l2norm run under the rest
 L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
 WEIGHT_PREFETCH_BYTES = 96 * 1024   # per partition: issue every in_proj weight DMA up front below this
 WEIGHT_GROUP_BYTES = 16 * 1024      # per partition and DMA: in_proj weights stream in groups of hidden tiles
@@ -221,14 +223,14 @@ def _bcast_col(t, col, rows, width):
     return t.ap(pattern=[[t.shape[1], rows], [0, width]], offset=col)
 
 
-def _warm_act(op):
-    """Load ScalarE's activation table of ``op`` now, with a one-element activation of a constant tile (GpSimd
-    memset: VectorE is busy at both call sites). It depends on nothing the layer computes, so the table load
-    (trn2-costs: ACT_TABLE_LOAD 1,283 ns on any group switch) runs while ScalarE would wait for VectorE / PE,
-    instead of on the chain of the activation that needs it (as ``rmsnorm_body``'s step 0)."""
+def _warm_act(op, one):
+    """Load ScalarE's activation table of ``op`` now, with a one-element activation of ``one`` (a [1, 1] view of a
+    constant tile set at the layer's top). It depends on nothing the layer computes, so the table load (trn2-costs:
+    ACT_TABLE_LOAD 1,283 ns on any group switch) runs while ScalarE would wait for VectorE / PE, instead of on the
+    chain of the activation that needs it (as ``rmsnorm_body``'s step 0); with no memset of its own, a warm soon after
+    another one does not wait for that one's read of a reused address."""
     warm = nl.ndarray((1, 1), nl.float32, buffer=nl.sbuf, name="gdn_act_warm")
-    nisa.memset(dst=warm, value=1.0, engine=nisa.engine.gpsimd)
-    nisa.activation(dst=warm, op=op, data=warm)
+    nisa.activation(dst=warm, op=op, data=one)
 
 
 class GdnWeights(nl.NKIObject):
@@ -372,9 +374,19 @@ def _exp_neg_z(proj, accs, evict_ks, identA, cz, D, hv_c):
         nisa.nc_matmul(dst=zT[:, i, :], stationary=proj[:, cz + i * D:cz + (i + 1) * D], moving=identA[0:T, 0:T],
                        accumulate=False)
     e = nl.ndarray((D, hv_c, T), nl.float32, buffer=nl.sbuf, name="exp_neg_z")
-    _warm_act(nl.exp)
     nisa.activation(dst=e, op=nl.exp, data=zT, scale=-1.0)
     return (zT, e)
+
+
+def _decay(S_prev, gb, t):
+    """Round t's decays ``alpha_t S_{t-1}`` -> a new state tile ``[D, Hv_c, D]`` float32: one ScalarE ``tensor_scalar``
+    per value head by its alpha column ``gb[:, t, 0, i]`` (``[D, T, 3, Hv_c]``); no activation table."""
+    D, hv_c, _ = S_prev.shape
+    S_new = nl.ndarray((D, hv_c, D), nl.float32, buffer=nl.sbuf, name=f"state_{t}")
+    for i in range(hv_c):
+        nisa.tensor_scalar(dst=S_new[:, i, :], data=S_prev[:, i, :], op0=nl.multiply, operand0=gb[:, t, 0, i:i + 1],
+                           engine=nisa.engine.scalar)
+    return S_new
 
 
 def _silu_z(ze):
@@ -387,6 +399,39 @@ def _silu_z(ze):
     sz = nl.ndarray(e.shape, nl.float32, buffer=nl.sbuf, name="silu_z")
     nisa.tensor_tensor(dst=sz, data1=zT, data2=e, op=nl.multiply)
     return sz
+
+
+def _u_transposes(full_ps, proj, identA, h0, h1):
+    """Channel-major u of heads h0 .. h1 - 1: PE transposes (exact) of their token-major columns of ``proj [T, N]``
+    into columns K-1 .. of ``full_ps [D, NH, K-1+T]`` (PSUM; its first K-1 columns hold the window rows)."""
+    D, NH, W = full_ps.shape
+    T = proj.shape[0]
+    for h in range(h0, h1):
+        nisa.nc_matmul(dst=full_ps[:, h, W - T:W], stationary=proj[:, h * D:(h + 1) * D], moving=identA[0:T, 0:T],
+                       accumulate=False)
+
+
+def _conv_silu(full_ps, wc, cact, h0, h1):
+    """Depthwise causal conv + SiLU of heads h0 .. h1 - 1: one VectorE multiply of the windowed access pattern
+    ``[D, heads, T, K]`` of ``full_ps [D, NH, K-1+T]`` (PSUM, channel-major ``[window | u]``) by the broadcast taps
+    ``wc [D, NH, K]`` + one add-reduce over K; SiLU as ``x * 1/(1 + exp(-x))`` (exp shares the gates' ACT table: no silu
+    table load) -> ``cact[:, h0:h1, :]`` ``[D, heads, T]`` (activation dtype). The same operations per element for any
+    head range."""
+    D, NH, W = full_ps.shape
+    K = wc.shape[2]
+    T = W - (K - 1)
+    nh = h1 - h0
+    f32 = nl.float32
+    prod = nl.ndarray((D, nh, T, K), f32, buffer=nl.sbuf, name=f"conv_prod_{h0}")
+    nisa.tensor_tensor(dst=prod, data1=full_ps.ap(pattern=[[NH * W, D], [W, nh], [1, T], [1, K]], offset=h0 * W),
+                       data2=wc.ap(pattern=[[NH * K, D], [K, nh], [0, T], [1, K]], offset=h0 * K), op=nl.multiply)
+    sil = nl.ndarray((D, nh, T), f32, buffer=nl.sbuf, name=f"silu_in_{h0}")
+    nisa.tensor_reduce(dst=sil, op=nl.add, data=prod, axis=3)
+    sig = nl.ndarray((D, nh, T), f32, buffer=nl.sbuf, name=f"sigmoid_{h0}")
+    nisa.activation(dst=sig, op=nl.exp, data=sil, scale=-1.0)
+    nisa.tensor_scalar(dst=sig, data=sig, op0=nl.add, operand0=1.0)
+    nisa.reciprocal(dst=sig, data=sig)
+    nisa.tensor_tensor(dst=cact[:, h0:h1, :], data1=sil, data2=sig, op=nl.multiply)
 
 
 def _evict_chunk(proj, accs, k, N, table_free=False):
@@ -490,6 +535,7 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     ab = wts.ab
     ones_row = nl.ndarray((1, D), f32, buffer=nl.sbuf, name="ones_row")     # broadcasts ab over the D partitions
     nisa.memset(dst=ones_row, value=1.0)
+    one = ones_row[0:1, 0:1]        # the table warms' input (_warm_act)
     wts = None          # the tiles loaded here are freed after the projections (w_tiles = None below)
     G = ident_g.shape[0]
     identA = nl.shared_identity_matrix(n=T if T > Km1 else Km1, dtype=adt)
@@ -542,7 +588,7 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
             accs[n_chunks - 1 - kr] = None
         zq = zq_all
     # warm ScalarE's softplus table while the gate inputs are broadcast (PE) and biased (DVE); see _warm_act
-    _warm_act(nl.softplus)
+    _warm_act(nl.softplus, one)
 
     # ---- 4a. channel-major window rows (PE transposes; the window DMA had the projections' time) --
     W = Km1 + T
@@ -558,9 +604,15 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         nisa.nc_matmul(dst=gr_ps[:, t, :, :], stationary=ident_g.ap(pattern=[[G, T], [0, D]], offset=t),
                        moving=gin, accumulate=False)
     nisa.nc_matmul(dst=gr_ps[:, T, :, :], stationary=ones_row, moving=ab, accumulate=False)    # row T: A_log, dt_bias
-    if prefetch:
-        for k in conv_ks:           # the conv chunks (2. above), under the gates' chain
-            _project_chunk(accs, xT, w_tiles, jg, k, N)
+    # the conv chunks (2. above) under the gates' chain, in two parts around the q/k heads' transposes and l2norm sum:
+    # q and k (the l2norm's input) come first in the conv columns, so their conv, SiLU and l2norm run under the v
+    # columns' matmuls; only the v heads' conv and SiLU (-> beta v) follow the last conv matmul
+    hqk = 2 * hk_c                  # q heads, k heads: the l2norm's input
+    q_all = len(conv_ks) * J if prefetch else 0
+    n_qk = min(len(conv_ks), (hqk * D - 1) // MOVING_MAX + 1)          # conv chunks holding q/k columns
+    q_tr = min(q_all, n_qk * J + (J * CONV_SPLIT[0]) // CONV_SPLIT[2])   # conv matmuls before the q/k transposes
+    q_ss = min(q_all, n_qk * J + (J * CONV_SPLIT[1]) // CONV_SPLIT[2])   # ... before the l2norm's sum
+    cq = _project_steps(accs, xT, w_tiles, jg, conv_ks, 0, q_tr, N)
     gr = nl.ndarray((D, T + 1, 2, hv_c), f32, buffer=nl.sbuf, name="gate_in_b")
     nisa.tensor_copy(dst=gr, src=gr_ps)
     gr_ps = None
@@ -583,36 +635,53 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
     nisa.reciprocal(dst=gb[:, :, 1, :], data=eb)
     nisa.tensor_tensor(dst=gb[:, :, 2, :], data1=gb[:, :, 0, :], data2=gb[:, :, 1, :], op=nl.multiply)
     gr = x1 = sp = ea = gl = eb = None
+    S_new = _decay(S_prev, gb, 0)   # round 0's decays, while ScalarE waits for the conv chunks (off the chain)
     if prefetch:
-        for k in conv_ks:           # their evictions, after the gates'
-            _evict_chunk(proj, accs, k, N, table_free=True)
-            accs[k] = None
+        for ki in range(n_qk):      # their evictions, after the gates'
+            _evict_chunk(proj, accs, conv_ks[ki], N, table_free=True)
+            accs[conv_ks[ki]] = None
         # the gate chunk's accumulator is freed only now: freed at its eviction, its bank went to the window
         # transposes' tile, whose writes then waited for that eviction (a false dependency on the chain)
         accs[n_chunks - 1] = None
 
-    # ---- 4b. channel-major u, conv + SiLU ------------------------------------------------------------
-    for h in range(NH):
-        nisa.nc_matmul(dst=full_ps[:, h, Km1:W], stationary=proj[:, h * D:(h + 1) * D], moving=identA[0:T, 0:T],
-                       accumulate=False)
-    # z's matmuls, first piece: the PE idles while VectorE / ScalarE run the conv, its SiLU and the l2norm's square
-    zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[0]) // Z_PIECES[2], N)
-    prod = nl.ndarray((D, NH, T, K), f32, buffer=nl.sbuf, name="conv_prod")
-    nisa.tensor_tensor(dst=prod, data1=full_ps.ap(pattern=[[NH * W, D], [W, NH], [1, T], [1, K]], offset=0),
-                       data2=wc.ap(pattern=[[NH * K, D], [K, NH], [0, T], [1, K]], offset=0), op=nl.multiply)
-    # SiLU of the conv output as x * 1/(1 + exp(-x)): exp shares the gates' ACT table (no silu table load)
-    sil = nl.ndarray((D, NH, T), f32, buffer=nl.sbuf, name="silu_in")
-    nisa.tensor_reduce(dst=sil, op=nl.add, data=prod, axis=3)
-    sig = nl.ndarray((D, NH, T), f32, buffer=nl.sbuf, name="sigmoid")
-    nisa.activation(dst=sig, op=nl.exp, data=sil, scale=-1.0)
-    _warm_act(nl.square)        # the {copy, square, rsqrt} table (l2norm's rsqrt), while VectorE finishes the SiLU
-    nisa.tensor_scalar(dst=sig, data=sig, op0=nl.add, operand0=1.0)
-    nisa.reciprocal(dst=sig, data=sig)
+    # ---- 4b + 5. q / k heads: channel-major u, conv + SiLU, l2norm(q), l2norm(k), q * Dk^-0.5 -> QK [D, Hk_c, 2T] ----
+    # (k_t at column 2t, q_t at 2t+1)
+    _u_transposes(full_ps, proj, identA, 0, hqk)
+    cq = _project_steps(accs, xT, w_tiles, jg, conv_ks, cq, q_ss - cq, N)
     cact = nl.ndarray((D, NH, T), adt, buffer=nl.sbuf, name="conv_act")     # q heads, k heads, v heads
-    nisa.tensor_tensor(dst=cact, data1=sil, data2=sig, op=nl.multiply)
-    full_ps = prod = sil = sig = None
+    _conv_silu(full_ps, wc, cact, 0, hqk)
+    _warm_act(nl.square, one)        # the {copy, square, rsqrt} table (l2norm's rsqrt), while VectorE finishes the SiLU
+    sq = nl.ndarray((D, hqk, T), f32, buffer=nl.sbuf, name="qk_sq")
+    nisa.tensor_tensor(dst=sq, data1=cact[:, 0:hqk, :], data2=cact[:, 0:hqk, :], op=nl.multiply)
+    ss_ps = nl.ndarray((D, hqk, T), f32, buffer=nl.psum, name="qk_ss_ps")
+    nisa.nc_matmul(dst=ss_ps, stationary=onesF, moving=sq, accumulate=False)
+    cq = _project_steps(accs, xT, w_tiles, jg, conv_ks, cq, q_all - cq, N)
+    rr = nl.ndarray((D, hqk, T), f32, buffer=nl.sbuf, name="qk_rstd")
+    nisa.activation(dst=rr, op=nl.rsqrt, data=ss_ps, bias=L2_EPS)
+    _warm_act(nl.exp, one)               # back to the exp table (the v heads' SiLU, z's), only table-free work between
+    QK = nl.ndarray((D, hk_c, 2 * T), f32, buffer=nl.sbuf, name="qk")
+    nisa.tensor_tensor(dst=QK.ap(pattern=[[hk_c * 2 * T, D], [2 * T, hk_c], [2, T]], offset=0),
+                       data1=cact[:, hk_c:hqk, :], data2=rr[:, hk_c:hqk, :], op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=QK.ap(pattern=[[hk_c * 2 * T, D], [2 * T, hk_c], [2, T]], offset=1),
+                              data=cact[:, 0:hk_c, :], op0=nl.multiply, operand0=1.0 / math.sqrt(D),
+                              op1=nl.multiply, operand1=rr[:, 0:hk_c, :])
+    sq = ss_ps = rr = None
 
-    # ---- 8. checkpoint windows: full_tok rows K-1.. <- u, slot j <- rows j+1 .. j+K-1 ------------
+    # ---- 4b. v heads: channel-major u, conv + SiLU; beta * v for every token [D, T, Hv_c] -------------------------
+    if prefetch:
+        for ki in range(n_qk, len(conv_ks)):    # on VectorE: ScalarE loads the exp table back meanwhile
+            c0 = conv_ks[ki] * MOVING_MAX
+            nisa.tensor_copy(dst=proj[:, c0:min(N, c0 + MOVING_MAX)], src=accs[conv_ks[ki]])
+            accs[conv_ks[ki]] = None
+    # z's matmuls, first piece: the PE waits for the v heads' eviction
+    zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[0]) // Z_PIECES[3], N)
+    _u_transposes(full_ps, proj, identA, hqk, NH)
+    _conv_silu(full_ps, wc, cact, hqk, NH)
+    full_ps = None
+    bv = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="beta_v")
+    nisa.tensor_tensor(dst=bv, data1=gb[:, :, 1, :], data2=cact[:, hqk:NH, :].permute((0, 2, 1)), op=nl.multiply)
+
+    # ---- 8. checkpoint windows: full_tok rows K-1.. <- u, slot j <- rows j+1 .. j+K-1 (after every conv eviction) ---
     nisa.dma_copy(dst=full_tok[Km1:W, :], src=proj[:, 0:Cc])
     o0, o1 = s["own"]
     for j in range(T):
@@ -627,29 +696,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                            src=full_tok[j + 1:j + K, 2 * hk_c * D:Cc])
         wr.depends_on(reads[0], reads[1], reads[2])
 
-    # ---- 5. l2norm(q), l2norm(k), q * Dk^-0.5 -> QK [D, Hk_c, 2T] (k_t at 2t, q_t at 2t+1) ---------
-    sq = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.sbuf, name="qk_sq")
-    nisa.tensor_tensor(dst=sq, data1=cact[:, 0:2 * hk_c, :], data2=cact[:, 0:2 * hk_c, :], op=nl.multiply)
-    ss_ps = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.psum, name="qk_ss_ps")
-    nisa.nc_matmul(dst=ss_ps, stationary=onesF, moving=sq, accumulate=False)
-    zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[1]) // Z_PIECES[2], N)   # second piece
-    rr = nl.ndarray((D, 2 * hk_c, T), f32, buffer=nl.sbuf, name="qk_rstd")
-    nisa.activation(dst=rr, op=nl.rsqrt, data=ss_ps, bias=L2_EPS)
-    QK = nl.ndarray((D, hk_c, 2 * T), f32, buffer=nl.sbuf, name="qk")
-    nisa.tensor_tensor(dst=QK.ap(pattern=[[hk_c * 2 * T, D], [2 * T, hk_c], [2, T]], offset=0),
-                       data1=cact[:, hk_c:2 * hk_c, :], data2=rr[:, hk_c:2 * hk_c, :], op=nl.multiply)
-    nisa.scalar_tensor_tensor(dst=QK.ap(pattern=[[hk_c * 2 * T, D], [2 * T, hk_c], [2, T]], offset=1),
-                              data=cact[:, 0:hk_c, :], op0=nl.multiply, operand0=1.0 / math.sqrt(D),
-                              op1=nl.multiply, operand1=rr[:, 0:hk_c, :])
-    sq = ss_ps = rr = None
-    # beta * v for every token: [D, T, Hv_c]
-    bv = nl.ndarray((D, T, hv_c), f32, buffer=nl.sbuf, name="beta_v")
-    nisa.tensor_tensor(dst=bv, data1=gb[:, :, 1, :], data2=cact[:, 2 * hk_c:NH, :].permute((0, 2, 1)),
-                       op=nl.multiply)
-
     # ---- 6. recurrence -------------------------------------------------------------------------
     o_all = nl.ndarray((D, hv_c, T), adt, buffer=nl.sbuf, name="o")
     key_of = s["key_of"]
+    t_z = 1 if T > 1 else 0         # the round after which z's SiLU is computed (z's matmuls end in round 0)
     for t in range(T + 1):
         lo = 0 if t == 0 else 2 * t - 1
         hi = 2 * T if t == T else 2 * t + 1
@@ -658,7 +708,9 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
         for i in range(hv_c):
             nisa.nc_matmul(dst=rd[:, i, 0:n], stationary=S_prev[:, i, :], moving=QK[:, key_of[i], lo:hi],
                            accumulate=False)
-        if t == 0:                  # the rest of z's matmuls, while VectorE computes delta_0
+        if t == 0:                  # z's second piece, while VectorE computes delta_0
+            zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[1]) // Z_PIECES[3], N)
+        if t == t_z:                # the rest of z's matmuls
             zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, zq_all, N)
         if t == T:                  # the last output on VectorE: ScalarE may still be loading its table (below)
             nisa.tensor_copy(dst=o_all[:, :, t - 1], src=rd[:, :, 0])
@@ -671,10 +723,10 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
             db = nl.ndarray((D, hv_c, D), f32, buffer=nl.psum, name="delta_b_ps")
             for i in range(hv_c):
                 nisa.nc_matmul(dst=db[:, i, :], stationary=_bcast_col(delta, i, D, D), moving=identF, accumulate=False)
-            S_new = nl.ndarray((D, hv_c, D), f32, buffer=nl.sbuf, name=f"state_{t}")
-            for i in range(hv_c):
-                nisa.tensor_scalar(dst=S_new[:, i, :], data=S_prev[:, i, :], op0=nl.multiply,
-                                   operand0=gb[:, t, 0, i:i + 1], engine=nisa.engine.scalar)
+            if t == 0:              # z's third piece, while VectorE adds round 0's update
+                zq = _project_steps(accs, xT, w_tiles, jg, z_ks, zq, (zq_all * Z_PIECES[2]) // Z_PIECES[3], N)
+            if t > 0:
+                S_new = _decay(S_prev, gb, t)
             for run in s["runs"]:
                 kk = run[0]
                 i0 = run[1]
@@ -686,15 +738,19 @@ def gdn_body(xT, w_in, conv_w, A_log, dt_bias, norm_w, w_out, window, state, rea
                                src=S_new)
             wr.depends_on(reads[0], reads[1], reads[2])
             S_prev = S_new
-            if t > 0:               # o_{t-1}, after the decays (those are on the chain; o is read only by 7.)
+            if t > 0 and t != t_z:  # o_{t-1}, after the decays (those are on the chain; o is read only by 7.)
                 nisa.tensor_copy(dst=o_all[:, :, t - 1], src=rd[:, :, 0], engine=nisa.engine.scalar)
-        if t == 0:                  # z's eviction (ScalarE, after round 0's decays), transposes, exp(-z)
+        if t == t_z:                # z's eviction (ScalarE, after this round's decays), transposes (PE, after this
+            # round's delta broadcast, before the next round's reads), exp(-z), the gated norm's table back, z's SiLU
             ze = _exp_neg_z(proj, accs, z_ks if prefetch else [], identA, cz, D, hv_c)
             accs = w_tiles = None
-        if t == 1:
-            _warm_act(nl.square)    # the gated norm's rsqrt table, back while ScalarE has only table-free work
-            sz = _silu_z(ze)
-            ze = None
+            if t > 0 and t < T:     # o_{t-1}, after z's eviction and exp (those are on the chain)
+                nisa.tensor_copy(dst=o_all[:, :, t - 1], src=rd[:, :, 0], engine=nisa.engine.scalar)
+            _warm_act(nl.square, one)    # the gated norm's rsqrt table, back while ScalarE has only table-free work
+            sz = _silu_z(ze)        # ze (z's PSUM tile) is kept to the loop's end: freed here, its bank went to
+            #                         the next round's reads, which then waited for the SiLU's last read of it
+
+    ze = None
 
     # ---- 7. gated RMSNorm (channel-major) and out_proj ------------------------------------------
     sq2 = nl.ndarray((D, hv_c, T), f32, buffer=nl.sbuf, name="o_sq")
@@ -751,7 +807,9 @@ def _out_proj_stacked(yn, wn, sz, wo, S):
             nisa.nc_matmul(dst=y_ps, stationary=z[:, i, s, :], moving=wo[:, i, b * W:(b + 1) * W],
                            accumulate=i > 0 or s > 0)
     y = nl.ndarray((S * T, W), nl.float32, buffer=nl.sbuf, name="y")
-    nisa.activation(dst=y, op=nl.copy, data=y_ps)
+    h = W // 2                      # evicted in two halves, on ScalarE and VectorE at once: the collective reads y whole
+    nisa.activation(dst=y[:, 0:h], op=nl.copy, data=y_ps[:, 0:h])
+    nisa.tensor_copy(dst=y[:, h:W], src=y_ps[:, h:W])
     return y
 
 
