@@ -93,10 +93,12 @@ keys per core, 512); core c takes rows [c*B, (c+1)*B) of each. With r = p mod S 
 on-chip (``bitwise_and`` / ``right_shift`` on int32, then ``register_load``; the same values on both cores):
 
 * head tiles: rows [c*B, (c+1)*B) of the cache start with keys >= r masked (key k of core c's tile is row
-  c*B + k: masked iff k >= r - c*B, so core 1's tile is entirely masked when r <= B), run only when r > 0 (a
-  fori_loop with a 0/1 trip count). These tiles read rows >= r, possibly >= p (``L >= n_cores * kv_tile``):
-  those rows are zeroed in SBUF with a predicated copy (NaN-safe) and masked in the scores. This is the ONLY
-  read of rows outside the valid prefix.
+  c*B + k: masked iff k >= r - c*B, so core 1's tile is entirely masked when r <= B), run only when r > 0 (two
+  fori_loops with 0/1 trip counts: n = 0 and n >= 1). With n >= 1 every head row is < p (a valid, finite cache
+  row), so the mask alone suffices (a masked score q.k + NEG rounds to NEG exactly, its P is exactly 0: the same
+  bits as with zeroed rows); with n = 0 (p < S) they may read rows >= p (``L >= n_cores * kv_tile``): those rows
+  are zeroed in SBUF with a predicated copy (NaN-safe) and masked in the scores. This is the ONLY read of rows
+  outside the valid prefix. Tile 0's K / V DMAs are issued before these loops (at row r, or 0 when n = 0).
 * full tiles: rank tile j covers rows [r + jS, r + (j+1)S) for j < n (they end exactly at row p), no
   masking: a runtime ``nl.fori_loop`` over pairs of rank tiles whose register induction variable (the same on
   both cores) plus the core's static c*B is the DMA row offset (``.ap(scalar_offset=reg, indirect_dim=1)``),
@@ -135,7 +137,7 @@ KV_TILE = PSUM_BANK     # keys per KV tile: one PSUM bank of fp32 scores
 KP = 32                 # partition of the first key row in the q|k tile (a legal compute-engine start)
 NEG = -1.0e30           # additive mask: finite, exp(scale*NEG - m) == 0 exactly
 M_INIT = 1.0e20         # initial negated running max: below every real scaled score, above every masked one
-REGISTER_NAMES = ("p", "head", "start", "one", "two", "pair_end", "odd", "even")
+REGISTER_NAMES = ("p", "head_prefix", "head", "start", "pre", "one", "two", "pair_end", "odd", "even")
 ATTENTION_REGISTERS = len(REGISTER_NAMES)   # registers one body call loads (pass ``regs`` to reuse them)
 F32 = nl.float32
 ACT_ENG = nisa.engine.scalar
@@ -516,7 +518,8 @@ def _runtime_scalars(g, pos):
     registers (the loop bounds and DMA offsets of :func:`_tiles`).
 
     With S = n_cores * B (one rank tile: B rows per core): p_reg: p (cache write offset). r = p mod S (head
-    rows; head_reg = r > 0; this core's head-tile threshold r - c*B as an fp32 column, rem_f). The n = p // S
+    rows; head_prefix_reg = (r > 0 and n == 0), head_reg = (r > 0 and n >= 1), pre_reg = r if n >= 1 else 0 (tile 0's
+    prefetch row); this core's head-tile threshold r - c*B as an fp32 column, rem_f). The n = p // S
     full rank tiles start at rows r + j*S (start_reg = r; core c adds the static c*B). Pipeline registers:
     one = (n == 1); two = (n >= 2: tiles 0 and 1); pairs of tiles 2.. run from r to pair_end = r + 2S *
     (max(n - 2, 0) // 2); odd = (n odd, >= 3; the last tile is then at pair_end + 2S) = (n & 1) - one; even =
@@ -536,9 +539,16 @@ def _runtime_scalars(g, pos):
         nisa.tensor_scalar(dst=rem_f, data=r_f, op0=nl.add, operand0=float(-c * B))
     rt = {"rem_f": rem_f}
     vals = {"p": pos_i[0:1, :], "start": rem_i[0:1, :]}
-    vals["head"] = _int_op(_one("att_has_head"), rem_i[0:1, :], nl.greater, 0.0)
+    has_head = _int_op(_one("att_has_head"), rem_i[0:1, :], nl.greater, 0.0)
     # (computed also with max_context, so that a shape-only trace has exactly a data launch's instructions)
     n = _int_op(_one("att_nfull"), pos_i[0:1, :], nl.right_shift, S.bit_length() - 1)
+    any_full = _int_op(_one("att_any_full"), n, nl.greater_equal, 1.0)
+    vals["head"] = _one("att_head_valid")       # r > 0 and n >= 1: the head rows are all < p
+    nisa.tensor_tensor(dst=vals["head"], data1=has_head, data2=any_full, op=nl.multiply)
+    vals["pre"] = _one("att_prefetch_row")      # tile 0's first row: r if n >= 1, else 0
+    nisa.tensor_tensor(dst=vals["pre"], data1=rem_i[0:1, :], data2=any_full, op=nl.multiply)
+    vals["head_prefix"] = _one("att_head_prefix")   # r > 0 and n == 0
+    nisa.tensor_tensor(dst=vals["head_prefix"], data1=has_head, data2=vals["head"], op=nl.subtract)
     vals["one"] = _int_op(_one("att_one"), n, nl.equal, 1.0)
     vals["two"] = _int_op(_one("att_two"), n, nl.greater_equal, 2.0)
     m = _int_op(_one("att_m_pre"), n, nl.add, -2.0, nl.maximum, 0.0)
@@ -957,11 +967,12 @@ def _with_psum(g, bufs):
     return sets
 
 
-def _first(kx, b, row0, reg, masked=False):
+def _first(kx, b, row0, reg, masked=False, zero=False, dma=True):
     """Stage 1 of a tile: load, K^T, scores, softmax statistics and exp. ``kx``: the tile context of
-    :func:`_tiles`; row0 / reg: the tile's first cache row (static part, run-time register or None)."""
+    :func:`_tiles`; row0 / reg: the tile's first cache row (static part, run-time register or None); masked: the
+    head-tile score mask, zero: also zero its dead rows' data, dma: issue its DMAs (:func:`_tile_load`)."""
     g, st = kx["g"], kx["st"]
-    _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], b, row0, reg, masked)
+    _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], b, row0, reg, zero, dma)
     _tile_evict(g, b)
     _tile_scores(g, kx["qa"], kx["masks"], b, masked)
     _softmax_stats(g, st, b)
@@ -975,9 +986,9 @@ def _first_two(kx, a, b, reg):
     behind tile 0's softmax on ScalarE (the same instructions on the same data as the two calls)."""
     g, st = kx["g"], kx["st"]
     c0, S = g.core * g.B, g.n_cores * g.B
-    for t_row0 in ((a, c0), (b, c0 + S)):
-        t, row0 = t_row0
-        _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], t, row0, reg, False)
+    for t_row0_dma in ((a, c0, False), (b, c0 + S, True)):      # tile 0's DMAs: the prefetch (_tiles)
+        t, row0, dma = t_row0_dma
+        _tile_load(g, kx["qa"], kx["k_cache"], kx["v_cache"], kx["ident"], kx["masks"], t, row0, reg, False, dma)
     _tile_evict(g, a)
     _tile_evict(g, b, (ACT_ENG,))
     _tile_scores(g, kx["qa"], kx["masks"], a, False)
@@ -1011,10 +1022,11 @@ def _last(kx, prev):
     _tile_pv(kx["g"], kx["st"], prev)
 
 
-def _head_tile(kx, bufs):
-    """This core's part of the head: rows [c*B, (c+1)*B), keys >= r - c*B masked (module docstring)."""
+def _head_tile(kx, bufs, zero):
+    """This core's part of the head: rows [c*B, (c+1)*B), keys >= r - c*B masked (module docstring); ``zero``:
+    the dead rows may lie beyond the valid prefix (p < S), zero their data."""
     A_, B_ = _with_psum(kx["g"], bufs)
-    _first(kx, B_, kx["g"].core * kx["g"].B, None, True)
+    _first(kx, B_, kx["g"].core * kx["g"].B, None, True, zero)
     _last(kx, B_)
 
 
@@ -1025,7 +1037,7 @@ def _unrolled_tile(kx, bufs, j):
     sets = _with_psum(g, bufs)
     row0 = g.core * g.B + j * g.n_cores * g.B
     if j == 0:
-        _first(kx, sets[0], row0, kx["rt"]["start_reg"])
+        _first(kx, sets[0], row0, kx["rt"]["start_reg"], dma=False)
     else:
         _step(kx, sets[j % 2], row0, kx["rt"]["start_reg"], sets[(j - 1) % 2])
 
@@ -1055,9 +1067,13 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     kx = {"g": g, "st": st, "qa": qa, "k_cache": k_cache, "v_cache": v_cache, "ident": ident, "masks": masks,
           "rt": rt}
 
+    # tile 0's K / V DMAs (buffer set A; the head tile uses B) before the runtime loops, so that they are not
+    # issued behind the head loop's exit fence; at rows pre + c*B, pre = r if n >= 1, else 0 (then unused, and
+    # in bounds: L >= S)
+    _tile_dma(g, k_cache, v_cache, bufs[0], c0, rt["pre_reg"])
     if max_context != None:     # the same stages unrolled; each tile's PSUM lives in its own function scope
         if max_context % S:
-            _head_tile(kx, bufs)
+            _head_tile(kx, bufs, max_context < S)
         n = max_context // S
         if n >= 2:
             _unrolled_first_two(kx, bufs)
@@ -1067,13 +1083,17 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
             _unrolled_last(kx, bufs, n - 1)
         return
 
-    def head_body(i):
-        _head_tile(kx, bufs)
+    def head_prefix_body(i):                       # r > 0, n == 0: the head rows >= p hold anything: zeroed
+        _head_tile(kx, bufs, True)
+    nl.fori_loop(0, rt["head_prefix_reg"], head_prefix_body)
+
+    def head_body(i):                              # r > 0, n >= 1: every head row is < p (a valid cache row)
+        _head_tile(kx, bufs, False)
     nl.fori_loop(0, rt["head_reg"], head_body)
 
     def one_body(i):                               # n == 1: rank tile 0 at r, alone
         A_, B_ = _with_psum(g, bufs)
-        _first(kx, A_, c0, rt["start_reg"])
+        _first(kx, A_, c0, rt["start_reg"], dma=False)
         _last(kx, A_)
     nl.fori_loop(0, rt["one_reg"], one_body)
 
@@ -1100,20 +1120,28 @@ def _tiles(g, st, bufs, qa, k_cache, v_cache, rt, ident, masks, max_context):
     nl.fori_loop(0, rt["even_reg"], even_tail)
 
 
-def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, masked):
-    """DMA B cache rows starting at row0 (+ the run-time register ``reg`` when given) into buffers b and
-    transpose the K chunks on the PE: [P keys, dp] -> [dp, P keys] per (d-tile, chunk)."""
-    D, dp, DT, NC = g.D, g.dp, g.DT, g.NC
-    kt, vt = b["k"], b["v"]
+def _tile_dma(g, k_cache, v_cache, b, row0, reg):
+    """DMA B cache rows starting at row0 (+ the run-time register ``reg`` when given) into buffers b."""
+    D, NC = g.D, g.NC
     pattern = [[NC * D, P], [D, NC], [1, D]]           # partition p <- rows NC*p .. NC*p + NC-1
-    for dst_cache in ((kt, k_cache), (vt[:, :, 0:D], v_cache)):
+    for dst_cache in ((b["k"], k_cache), (b["v"][:, :, 0:D], v_cache)):
         dst, cache = dst_cache
         if reg == None:
             src = cache.ap(pattern=pattern, offset=g.cache_off + row0 * D)
         else:
             src = cache.ap(pattern=pattern, offset=g.cache_off + row0 * D, scalar_offset=reg, indirect_dim=1)
         nisa.dma_copy(dst=dst, src=src)
-    if masked:   # rows >= r: possibly beyond the valid prefix -> zero their data (NaN-safe select; v's
+
+
+def _tile_load(g, qa, k_cache, v_cache, ident, masks, b, row0, reg, zero, dma=True):
+    """:func:`_tile_dma` (``dma=False``: its DMAs were issued earlier, :func:`_tiles`' tile-0 prefetch) into buffers
+    b (``zero``: the head tile's dead rows zeroed) and transpose the K chunks on the PE: [P keys, dp] -> [dp, P keys]
+    per (d-tile, chunk)."""
+    D, dp, DT, NC = g.D, g.dp, g.DT, g.NC
+    kt, vt = b["k"], b["v"]
+    if dma:
+        _tile_dma(g, k_cache, v_cache, b, row0, reg)
+    if zero:     # rows >= r: possibly beyond the valid prefix -> zero their data (NaN-safe select; v's
         # ones column stays: the buffer set is reused by unmasked tiles)
         dead = masks["dead"].ap(pattern=[[NC, P], [1, NC], [0, D]], offset=0)
         nisa.tensor_copy_predicated(dst=kt, src=0.0, predicate=dead)
@@ -1297,14 +1325,14 @@ def attention_layout(shard) -> dict:
     return {"wqg": wqg, "wk": wk, "wv": wv, "wo": wo, "norm_w": norm.contiguous()}
 
 
-def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int, int]:
-    """Trip counts of the body's six runtime loops at position p, in program order (head tiles, lone tile, first
-    two tiles, pairs, odd tail, even tail; module docstring "KV tiling"), the same on every core: the host-side
+def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int, int, int]:
+    """Trip counts of the body's seven runtime loops at position p, in program order (head tiles with zeroed rows
+    (n = 0), head tiles (n >= 1), lone tile, first two tiles, pairs, odd tail, even tail; module docstring "KV tiling"), the same on every core: the host-side
     statement of what :func:`_runtime_scalars` computes on chip."""
     S = n_cores * kv_tile
     r, n = p % S, p // S
     odd = int(n >= 3 and n % 2 == 1)
-    return int(r > 0), int(n == 1), int(n >= 2), max(n - 2, 0) // 2, odd, int(n >= 2 and n % 2 == 0)
+    return int(r > 0 and n == 0), int(r > 0 and n >= 1), int(n == 1), int(n >= 2), max(n - 2, 0) // 2, odd, int(n >= 2 and n % 2 == 0)
 
 
 def rope_tables(start: int, T: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

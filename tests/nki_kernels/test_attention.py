@@ -134,7 +134,7 @@ POSITIONS = [0, 1, 127, 128, 129, 511, 512, 513, 1023, 1024, 1536, 4096]
 @pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("p", POSITIONS)
 def test_positions_and_uniform_runtime_loops(p, T, lnc):
-    """Parity at the tile-boundary positions, and the runtime loops each core ran: the six loops of the KV
+    """Parity at the tile-boundary positions, and the runtime loops each core ran: the seven loops of the KV
     tiling with the trip counts of ``tile_loop_trips(p)`` on EVERY core (LNC=2: both cores run the same
     runtime loops, lnc.rst; nkisim also refuses a launch whose cores differ)."""
     with nkisim.trace.capture() as tr:
@@ -148,14 +148,14 @@ def test_positions_and_uniform_runtime_loops(p, T, lnc):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_tile_loop_trips_cover_every_tile_once(lnc):
-    """The six runtime loops' trip counts (host statement of the on-chip registers) for 0..11 full rank tiles:
+    """The seven runtime loops' trip counts (host statement of the on-chip registers) for 0..11 full rank tiles:
     the head tile iff r > 0; the lone tile, the first-two body, the pairs and the odd tail load n tiles in all;
     exactly one of the lone tile / odd tail / even tail finishes the last tile when n >= 1."""
     S = lnc * att.KV_TILE
     for n in range(12):
         for r in (0, 1, S - 1):
-            head, one, two, pairs, odd, even = att.tile_loop_trips(n * S + r, lnc)
-            assert head == int(r > 0)
+            head0, head, one, two, pairs, odd, even = att.tile_loop_trips(n * S + r, lnc)
+            assert head0 == int(r > 0 and n == 0) and head == int(r > 0 and n >= 1)
             assert one + 2 * two + 2 * pairs + odd == n, (n, r)
             assert one + odd + even == int(n >= 1) and one + two <= 1, (n, r)
 
