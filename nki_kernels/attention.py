@@ -1327,12 +1327,13 @@ def attention_layout(shard) -> dict:
 
 def tile_loop_trips(p: int, n_cores: int = 2, kv_tile: int = KV_TILE) -> tuple[int, int, int, int, int, int, int]:
     """Trip counts of the body's seven runtime loops at position p, in program order (head tiles with zeroed rows
-    (n = 0), head tiles (n >= 1), lone tile, first two tiles, pairs, odd tail, even tail; module docstring "KV tiling"), the same on every core: the host-side
-    statement of what :func:`_runtime_scalars` computes on chip."""
+    (n = 0), head tiles (n >= 1), lone tile, first two tiles, pairs, odd tail, even tail; module docstring "KV
+    tiling"), the same on every core: the host-side statement of what :func:`_runtime_scalars` computes on chip."""
     S = n_cores * kv_tile
     r, n = p % S, p // S
     odd = int(n >= 3 and n % 2 == 1)
-    return int(r > 0 and n == 0), int(r > 0 and n >= 1), int(n == 1), int(n >= 2), max(n - 2, 0) // 2, odd, int(n >= 2 and n % 2 == 0)
+    return (int(r > 0 and n == 0), int(r > 0 and n >= 1), int(n == 1), int(n >= 2), max(n - 2, 0) // 2, odd,
+            int(n >= 2 and n % 2 == 0))
 
 
 def rope_tables(start: int, T: int, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:

@@ -40,8 +40,8 @@ SBUF layouts and algorithm (per core)
    512-column chunk (``accumulate=(j > 0)``). Weights stream in groups of hidden tiles, each DMA
    partition-contiguous; every weight byte is read once, independent of T. Evicted (rounded) to
    ``proj [T, N]`` token-major. With the weights resident (prefetched), the chunks are issued in the order of their
-   consumers: the gate chunk (b, a), the conv chunks (q, k, v; under the gates' chain), and z's chunk last, in three
-   pieces in the PE's idle time of the conv / l2norm / recurrence chain (``Z_PIECES``); z is read only by step 7.
+   consumers: the gate chunk (b, a), the conv chunks (q, k, v; under the gates' chain), and z's chunk last, in
+   four pieces in the PE's idle time of the conv / l2norm / recurrence chain (``Z_PIECES``); z is read only by step 7.
 3. Gates: the rows ``(b_t, a_t)`` of the T tokens and one row ``(A_log, dt_bias)`` (loaded once, DMA'd
    into partition T) are broadcast to all D partitions by T+1 matmuls against one-hot stationaries;
    then in fp32 on ``[D, T, Hv_c]``: softplus (ACT), exp (ACT) for exp(A_log), alpha = exp(g) and
@@ -97,11 +97,12 @@ from nki_kernels.common import MOVING_MAX, P, layer_offset, layer_of, own_identi
 from nki_kernels.stacked import bank_block, broadcast_banks, check_stack, diagonal
 
 MAX_T = 4
-Z_PIECES = (4, 8, 3, 16)  # z's deferred matmuls: 8/16 after the v heads' transposes, 8/16 after round 0's reads, the
-                        # rest after round 0's delta broadcast: the PE's idle time there (sized by the 4-layer A/B round
-                        # at the real shapes, T = 2; bench/decode_speed.md)
-CONV_SPLIT = (5, 13, 16)  # the q/k heads' transposes after 4/16 of the v heads' conv matmuls, the l2norm's sum after
-                          # 12/16: the q/k conv, SiLU and l2norm run under the rest
+Z_PIECES = (4, 8, 3, 16)  # z's deferred matmuls, counts in 16ths: 4 before the v heads' transposes (the PE waits for
+                        # their eviction), 8 after round 0's reads, 3 after round 0's delta broadcast, the rest after
+                        # round 1's reads: the PE's idle time there (sized by the 4-layer A/B round at the real shapes,
+                        # T = 2; bench/decode_speed.md lever 52)
+CONV_SPLIT = (5, 13, 16)  # the q/k heads' transposes after 5/16 of the v conv chunk's matmuls, the l2norm's sum after
+                          # 13/16: the q/k conv, SiLU and l2norm run under the rest
 L2_EPS = 1e-6           # l2norm of q and k: x * rsqrt(sum(x^2) + 1e-6) (FLA convention)
 WEIGHT_PREFETCH_BYTES = 96 * 1024   # per partition: issue every in_proj weight DMA up front below this
 WEIGHT_GROUP_BYTES = 16 * 1024      # per partition and DMA: in_proj weights stream in groups of hidden tiles
@@ -807,7 +808,7 @@ def _out_proj_stacked(yn, wn, sz, wo, S):
             nisa.nc_matmul(dst=y_ps, stationary=z[:, i, s, :], moving=wo[:, i, b * W:(b + 1) * W],
                            accumulate=i > 0 or s > 0)
     y = nl.ndarray((S * T, W), nl.float32, buffer=nl.sbuf, name="y")
-    h = W // 2                      # evicted in two halves, on ScalarE and VectorE at once: the collective reads y whole
+    h = W // 2          # evicted in two halves, on ScalarE and VectorE at once (the collective reads y whole)
     nisa.activation(dst=y[:, 0:h], op=nl.copy, data=y_ps[:, 0:h])
     nisa.tensor_copy(dst=y[:, h:W], src=y_ps[:, h:W])
     return y

@@ -19,14 +19,13 @@ real shapes, prefetched off the path by ``moe_weights``) and computes all E logi
 contraction blocks whose moving operand spans every block (258 columns, one PSUM bank) gives the logits and the
 gate logit. Both cores run the same matmuls in the same order on the same data, so they route identically with
 no exchange on the routing's path (before: the halves were swapped with ``sendrecv`` after their rounding, and the
-softmax max taken over the halves' maxima; issue 15, 4-layer A/B round 1,469.4 (1,340.5 - 2,966.6) -> 1,468.1
-(1,342.9 - 2,958.2) us: the wider matmuls cost 0.55 us per layer, the swap, its hand-offs and the max of the halves
-saved about 1.0; the extra 0.5 MiB per core of HBM traffic costs a little at the band's low end). Logits are
-rounded to the activation dtype by one DVE pass that also reduces them to the negated max, and the softmax
-numerators ``p = exp(l - max)`` are fp32 (``exp`` with the per-token max as bias); the 8 largest ``p`` are the
-same ``exp`` of the 8 largest logits (``exp`` is monotone), so their ``max8`` runs on the logits while ScalarE
-computes ``p`` (-> 1,467.2 (1,342.3 - 2,956.2)); the softmax denominator is not needed (same top-k set; it cancels
-in the renormalised weights). The top-k SET is exact with lower-index ties and needs nothing but ``max8`` values
+softmax max taken over the halves' maxima; the wider moving operand costs less than the swap and its hand-offs,
+and the extra 0.5 MiB per core per layer of router weight is prefetched: bench/decode_speed.md lever 51, with the
+measured round bands). Logits are rounded to the activation dtype by one DVE pass that also reduces them (over both
+free axes) to the negated max, and the softmax numerators ``p = exp(l - max)`` are fp32 (``exp`` with the per-token
+max as bias); the 8 largest ``p`` are the same ``exp`` of the 8 largest logits (``exp`` is monotone), so their
+``max8`` runs on the logits while ScalarE computes ``p``; the softmax denominator is not needed (same top-k set; it
+cancels in the renormalised weights). The top-k SET is exact with lower-index ties and needs nothing but ``max8`` values
 (documented: the 8 largest values, descending): with ``vk`` = the k-th value of max8(p), the key
 ``(p > vk) + (p >= vk) * (E - e) / 2^m`` (2^m >= E; exact) is unique per expert where non-zero and orders
 every ``p > vk`` above every tie ``p == vk``, the ties lowest index first; its k-th largest value (a second
